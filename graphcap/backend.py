@@ -1,0 +1,230 @@
+"""The Backend contract: what a device must provide for graph-captured rollouts.
+
+A backend is one small class. Four graph hooks carry the capture semantics; everything else a
+rollout needs (streams, synchronize, RNG state, memory figures) has a default built on
+``torch.get_device_module`` and ``torch.accelerator``, overridable where a device differs.
+Capability is derived from behaviour (``create_graph()`` returning a graph), never from a name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from graphcap.errors import GraphUnsupportedError
+
+MaskForm = Literal["additive", "bool"]
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here, and a sentence saying why (or why not)."""
+
+    ok: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the rollout engine may rely on; checked by the conformance suite.
+
+    ``graph_capture`` is derived from ``create_graph()``; the others are declared by the backend.
+    ``mask_form`` is the attention-mask form its graph-safe attention wants: ``"additive"``
+    (float, 0 / -inf, SDPA's float convention) or ``"bool"`` (True = attend).
+    """
+
+    graph_capture: bool
+    rng_in_graph: bool
+    collectives_in_graph: bool
+    capture_needs_side_stream: bool
+    mask_form: MaskForm
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Backend:
+    """Base class of every graphcap backend.
+
+    Subclasses set ``name``, ``priority`` and ``device_type``; implement ``availability`` and,
+    if the device can capture, the four graph hooks. A backend that cannot capture keeps the
+    defaults: ``create_graph()`` returns ``None`` and the other hooks refuse loudly, so nothing
+    ever "replays" a graph that recorded nothing.
+    """
+
+    name: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+    device_type: ClassVar[str] = "cpu"
+    #: Declared capabilities (``graph_capture`` is derived, see :attr:`capabilities`).
+    rng_in_graph: ClassVar[bool] = False
+    collectives_in_graph: ClassVar[bool] = False
+    capture_needs_side_stream: ClassVar[bool] = False
+    attention_mask_form: ClassVar[MaskForm] = "additive"
+    #: Distribution that provided the backend; filled in by the registry.
+    distribution: str = ""
+    distribution_version: str = ""
+
+    def __init__(self, index: int | None = None) -> None:
+        self._index = index
+
+    # ---- identity -------------------------------------------------------------------------
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this backend can run on this machine, with the reason. Must not raise."""
+        return Availability(True, "always available")
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.availability().ok
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        index = self._index if self._index is not None else self.current_device_index()
+        return torch.device(self.device_type, index)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} device={self.device}>"
+
+    # ---- graph hooks ----------------------------------------------------------------------
+    def create_graph(self) -> Any | None:
+        """A new, empty graph object, or ``None`` when this backend cannot capture."""
+        return None
+
+    def capture_to_graph(
+        self,
+        graph: Any,
+        pool: Any | None = None,
+        stream: Any | None = None,
+        capture_error_mode: str | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Context manager: work issued inside is recorded into ``graph``, not run."""
+        raise GraphUnsupportedError(self._no_graph_message("capture_to_graph"))
+
+    def replay_graph(self, graph: Any) -> None:
+        """Run the recorded work again, on the same memory."""
+        raise GraphUnsupportedError(self._no_graph_message("replay_graph"))
+
+    def is_current_stream_capturing(self) -> bool:
+        """True only while a capture is in progress on the current stream."""
+        return False
+
+    def graph_pool_handle(self) -> Any | None:
+        """A memory-pool handle several graphs can share, or ``None`` if pools are not shared."""
+        return None
+
+    def _no_graph_message(self, hook: str) -> str:
+        return (
+            f"backend {self.name!r} cannot capture graphs (create_graph() returned None), so "
+            f"{hook}() has nothing to do; check backend.supports_graph_capture and run eagerly"
+        )
+
+    # ---- capabilities ---------------------------------------------------------------------
+    @property
+    def supports_graph_capture(self) -> bool:
+        """Derived from behaviour: can this backend hand out a graph object?"""
+        cached = self.__dict__.get("_supports_graph_capture")
+        if cached is None:
+            cached = self.create_graph() is not None
+            self.__dict__["_supports_graph_capture"] = cached
+        return cached
+
+    @property
+    def capabilities(self) -> Capabilities:
+        capture = self.supports_graph_capture
+        return Capabilities(
+            graph_capture=capture,
+            rng_in_graph=capture and self.rng_in_graph,
+            collectives_in_graph=capture and self.collectives_in_graph,
+            capture_needs_side_stream=self.capture_needs_side_stream,
+            mask_form=self.attention_mask_form,
+        )
+
+    # ---- device plumbing (defaults on torch.get_device_module / torch.accelerator) --------
+    @property
+    def device_module(self) -> Any:
+        return torch.get_device_module(self.device_type)
+
+    def current_device_index(self) -> int:
+        return int(self.device_module.current_device())
+
+    def synchronize(self) -> None:
+        self.device_module.synchronize()
+
+    def current_stream(self) -> Any:
+        return self.device_module.current_stream()
+
+    def new_stream(self) -> Any:
+        return self.device_module.Stream()
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return self.device_module.stream(stream)
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed this device's default generator (and the CPU one, which prompts may use)."""
+        torch.manual_seed(seed)
+        if self.device_type != "cpu":
+            self.device_module.manual_seed(seed)
+
+    def get_rng_state(self) -> torch.Tensor:
+        if self.device_type == "cpu":
+            return torch.get_rng_state()
+        return self.device_module.get_rng_state(self.device)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        if self.device_type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            self.device_module.set_rng_state(state, self.device)
+
+    def memory_allocated(self) -> int | None:
+        """Bytes allocated on the device by torch, or ``None`` where the device does not say."""
+        if self.device_type == "cpu":
+            return None
+        return int(torch.accelerator.memory_allocated(self.device))
+
+    def max_memory_allocated(self) -> int | None:
+        if self.device_type == "cpu":
+            return None
+        return int(torch.accelerator.max_memory_allocated(self.device))
+
+    def reset_peak_memory_stats(self) -> None:
+        if self.device_type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(self.device)
+
+    def empty_cache(self) -> None:
+        if self.device_type != "cpu":
+            torch.accelerator.empty_cache()
+
+    def communication_backend_name(self) -> str:
+        """The ``torch.distributed`` backend for collectives on this device."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return "gloo"
+        default = dist.Backend.default_device_backend_map.get(self.device_type)
+        return default or "gloo"
+
+    def describe(self) -> dict[str, Any]:
+        """A plain dict for ``graphcap info`` and the conformance report."""
+        availability = self.availability()
+        info: dict[str, Any] = {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.distribution_version,
+            "priority": self.priority,
+            "available": availability.ok,
+            "reason": availability.reason,
+        }
+        if availability.ok:
+            info["device"] = str(self.device)
+            info["capabilities"] = self.capabilities.as_dict()
+        return info
+

@@ -1,0 +1,23 @@
+"""Exceptions graphcap raises, so callers can catch them by meaning rather than by message."""
+
+from __future__ import annotations
+
+
+class GraphcapError(RuntimeError):
+    """Base class of every error graphcap raises on purpose."""
+
+
+class BackendSelectionError(GraphcapError):
+    """The requested backend is unknown, not installed, broken or unavailable."""
+
+
+class PluginError(GraphcapError):
+    """A plugin could not be loaded or speaks another plugin API version."""
+
+
+class GraphCaptureError(GraphcapError):
+    """Work issued during a capture cannot be recorded into a graph (a host sync, say)."""
+
+
+class GraphUnsupportedError(GraphcapError):
+    """A graph hook was called on a backend that cannot capture graphs."""
