@@ -227,4 +227,3 @@ class Backend:
             info["device"] = str(self.device)
             info["capabilities"] = self.capabilities.as_dict()
         return info
-

@@ -11,10 +11,6 @@ class BackendSelectionError(GraphcapError):
     """The requested backend is unknown, not installed, broken or unavailable."""
 
 
-class PluginError(GraphcapError):
-    """A plugin could not be loaded or speaks another plugin API version."""
-
-
 class GraphCaptureError(GraphcapError):
     """Work issued during a capture cannot be recorded into a graph (a host sync, say)."""
 

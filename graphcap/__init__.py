@@ -1,0 +1,31 @@
+"""graphcap: graph-captured LLM rollouts on any accelerator.
+
+The core defines the Backend contract and selects a backend; ``graphcap.rollout`` runs Hugging
+Face decoder models with the whole decode step captured as a device graph.
+"""
+
+from graphcap.backend import Availability, Backend, Capabilities
+from graphcap.errors import (
+    BackendSelectionError,
+    GraphcapError,
+    GraphCaptureError,
+    GraphUnsupportedError,
+)
+from graphcap.hookspecs import PLUGIN_API_VERSION, hookimpl
+from graphcap.registry import discover, get_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PLUGIN_API_VERSION",
+    "Availability",
+    "Backend",
+    "BackendSelectionError",
+    "Capabilities",
+    "GraphCaptureError",
+    "GraphUnsupportedError",
+    "GraphcapError",
+    "discover",
+    "get_backend",
+    "hookimpl",
+]

@@ -1,0 +1,211 @@
+"""Plugin discovery and backend selection, with real throwaway plugin distributions.
+
+Each fake plugin is a module plus a ``*.dist-info`` folder (METADATA, entry_points.txt) on
+``sys.path``, which is exactly how ``importlib.metadata`` finds an installed distribution.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import graphcap
+from graphcap import registry
+from graphcap.errors import BackendSelectionError
+
+BACKEND_MODULE = """
+from graphcap import Availability, Backend, hookimpl
+
+class {cls}(Backend):
+    name = {name!r}
+    priority = {priority}
+    device_type = "cpu"
+
+    @classmethod
+    def availability(cls):
+        return Availability({available}, {reason!r})
+
+@hookimpl
+def graphcap_api_version():
+    return {api}
+
+@hookimpl
+def graphcap_backends():
+    return [{cls}]
+"""
+
+
+def install_plugin(
+    root: Path, dist: str, module: str, source: str, ep_name: str | None = None
+) -> None:
+    """Write an installed distribution ``dist`` whose ``graphcap`` entry point is ``module``."""
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[graphcap]\n{ep_name or module} = {module}\n")
+
+
+def backend_source(
+    name: str, priority: int = 100, available: bool = True, reason: str = "ok", api: int = 1
+) -> str:
+    return BACKEND_MODULE.format(
+        cls=name.capitalize() + "Backend",
+        name=name,
+        priority=priority,
+        available=available,
+        reason=reason,
+        api=api,
+    )
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    """A folder on sys.path for fake distributions; registry and imports reset around the test."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        if name.startswith("fake_"):
+            del sys.modules[name]
+    registry._registry = None  # rediscovered lazily, once the fake folder is off sys.path
+
+
+def test_cpu_backend_is_built_in_and_selected_without_plugins(monkeypatch):
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.setattr(registry, "visible_accelerator", lambda: None)
+    reg = registry.discover(refresh=True)
+    assert reg.backends["cpu"].distribution == "graphcap"
+    monkeypatch.setenv(registry.ENV_VAR, "cpu")
+    backend = graphcap.get_backend()
+    assert backend.name == "cpu"
+    assert backend.supports_graph_capture
+    assert backend.capabilities.graph_capture
+
+
+def test_entry_point_plugin_is_discovered_and_wins_by_priority(plugin_dir, monkeypatch):
+    install_plugin(plugin_dir, "fake-accel", "fake_accel", backend_source("fakeaccel", 1000))
+    reg = registry.discover(refresh=True)
+    record = reg.backends["fakeaccel"]
+    assert (record.distribution, record.version) == ("fake-accel", "0.3")
+    backend = graphcap.get_backend()
+    assert backend.name == "fakeaccel"
+    assert backend.distribution == "fake-accel"
+    # The environment variable overrides priority.
+    monkeypatch.setenv(registry.ENV_VAR, "cpu")
+    assert graphcap.get_backend().name == "cpu"
+
+
+def test_unavailable_backend_is_skipped_by_auto_and_refused_by_name(plugin_dir, monkeypatch):
+    monkeypatch.setattr(registry, "visible_accelerator", lambda: None)
+    install_plugin(
+        plugin_dir,
+        "fake-gone",
+        "fake_gone",
+        backend_source("gone", 2000, available=False, reason="no gone device visible"),
+    )
+    registry.discover(refresh=True)
+    assert graphcap.get_backend().name != "gone"
+    with pytest.raises(BackendSelectionError) as err:
+        graphcap.get_backend("gone")
+    message = str(err.value)
+    assert "unavailable here: no gone device visible" in message
+    assert "- cpu (graphcap): available" in message
+
+
+def test_unknown_backend_error_lists_installed_backends(plugin_dir, monkeypatch):
+    registry.discover(refresh=True)
+    monkeypatch.setenv(registry.ENV_VAR, "nosuch")
+    with pytest.raises(BackendSelectionError) as err:
+        graphcap.get_backend()
+    assert "'nosuch'" in str(err.value)
+    assert "no installed plugin provides it" in str(err.value)
+    assert "- cpu (graphcap): available" in str(err.value)
+
+
+def test_missing_known_plugin_says_how_to_install(plugin_dir):
+    registry.discover(refresh=True)
+    if "cuda" in registry.discover().backends:
+        pytest.skip("graphcap-cuda is installed in this environment")
+    with pytest.raises(BackendSelectionError, match=r"install graphcap-cuda"):
+        graphcap.get_backend("cuda")
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ("raise ImportError('libfake.so: cannot open shared object file')", "ImportError"),
+        ("import sys\nsys.exit(3)", "SystemExit"),
+    ],
+)
+def test_broken_plugin_is_reported_and_does_not_break_others(plugin_dir, body, error):
+    install_plugin(plugin_dir, "fake-broken", "fake_broken", body, ep_name="broken")
+    install_plugin(plugin_dir, "fake-good", "fake_good", backend_source("good", 1000))
+    with pytest.warns(UserWarning, match=rf"'broken' from fake-broken is broken.*{error}"):
+        reg = registry.discover(refresh=True)
+    assert "good" in reg.backends
+    assert graphcap.get_backend().name == "good"
+    with pytest.raises(
+        BackendSelectionError, match=rf"broken: import of 'fake_broken' raised {error}"
+    ):
+        graphcap.get_backend("broken")
+
+
+def test_plugin_for_another_api_version_is_refused(plugin_dir):
+    install_plugin(plugin_dir, "fake-future", "fake_future", backend_source("future", api=99))
+    with pytest.warns(UserWarning, match="plugin API version 99.*supports version"):
+        reg = registry.discover(refresh=True)
+    assert "future" not in reg.backends
+    with pytest.raises(BackendSelectionError, match="written for graphcap plugin API version 99"):
+        graphcap.get_backend("future")
+
+
+def test_duplicate_backend_name_keeps_first_and_warns(plugin_dir):
+    install_plugin(plugin_dir, "fake-dup", "fake_dup", backend_source("cpu", 5000))
+    with pytest.warns(UserWarning, match="offered by both graphcap and fake-dup"):
+        reg = registry.discover(refresh=True)
+    assert reg.backends["cpu"].distribution == "graphcap"
+
+
+def test_unclaimed_accelerator_is_not_silently_run_on_cpu(plugin_dir, monkeypatch):
+    monkeypatch.setattr(registry, "visible_accelerator", lambda: "xpu")
+    registry.discover(refresh=True)
+    with pytest.raises(
+        BackendSelectionError, match=r"sees a 'xpu' accelerator.*GRAPHCAP_BACKEND=cpu"
+    ):
+        graphcap.get_backend()
+    monkeypatch.setenv(registry.ENV_VAR, "cpu")
+    assert graphcap.get_backend().name == "cpu"
+
+
+def test_attention_implementations_hook_is_called_for_the_backend(plugin_dir):
+    source = backend_source("attn", 1) + textwrap.dedent(
+        """
+        def fake_attention(*args, **kwargs):
+            return None
+
+        @hookimpl
+        def graphcap_attention_implementations(backend):
+            return {"fake_attn_" + backend.name: fake_attention}
+        """
+    )
+    install_plugin(plugin_dir, "fake-attn", "fake_attn", source)
+    registry.discover(refresh=True)
+    impls = registry.attention_implementations(graphcap.get_backend("cpu"))
+    assert list(impls) == ["fake_attn_cpu"]
+
+
+def test_core_never_names_a_device_library():
+    root = Path(graphcap.__file__).parent
+    pattern = ("torch." + "cuda", "torch." + "npu", "torch" + "_npu")
+    offenders = [
+        f"{path.relative_to(root.parent)}:{number}: {line.strip()}"
+        for path in root.rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if any(word in line for word in pattern)
+    ]
+    assert not offenders, "graphcap/ must stay device-agnostic:\n" + "\n".join(offenders)
