@@ -1,0 +1,177 @@
+"""graphcap's static KV cache: preallocated K/V written at device-held positions.
+
+transformers' ``StaticLayer`` advances its own ``cumulative_length`` counter inside ``update``;
+a captured step would replay that advance on every replay and hide it from the host. Here the
+write position is one ``(B,)`` device tensor shared by every layer, advanced explicitly by the
+decode step (:meth:`StaticKVCache.advance`), so a replay moves it exactly once per step and each
+row may sit at its own position (the continuous path needs that).
+
+Buffers are sized from the K/V tensors the model actually produced in prefill (the right head
+count on tensor-parallel ranks, the right head dims for models with distinct K/V dims), are
+zero-filled, and are allocated before any capture, never during one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Shape facts of one layer's K/V, taken from a real forward."""
+
+    num_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def from_kv(cls, keys: torch.Tensor, values: torch.Tensor) -> LayerSpec:
+        if keys.dim() != 4 or values.dim() != 4:
+            raise ValueError(
+                f"expected K/V shaped (batch, heads, seq, head_dim), got {tuple(keys.shape)} and "
+                f"{tuple(values.shape)}; this model's cache layout is not supported"
+            )
+        return cls(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
+
+
+class StaticKVLayer(CacheLayerMixin):
+    """One layer: ``keys``/``values`` of shape ``(B, H, L, D)`` and a shared write position."""
+
+    is_compileable = True
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, spec: LayerSpec, batch_size: int, max_len: int, write_pos: torch.Tensor):
+        super().__init__()
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.write_pos = write_pos
+        self.keys = torch.zeros(
+            (batch_size, spec.num_heads, max_len, spec.k_head_dim),
+            dtype=spec.dtype,
+            device=spec.device,
+        )
+        self.values = torch.zeros(
+            (batch_size, spec.num_heads, max_len, spec.v_head_dim),
+            dtype=spec.dtype,
+            device=spec.device,
+        )
+        self.dtype, self.device = spec.dtype, spec.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("StaticKVLayer is allocated up front; lazy initialisation never runs")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``q`` new columns per row at ``write_pos[b] + i``; return the whole buffers."""
+        batch, heads, q_len, _ = key_states.shape
+        offsets = torch.arange(q_len, device=self.write_pos.device)
+        columns = (self.write_pos[:, None] + offsets[None, :]).view(batch, 1, q_len, 1)
+        self.keys.scatter_(2, columns.expand(batch, heads, q_len, self.keys.shape[-1]), key_states)
+        self.values.scatter_(
+            2, columns.expand(batch, heads, q_len, self.values.shape[-1]), value_states
+        )
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_len, 0
+
+    def get_seq_length(self) -> torch.Tensor:  # type: ignore[override]
+        """The furthest write position, as a device tensor (a host int would force a sync)."""
+        return self.write_pos.max()
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+
+
+class StaticKVCache(Cache):
+    """A ``transformers.Cache`` of :class:`StaticKVLayer` sharing one ``(B,)`` write position."""
+
+    def __init__(self, specs: Sequence[LayerSpec], batch_size: int, max_len: int):
+        if not specs:
+            raise ValueError("a cache needs at least one layer spec")
+        device = specs[0].device
+        self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+        layers = [StaticKVLayer(s, batch_size, max_len, self.write_pos) for s in specs]
+        super().__init__(layers=layers)
+
+    @staticmethod
+    def specs_of(prefill: Cache) -> tuple[LayerSpec, ...]:
+        """Per-layer shape facts of the K/V a prefill forward produced."""
+        return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in prefill.layers)
+
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in self.layers)
+
+    @property
+    def batch_size(self) -> int:  # type: ignore[override]
+        return int(self.write_pos.shape[0])
+
+    def reset(self) -> None:
+        """Zero every K/V buffer and the write positions (keeps the same tensors)."""
+        for layer in self.layers:
+            layer.reset()
+        self.write_pos.zero_()
+
+    def load_prefill(
+        self, prefill: Cache, repeats: int = 1, rows: torch.Tensor | None = None
+    ) -> None:
+        """Copy a prefill's K/V into columns ``[0, W)``; each prompt row fills ``repeats`` rows.
+
+        ``rows`` (optional, long device tensor) names the destination rows, for callers that
+        refill part of the batch; by default prompt ``i`` goes to rows ``i*repeats ..``.
+        The write position of the touched rows becomes ``W``.
+        """
+        if len(prefill.layers) != len(self.layers):
+            raise ValueError(
+                f"prefill cache has {len(prefill.layers)} layers, static cache {len(self.layers)}"
+            )
+        width = prefill.layers[0].keys.shape[-2]
+        if width > self.max_len:
+            raise ValueError(f"prompt width {width} exceeds cache length {self.max_len}")
+        for src, dst in zip(prefill.layers, self.layers, strict=True):
+            keys = src.keys.repeat_interleave(repeats, dim=0) if repeats > 1 else src.keys
+            values = src.values.repeat_interleave(repeats, dim=0) if repeats > 1 else src.values
+            if rows is None:
+                dst.keys[:, :, :width].copy_(keys)
+                dst.values[:, :, :width].copy_(values)
+            else:
+                dst.keys[rows, :, :width] = keys
+                dst.values[rows, :, :width] = values
+        if rows is None:
+            self.write_pos.fill_(width)
+        else:
+            self.write_pos[rows] = width
+
+    def advance(self, steps: int = 1) -> None:
+        """Move every row's write position on (in place, so a replay moves it too)."""
+        self.write_pos.add_(steps)
+
+    def nbytes(self) -> int:
+        tensors = (t for layer in self.layers for t in layer_tensors(layer))
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def release(self) -> None:
+        """Drop the buffers so their memory can be returned; the cache is unusable afterwards."""
+        for layer in self.layers:
+            layer.keys = None
+            layer.values = None
+            layer.is_initialized = False
+        self.layers = []
+
+
+def layer_tensors(layer: CacheLayerMixin) -> tuple[torch.Tensor, ...]:
+    return tuple(t for t in (layer.keys, layer.values) if t is not None)

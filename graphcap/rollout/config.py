@@ -1,0 +1,203 @@
+"""Rollout settings: the engine's own configuration and the per-call sampling settings.
+
+``SamplingParams`` is what the decode step understands. A transformers ``GenerationConfig`` is
+accepted through an explicit allow-list so that no generate option is ever silently ignored: a
+field outside the list that differs from its default is refused with its name.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+    from graphcap.backend import Backend
+
+#: GenerationConfig fields that map onto SamplingParams (same names, same meaning).
+GENERATION_CONFIG_FIELDS: tuple[str, ...] = (
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "eos_token_id",
+    "pad_token_id",
+    "max_new_tokens",
+    "min_new_tokens",
+    "num_return_sequences",
+)
+#: Fields accepted and ignored because they cannot change a decoder-only continuation.
+GENERATION_CONFIG_IGNORED: tuple[str, ...] = ("bos_token_id", "use_cache", "transformers_version")
+#: transformers' generate() applies top_k=50 when sampling and top_k is unset; mirrored here.
+GENERATE_DEFAULT_TOP_K = 50
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen; every field is either part of the graph signature or per-call.
+
+    ``top_k=None`` disables top-k (unlike ``generate``, which applies 50 when sampling; a
+    ``GenerationConfig`` converted by :meth:`from_generation_config` keeps generate's default).
+    ``eos_token_id`` / ``pad_token_id`` left ``None`` are taken from the model's generation config
+    (pad falls back to the first EOS id, as generate does).
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    num_return_sequences: int = 1
+    return_logprobs: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+        if self.num_return_sequences < 1:
+            raise ValueError(f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be positive and finite, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.num_return_sequences > 1 and not self.do_sample:
+            raise ValueError(
+                "num_return_sequences > 1 with greedy decoding would return identical copies; "
+                "set do_sample=True"
+            )
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """EOS ids as a tuple (empty when none is set)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(int(i) for i in self.eos_token_id)
+
+    @property
+    def effective_top_k(self) -> int:
+        """The top-k the sampler applies (0 = disabled); greedy ignores warpers, as generate."""
+        return (self.top_k or 0) if self.do_sample else 0
+
+    @classmethod
+    def from_generation_config(
+        cls, config: GenerationConfig, *, return_logprobs: bool = False, seed: int | None = None
+    ) -> SamplingParams:
+        """Convert a ``GenerationConfig`` through the allow-list, with generate's defaults."""
+        from transformers import GenerationConfig as _GenerationConfig
+
+        set_fields = {
+            k: v
+            for k, v in config.to_diff_dict().items()
+            if not k.startswith("_") and k not in GENERATION_CONFIG_IGNORED
+        }
+        default = _GenerationConfig()
+        refused = sorted(
+            k
+            for k, v in set_fields.items()
+            if k not in GENERATION_CONFIG_FIELDS and getattr(default, k, None) != v
+        )
+        if refused:
+            raise ValueError(
+                f"GenerationConfig field(s) {refused} are not supported by graphcap's rollout "
+                f"engine; supported fields are {list(GENERATION_CONFIG_FIELDS)}. Remove them "
+                "(or use model.generate() for those features)."
+            )
+        if config.max_new_tokens is None:
+            raise ValueError(
+                "GenerationConfig.max_new_tokens is not set; graphcap needs max_new_tokens "
+                "(max_length is not supported)"
+            )
+        do_sample = bool(config.do_sample)
+        top_k = config.top_k
+        if do_sample and top_k is None:
+            top_k = GENERATE_DEFAULT_TOP_K
+        values: dict[str, Any] = {
+            "do_sample": do_sample,
+            "temperature": 1.0 if config.temperature is None else float(config.temperature),
+            "top_k": top_k,
+            "top_p": 1.0 if config.top_p is None else float(config.top_p),
+            "repetition_penalty": 1.0
+            if config.repetition_penalty is None
+            else float(config.repetition_penalty),
+            "eos_token_id": config.eos_token_id,
+            "pad_token_id": config.pad_token_id,
+            "max_new_tokens": int(config.max_new_tokens),
+            "min_new_tokens": int(config.min_new_tokens or 0),
+            "num_return_sequences": int(config.num_return_sequences or 1),
+            "return_logprobs": return_logprobs,
+            "seed": seed,
+        }
+        return cls(**values)
+
+    def resolved(self, eos_default: Any, pad_default: int | None) -> SamplingParams:
+        """Fill EOS / pad from the model's defaults; pad falls back to the first EOS id."""
+        eos = self.eos_token_id if self.eos_token_id is not None else eos_default
+        params = replace(self, eos_token_id=eos)
+        pad = self.pad_token_id if self.pad_token_id is not None else pad_default
+        if pad is None and params.eos_ids:
+            pad = params.eos_ids[0]
+        if pad is None:
+            raise ValueError(
+                "no pad token id: set SamplingParams(pad_token_id=...) (or eos_token_id, which "
+                "is used as pad like generate does) or model.generation_config.pad_token_id"
+            )
+        return replace(params, pad_token_id=int(pad))
+
+
+@dataclass
+class RolloutConfig:
+    """Engine-wide settings.
+
+    ``enable_cuda_graph`` is the deprecated name of ``enable_graph_capture``: its value moves to
+    the new field with a ``DeprecationWarning``; both set to different values is an error.
+    ``backend`` is a :class:`graphcap.Backend`, a backend name, or ``None`` for
+    ``graphcap.get_backend()`` (which honours ``GRAPHCAP_BACKEND``).
+    """
+
+    enable_graph_capture: bool | None = None
+    eos_check_interval: int = 16
+    backend: Backend | str | None = None
+    enable_cuda_graph: bool | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.enable_cuda_graph is not None:
+            warnings.warn(
+                "RolloutConfig.enable_cuda_graph is deprecated; use enable_graph_capture "
+                "(graphs are captured on any backend that can, not only CUDA)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            if (
+                self.enable_graph_capture is not None
+                and self.enable_graph_capture != self.enable_cuda_graph
+            ):
+                raise ValueError(
+                    f"enable_cuda_graph={self.enable_cuda_graph} conflicts with "
+                    f"enable_graph_capture={self.enable_graph_capture}; set only "
+                    "enable_graph_capture"
+                )
+            self.enable_graph_capture = bool(self.enable_cuda_graph)
+            self.enable_cuda_graph = None
+        if self.enable_graph_capture is None:
+            self.enable_graph_capture = False
+        if self.eos_check_interval < 1:
+            raise ValueError(f"eos_check_interval must be >= 1, got {self.eos_check_interval}")

@@ -1,0 +1,424 @@
+"""RolloutEngine: generate() for Hugging Face decoder models, eagerly or with a captured step.
+
+Both paths run the same prefill, the same :class:`~graphcap.rollout.step.DecodeStep` and the
+same EOS-check cadence, so they consume the random generator identically and produce the same
+tokens. The static graph path captures the decode step once per graph signature and replays it;
+anything it cannot serve runs eagerly with the reason in the stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from graphcap.backend import Backend
+from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.config import RolloutConfig, SamplingParams
+from graphcap.rollout.eligibility import check_attention, graph_refusal
+from graphcap.rollout.masks import MaskBuffers, layer_windows
+from graphcap.rollout.sampling import SamplerSettings
+from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
+from graphcap.rollout.step import DecodeState, DecodeStep, Snapshot, accepts_logits_to_keep
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+
+class CaptureFallbackWarning(RuntimeWarning):
+    """A graph capture failed; the engine finished the call eagerly and stays eager."""
+
+
+@dataclass
+class RolloutStats:
+    """What one ``generate`` call did.
+
+    ``captures`` counts the graphs this engine has captured so far (all calls); ``replays`` and
+    ``steps`` count this call's graph replays and decode steps (the prefill token excluded).
+    ``first_call_s`` is the whole call's time when this call captured, else ``None``.
+    """
+
+    path: str
+    captures: int = 0
+    captured: bool = False
+    replays: int = 0
+    steps: int = 0
+    prefill_s: float = 0.0
+    capture_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    first_call_s: float | None = None
+    fallback_reason: str | None = None
+    recapture_reason: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RolloutResult:
+    """Prompt + response per row, in generate()'s row order (samples of a prompt adjacent)."""
+
+    sequences: torch.Tensor
+    response_mask: torch.Tensor
+    response_lengths: torch.Tensor
+    finish_reasons: list[str]
+    logprobs: torch.Tensor | None
+    stats: RolloutStats
+
+
+@dataclass
+class _Resources:
+    """Everything allocated for one graph signature (dropped together)."""
+
+    signature: GraphSignature
+    cache: StaticKVCache
+    masks: MaskBuffers
+    state: DecodeState
+    step: DecodeStep
+    generator: torch.Generator | None
+    graph: object | None = None
+
+
+def resolve_backend(backend: Backend | str | None) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    from graphcap.registry import get_backend
+
+    return get_backend(backend)
+
+
+class RolloutEngine:
+    """Rollouts from ``model`` on ``config.backend``; keeps a captured step across calls."""
+
+    def __init__(self, model: PreTrainedModel, config: RolloutConfig | None = None):
+        self.model = model
+        self.config = config or RolloutConfig()
+        self.backend = resolve_backend(self.config.backend)
+        self.captures = 0
+        self._graphs_off_reason: str | None = None
+        self._res: _Resources | None = None
+        self._closed = False
+        self._logits_to_keep = accepts_logits_to_keep(model)
+
+    # ---- public ---------------------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        sampling: SamplingParams | GenerationConfig | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RolloutResult:
+        """Generate continuations of left-padded prompts (see docs/rollout.md)."""
+        if self._closed:
+            raise RuntimeError("this RolloutEngine was shut down; create a new one")
+        start = time.perf_counter()
+        params = self._resolve_sampling(sampling)
+        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
+        self._check_vocab_ids(params)
+        rows, width = input_ids.shape
+        repeats = params.num_return_sequences
+        batch, total = rows * repeats, width + params.max_new_tokens
+        if params.seed is not None:
+            if generator is not None:
+                generator.manual_seed(params.seed)
+            else:
+                self.backend.manual_seed(params.seed)
+
+        stats = RolloutStats(path="eager")
+        use_graph = False
+        if self.config.enable_graph_capture:
+            check_attention(self.model)
+            stats.fallback_reason = self._graphs_off_reason or graph_refusal(
+                self.model, self.backend
+            )
+            use_graph = stats.fallback_reason is None
+        windows = layer_windows(self.model.config)
+        signature = signature_of(
+            self.model,
+            batch_size=batch,
+            total_len=total,
+            device=self.backend.device,
+            sampler=SamplerSettings.from_params(params),
+            eos_ids=params.eos_ids,
+            pad_id=int(params.pad_token_id),
+            return_logprobs=params.return_logprobs,
+            mask_form=self.backend.capabilities.mask_form,
+            windows=windows,
+            generator=generator,
+        )
+        if self._res is not None and self._res.signature != signature:
+            stats.recapture_reason = self._res.signature.differences(signature)
+            logger.info("graph signature changed (%s); dropping", stats.recapture_reason)
+            self._drop()
+
+        with torch.no_grad():
+            prefill, logits, next_positions = self._prefill(input_ids, attention_mask)
+            if repeats > 1:
+                logits = logits.repeat_interleave(repeats, dim=0)
+            res = self._resources(signature, prefill, logits, params, windows, generator)
+            self._start_call(res, prefill, input_ids, attention_mask, next_positions, repeats)
+            res.step.commit(logits)
+            stats.prefill_s = time.perf_counter() - start
+
+            runner = res.step
+            if use_graph and params.max_new_tokens > 1:
+                if res.graph is None:
+                    t_capture = time.perf_counter()
+                    stats.captured = self._capture(res, prefill, repeats)
+                    stats.capture_s = time.perf_counter() - t_capture
+                    if not stats.captured:
+                        stats.fallback_reason = self._graphs_off_reason
+                if res.graph is not None:
+                    graph = res.graph
+                    stats.path = "static_graph"
+
+                    def runner() -> None:
+                        self.backend.replay_graph(graph)
+                        stats.replays += 1
+
+            t_decode = time.perf_counter()
+            stats.steps = self._decode(runner, params.max_new_tokens - 1, res.state)
+            self.backend.synchronize()
+            stats.decode_s = time.perf_counter() - t_decode
+            result = self._collect(res.state, width, params.return_logprobs, stats)
+        stats.captures = self.captures
+        stats.total_s = time.perf_counter() - start
+        if stats.captured:
+            stats.first_call_s = stats.total_s
+        return result
+
+    def shutdown(self) -> None:
+        """Release the graph, its pool and the cache; the engine cannot be used afterwards."""
+        self._drop()
+        self._closed = True
+
+    @property
+    def cache(self) -> StaticKVCache | None:
+        """The static KV cache currently held (``None`` before the first call or after drop)."""
+        return None if self._res is None else self._res.cache
+
+    # ---- steps of a call ------------------------------------------------------------------
+    def _resolve_sampling(
+        self, sampling: SamplingParams | GenerationConfig | None
+    ) -> SamplingParams:
+        if sampling is None:
+            sampling = SamplingParams()
+        elif isinstance(sampling, GenerationConfig):
+            sampling = SamplingParams.from_generation_config(sampling)
+        elif not isinstance(sampling, SamplingParams):
+            raise TypeError(
+                f"sampling must be SamplingParams or transformers.GenerationConfig, "
+                f"got {type(sampling).__name__}"
+            )
+        gen_config = getattr(self.model, "generation_config", None)
+        eos = getattr(gen_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        return sampling.resolved(eos, getattr(gen_config, "pad_token_id", None))
+
+    def _check_inputs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a 2-D tensor (batch, prompt_width)")
+        if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids "
+                f"shape {tuple(input_ids.shape)}"
+            )
+        mask = attention_mask.to(torch.long)
+        if ((mask != 0) & (mask != 1)).any():
+            raise ValueError("attention_mask must contain only 0 and 1")
+        if (mask.sum(-1) == 0).any():
+            raise ValueError("a prompt row has no tokens (attention_mask all zero)")
+        if (mask[:, 1:] < mask[:, :-1]).any():
+            raise ValueError(
+                "attention_mask is right-padded (a 0 after a 1); the rollout engine needs left "
+                "padding: set tokenizer.padding_side = 'left'"
+            )
+        device = self.backend.device
+        model_device = next(self.model.parameters()).device
+        if model_device != device:
+            raise ValueError(
+                f"model is on {model_device} but the backend runs on {device}; move the model "
+                "there first"
+            )
+        return input_ids.to(device=device, dtype=torch.long), mask.to(device)
+
+    def _check_vocab_ids(self, params: SamplingParams) -> None:
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        checks = (("eos_token_id", params.eos_ids), ("pad_token_id", (params.pad_token_id,)))
+        for name, ids in checks:
+            for token in ids:
+                if not 0 <= int(token) < vocab:
+                    raise ValueError(f"{name} {token} is outside the vocabulary [0, {vocab})")
+
+    def _prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """Eager forward over the prompts; last-position logits only (as generate positions)."""
+        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        prefill = DynamicCache()
+        extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=prefill,
+            use_cache=True,
+            **extra,
+        )
+        return prefill, out.logits[:, -1, :], position_ids[:, -1] + 1
+
+    def _resources(
+        self,
+        signature: GraphSignature,
+        prefill: DynamicCache,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        windows: dict[str, int | None],
+        generator: torch.Generator | None,
+    ) -> _Resources:
+        """The buffers for this signature: the held ones, or new ones sized from the prefill."""
+        specs = StaticKVCache.specs_of(prefill)
+        if self._res is not None:
+            if self._res.cache.layer_specs() == specs:
+                return self._res
+            self._drop()
+        batch, total = signature.batch_size, signature.total_len
+        device = self.backend.device
+        cache = StaticKVCache(specs, batch, total)
+        masks = MaskBuffers(
+            batch,
+            total,
+            model_dtype(self.model),
+            device,
+            windows,
+            form=signature.mask_form,
+            as_dict=bool(getattr(self.model.config, "layer_types", None)),
+        )
+        state = DecodeState.allocate(
+            batch, total, logits.shape[-1], params.eos_ids, int(params.pad_token_id), device
+        )
+        step = DecodeStep(
+            self.model,
+            cache,
+            masks,
+            state,
+            signature.sampler,
+            params.return_logprobs,
+            generator,
+        )
+        self._res = _Resources(signature, cache, masks, state, step, generator)
+        return self._res
+
+    @staticmethod
+    def _start_call(
+        res: _Resources,
+        prefill: DynamicCache,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        next_positions: torch.Tensor,
+        repeats: int,
+    ) -> None:
+        if repeats > 1:
+            input_ids = input_ids.repeat_interleave(repeats, dim=0)
+            attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
+            next_positions = next_positions.repeat_interleave(repeats, dim=0)
+        res.cache.reset()
+        res.cache.load_prefill(prefill, repeats)
+        res.masks.reset(attention_mask)
+        res.state.reset(input_ids, next_positions)
+
+    def _capture(self, res: _Resources, prefill: DynamicCache, repeats: int) -> bool:
+        """Warm up, capture the decode step, leave every buffer as it was; False on failure.
+
+        The first replay (by the caller) performs the first decode step, on a device and on the
+        CPU reference backend alike (neither runs the work during capture).
+        """
+        backend = self.backend
+        snapshot = Snapshot.take(res.step.mutable_tensors())
+        rng = backend.get_rng_state()
+        gen_state = None if res.generator is None else res.generator.get_state()
+        stream = backend.new_stream() if backend.capabilities.capture_needs_side_stream else None
+        try:
+            graph = backend.create_graph()
+            if graph is None:
+                raise RuntimeError("create_graph() returned None")
+            if stream is not None:
+                with backend.stream(stream):
+                    res.step()
+            else:
+                res.step()
+            backend.synchronize()
+            snapshot.restore()
+            backend.set_rng_state(rng)
+            if res.generator is not None:
+                res.generator.set_state(gen_state)
+            with backend.capture_to_graph(graph, pool=backend.graph_pool_handle(), stream=stream):
+                res.step()
+            backend.synchronize()
+            snapshot.restore()
+        except Exception as exc:  # any capture failure: roll back, finish eagerly
+            snapshot.restore()
+            backend.set_rng_state(rng)
+            if res.generator is not None:
+                res.generator.set_state(gen_state)
+            res.cache.reset()
+            res.cache.load_prefill(prefill, repeats)
+            res.graph = None
+            self._graphs_off_reason = f"graph capture failed: {type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"{self._graphs_off_reason}; this call finishes eagerly and the engine stays "
+                "eager from now on",
+                CaptureFallbackWarning,
+                stacklevel=3,
+            )
+            return False
+        res.graph = graph
+        self.captures += 1
+        return True
+
+    def _decode(self, runner: Callable[[], None], max_steps: int, state: DecodeState) -> int:
+        """Run up to ``max_steps`` steps; stop early when the device says all rows finished."""
+        interval = self.config.eos_check_interval
+        for step in range(1, max_steps + 1):
+            runner()
+            if step % interval == 0 and step < max_steps and bool(state.all_finished):
+                return step
+        return max_steps
+
+    @staticmethod
+    def _collect(
+        state: DecodeState, width: int, return_logprobs: bool, stats: RolloutStats
+    ) -> RolloutResult:
+        response = state.response[:, width:].to(torch.long)
+        finished = state.finished.tolist()
+        return RolloutResult(
+            sequences=state.sequences.clone(),
+            response_mask=response,
+            response_lengths=response.sum(-1),
+            finish_reasons=["eos" if done else "length" for done in finished],
+            logprobs=state.logprobs[:, width:].clone() if return_logprobs else None,
+            stats=stats,
+        )
+
+    def _drop(self) -> None:
+        """Release the graph and every buffer of the held signature."""
+        res, self._res = self._res, None
+        if res is not None:
+            res.graph = None
+            res.cache.release()
+            self.backend.empty_cache()

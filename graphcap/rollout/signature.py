@@ -1,0 +1,110 @@
+"""The graph signature: every host value a captured step depends on.
+
+Rule: whatever the captured step reads on the host is either a device tensor the step updates
+itself or a member of this signature. Two calls with equal signatures may replay the same graph;
+any difference means recapture. Tensor *contents* are not members, so in-place weight updates
+keep the graph (replay reads the new values); addresses, shapes, strides, dtypes and devices are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcap.rollout.sampling import SamplerSettings
+
+TensorFacts = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+def tensor_facts(model: torch.nn.Module) -> tuple[TensorFacts, ...]:
+    """Name, address, shape, strides, dtype and device of every parameter and buffer."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    named += list(model.named_buffers(remove_duplicate=False))
+    return tuple(
+        (name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        for name, t in named
+    )
+
+
+def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None, bool]:
+    """(enabled, dtype, weight-cache enabled) of autocast for ``device_type``."""
+    enabled = torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type) if enabled else None
+    return enabled, dtype, torch.is_autocast_cache_enabled() if enabled else False
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_attn_implementation", None) or "eager")
+
+
+@dataclass(frozen=True)
+class GraphSignature:
+    """What a captured decode step was built for."""
+
+    batch_size: int
+    total_len: int
+    device: torch.device
+    dtype: torch.dtype
+    tensors: tuple[TensorFacts, ...]
+    training: tuple[bool, ...]
+    autocast: tuple[bool, torch.dtype | None, bool]
+    attn_implementation: str
+    sampler: SamplerSettings
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    return_logprobs: bool
+    mask_form: str
+    windows: tuple[tuple[str, int | None], ...]
+    generator_id: int | None
+
+    def differences(self, other: GraphSignature) -> list[str]:
+        """Names of the members that differ (for stats and logs)."""
+        return [
+            name
+            for name in self.__dataclass_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+def signature_of(
+    model: torch.nn.Module,
+    *,
+    batch_size: int,
+    total_len: int,
+    device: torch.device,
+    sampler: SamplerSettings,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    return_logprobs: bool,
+    mask_form: str,
+    windows: dict[str, int | None],
+    generator: torch.Generator | None,
+) -> GraphSignature:
+    """The signature a decode step for this request would have."""
+    return GraphSignature(
+        batch_size=batch_size,
+        total_len=total_len,
+        device=device,
+        dtype=model_dtype(model),
+        tensors=tensor_facts(model),
+        training=tuple(m.training for m in model.modules()),
+        autocast=autocast_state(device.type),
+        attn_implementation=attention_implementation(model),
+        sampler=sampler,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        return_logprobs=return_logprobs,
+        mask_form=mask_form,
+        windows=tuple(sorted(windows.items())),
+        generator_id=None if generator is None else id(generator),
+    )
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The floating dtype of the model's first floating parameter (float32 if none)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32

@@ -1,0 +1,178 @@
+"""The decode step: one function that the eager loop calls and the graph path captures.
+
+All state the step reads or advances lives in :class:`DecodeState` device tensors (input token,
+position ids, step counter, finished flags, output buffers) plus the cache's write positions and
+the mask's valid columns. The step issues no host read, so a replay does exactly what a call
+does; the host looks only at ``all_finished``, every ``eos_check_interval`` steps.
+
+Columns: the cache column of a row's latest token is ``cache.write_pos``; a chosen token is
+written to ``sequences`` at that column, then the next step feeds it to the model, which writes
+its K/V there and advances ``write_pos``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, fields
+
+import torch
+
+from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.masks import MaskBuffers
+from graphcap.rollout.sampling import SamplerSettings, choose, process_scores, sanitise
+
+
+@dataclass
+class DecodeState:
+    """Device buffers of one batch shape ``(B, L)``; allocated once, reset per call."""
+
+    sequences: torch.Tensor  # (B, L) long: prompt, then generated tokens, pad elsewhere
+    response: torch.Tensor  # (B, L) bool: generated columns up to and including EOS
+    logprobs: torch.Tensor  # (B, L) float32: log-prob of the chosen token at its column
+    tokens: torch.Tensor  # (B, 1) long: the token the next forward consumes
+    positions: torch.Tensor  # (B, 1) long: its position id
+    generated: torch.Tensor  # () long: tokens chosen so far in this call
+    finished: torch.Tensor  # (B,) bool
+    all_finished: torch.Tensor  # () bool: the one value the host reads
+    eos_vocab: torch.Tensor  # (V,) bool: True at EOS ids
+    pad: torch.Tensor  # () long
+
+    @classmethod
+    def allocate(
+        cls,
+        batch_size: int,
+        total_len: int,
+        vocab_size: int,
+        eos_ids: tuple[int, ...],
+        pad_id: int,
+        device: torch.device,
+    ) -> DecodeState:
+        long = {"dtype": torch.long, "device": device}
+        eos_vocab = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        for eos in eos_ids:
+            eos_vocab[eos] = True
+        return cls(
+            sequences=torch.zeros((batch_size, total_len), **long),
+            response=torch.zeros((batch_size, total_len), dtype=torch.bool, device=device),
+            logprobs=torch.zeros((batch_size, total_len), dtype=torch.float32, device=device),
+            tokens=torch.zeros((batch_size, 1), **long),
+            positions=torch.zeros((batch_size, 1), **long),
+            generated=torch.zeros((), **long),
+            finished=torch.zeros(batch_size, dtype=torch.bool, device=device),
+            all_finished=torch.zeros((), dtype=torch.bool, device=device),
+            eos_vocab=eos_vocab,
+            pad=torch.full((), pad_id, **long),
+        )
+
+    def reset(self, prompt_ids: torch.Tensor, next_positions: torch.Tensor) -> None:
+        """Start a call: prompt in the first columns, pad after, counters and flags cleared."""
+        width = prompt_ids.shape[-1]
+        self.sequences.copy_(self.pad.expand_as(self.sequences))
+        self.sequences[:, :width].copy_(prompt_ids)
+        self.response.zero_()
+        self.logprobs.zero_()
+        self.positions.copy_(next_positions.view(-1, 1))
+        self.tokens.zero_()
+        self.generated.zero_()
+        self.finished.zero_()
+        self.all_finished.zero_()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class Snapshot:
+    """Copies of every small mutable buffer, to undo a warm-up or a failed capture."""
+
+    saved: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def take(cls, tensors: list[torch.Tensor]) -> Snapshot:
+        return cls([(t, t.clone()) for t in tensors])
+
+    def restore(self) -> None:
+        for live, copy in self.saved:
+            live.copy_(copy)
+
+
+class DecodeStep:
+    """The model's decode step bound to its state; ``commit`` also serves the prefill token."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: StaticKVCache,
+        masks: MaskBuffers,
+        state: DecodeState,
+        settings: SamplerSettings,
+        return_logprobs: bool,
+        generator: torch.Generator | None,
+    ):
+        self.model = model
+        self.cache = cache
+        self.masks = masks
+        self.state = state
+        self.settings = settings
+        self.return_logprobs = return_logprobs
+        self.generator = generator
+        self._extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+
+    def mutable_tensors(self) -> list[torch.Tensor]:
+        """Everything a step writes except the K/V buffers."""
+        s = self.state
+        return [
+            s.sequences,
+            s.response,
+            s.logprobs,
+            s.tokens,
+            s.positions,
+            s.generated,
+            s.finished,
+            s.all_finished,
+            self.cache.write_pos,
+            self.masks.valid,
+            *self.masks.outputs.values(),
+        ]
+
+    def commit(self, logits: torch.Tensor) -> None:
+        """Choose the next token from last-position ``logits`` (B, V) and record it."""
+        s = self.state
+        scores = process_scores(
+            logits, self.settings, s.sequences, self.masks.valid, s.eos_vocab, s.generated
+        )
+        scores = sanitise(scores, s.finished)
+        chosen = choose(scores, self.settings.do_sample, self.generator)
+        token = torch.where(s.finished, s.pad, chosen)
+        column = self.cache.write_pos[:, None]
+        s.sequences.scatter_(1, column, token[:, None])
+        s.response.scatter_(1, column, ~s.finished[:, None])
+        if self.return_logprobs:
+            logp = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None])
+            s.logprobs.scatter_(1, column, logp.masked_fill(s.finished[:, None], 0.0))
+        s.finished.logical_or_(s.eos_vocab[token])
+        s.tokens.copy_(token[:, None])
+        s.generated.add_(1)
+        s.all_finished.copy_(s.finished.all())
+
+    def __call__(self) -> None:
+        """One decode step: forward the latest token, then choose and record the next one."""
+        s = self.state
+        column = self.cache.write_pos
+        self.masks.attend(column)
+        mask = self.masks.render(column)
+        out = self.model(
+            input_ids=s.tokens,
+            attention_mask=mask,
+            position_ids=s.positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            **self._extra,
+        )
+        self.cache.advance(1)
+        s.positions.add_(1)
+        self.commit(out.logits[:, -1, :])
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
