@@ -1,0 +1,171 @@
+"""Ascend NPU backend: the Backend contract on torch_npu's ACL graphs.
+
+``torch.npu`` exists only after ``import torch_npu``, and that import may kill the process on a
+machine without CANN. So nothing here imports torch_npu until :func:`npu_availability` has
+probed it in a child process; every device call goes through :func:`npu_module`, which refuses
+with the probe's reason instead of failing somewhere deep inside torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from graphcap.backend import Availability, Backend, MaskForm
+from graphcap.errors import BackendSelectionError, GraphCaptureError
+from graphcap_npu.probe import INSTALL_HINT, probe_torch_npu, torch_npu_installed
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+@functools.cache
+def npu_availability() -> Availability:
+    """Whether torch_npu runs here and sees a device; probed once per process, then cached.
+
+    The child-process probe comes first; only when it succeeded is torch_npu imported here.
+    """
+    if not torch_npu_installed():
+        return Availability(False, f"torch_npu is not installed; {INSTALL_HINT}")
+    probe = probe_torch_npu()
+    if not probe.ok:
+        return Availability(False, probe.reason)
+    try:
+        importlib.import_module("torch_npu")
+    except BaseException as exc:  # exit() inside the import must not end this process
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return Availability(
+            False,
+            f"torch_npu imported in a probe process but not here: {type(exc).__name__}: {exc}",
+        )
+    npu = getattr(torch, "npu", None)
+    if npu is None:
+        return Availability(False, "torch_npu was imported but did not create torch.npu")
+    if not npu.is_available() or npu.device_count() < 1:
+        return Availability(False, "torch_npu is imported but torch.npu sees no device")
+    return Availability(True, probe.reason)
+
+
+def npu_module() -> Any:
+    """``torch.npu``, importing torch_npu first if needed; refuses when the backend cannot run."""
+    if "torch_npu" not in sys.modules or getattr(torch, "npu", None) is None:
+        availability = npu_availability()
+        if not availability.ok:
+            raise BackendSelectionError(f"the npu backend cannot run here: {availability.reason}")
+    return torch.npu
+
+
+class NPUBackend(Backend):
+    name: ClassVar[str] = "npu"
+    # Same tier as cuda: an accelerator is preferred over the CPU reference backend.
+    priority: ClassVar[int] = 100
+    device_type: ClassVar[str] = "npu"
+    # torch_npu keeps graph-safe generator state (registered with a graph when an RNG op first
+    # runs during capture, as CUDA does), so sampling can live inside the graph. Declared from
+    # torch_npu's source; the conformance suite checks it on hardware.
+    rng_in_graph: ClassVar[bool] = True
+    # HCCL collectives inside an ACL graph are not relied upon: tensor-parallel steps run eagerly.
+    collectives_in_graph: ClassVar[bool] = False
+    # ACL graphs cannot be captured on the default stream.
+    capture_needs_side_stream: ClassVar[bool] = True
+    # npu_fusion_attention_v3 takes a boolean mask; a float mask sends torch_npu's SDPA to a slow
+    # unfused path.
+    attention_mask_form: ClassVar[MaskForm] = "bool"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            return npu_availability()
+        except Exception as exc:  # a broken install must make us unavailable, not crash selection
+            return Availability(False, f"probing torch_npu raised {type(exc).__name__}: {exc}")
+
+    # ---- graph hooks ----------------------------------------------------------------------
+    def create_graph(self) -> Any:
+        return npu_module().NPUGraph()
+
+    def capture_to_graph(
+        self,
+        graph: Any,
+        pool: Any | None = None,
+        stream: Any | None = None,
+        capture_error_mode: str | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        mode = capture_error_mode or "global"
+        if mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)} "
+                f"(or None for 'global'), not {capture_error_mode!r}"
+            )
+        return _capture(npu_module(), graph, pool, stream, mode)
+
+    def replay_graph(self, graph: Any) -> None:
+        graph.replay()
+
+    def is_current_stream_capturing(self) -> bool:
+        if "torch_npu" not in sys.modules:
+            return False  # torch_npu never loaded in this process: nothing can be capturing
+        return bool(npu_module().is_current_stream_capturing())
+
+    def graph_pool_handle(self) -> Any:
+        return npu_module().graph_pool_handle()
+
+    # ---- device plumbing ------------------------------------------------------------------
+    @property
+    def device_module(self) -> Any:
+        # The base class asks torch.get_device_module("npu"), which fails until torch_npu has
+        # been imported (it registers the "npu" device type).
+        return npu_module()
+
+    # torch.accelerator's memory figures need the device to register a c10 DeviceAllocator;
+    # torch.npu's own memory functions exist in every torch_npu release.
+    def memory_allocated(self) -> int | None:
+        return int(self.device_module.memory_allocated(self._device_index()))
+
+    def max_memory_allocated(self) -> int | None:
+        return int(self.device_module.max_memory_allocated(self._device_index()))
+
+    def reset_peak_memory_stats(self) -> None:
+        self.device_module.reset_peak_memory_stats(self._device_index())
+
+    def empty_cache(self) -> None:
+        self.device_module.empty_cache()
+
+    def communication_backend_name(self) -> str:
+        # torch.distributed learns "npu -> hccl" only once torch_npu is imported.
+        return "hccl"
+
+    def _device_index(self) -> int:
+        return self._index if self._index is not None else self.current_device_index()
+
+
+@contextlib.contextmanager
+def _capture(
+    npu: Any, graph: Any, pool: Any | None, stream: Any | None, mode: str
+) -> Iterator[None]:
+    """``torch.npu.graph`` made safe to fail.
+
+    Its argument order differs from ``torch.cuda.graph`` after ``stream`` (``auto_dispatch_capture``
+    comes before ``capture_error_mode``), so everything is passed by keyword. When capture ends in
+    an error, its ``__exit__`` raises from ``capture_end`` before leaving the capture stream; the
+    caller's stream is restored here so an eager fallback does not run on the side stream.
+    """
+    previous = npu.current_stream()
+    try:
+        with npu.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
+            yield
+    except RuntimeError as exc:
+        raise GraphCaptureError(
+            f"NPU graph capture failed: {exc}\nWork inside an ACL graph capture must not "
+            "synchronise with the host (.item(), printing a tensor, data-dependent shapes), "
+            "seed a generator, or use operators that run on an internal secondary stream "
+            "(error 107025: npu_fusion_attention v1/v2 do; use npu_fusion_attention_v3, "
+            "graphcap_npu.fusion_attention_forward). Only aclnn operators can be captured."
+        ) from exc
+    finally:
+        npu.set_stream(previous)

@@ -1,0 +1,50 @@
+"""Fixtures: a fake torch_npu installed in this process, and fake packages for probe processes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import fake_torch_npu
+import pytest
+import torch
+from graphcap_npu import backend as npu_backend
+from graphcap_npu.probe import ProbeResult
+
+
+@pytest.fixture(autouse=True)
+def _fresh_availability() -> Iterator[None]:
+    """Availability is cached per process; every test starts (and leaves) without a verdict."""
+    npu_backend.npu_availability.cache_clear()
+    yield
+    npu_backend.npu_availability.cache_clear()
+
+
+@pytest.fixture
+def fake_npu(monkeypatch: pytest.MonkeyPatch) -> fake_torch_npu.FakeNPUNamespace:
+    """``torch_npu`` and ``torch.npu`` replaced by the documented-semantics test double.
+
+    The child-process probe is answered "ok" (a child cannot see this in-process fake); the
+    rest of the availability path runs for real against the fake.
+    """
+    module, namespace = fake_torch_npu.make_module()
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    monkeypatch.setattr(torch, "npu", namespace, raising=False)
+    monkeypatch.setattr(
+        npu_backend, "probe_torch_npu", lambda: ProbeResult(True, "1 NPU device(s) (fake)", 1)
+    )
+    return namespace
+
+
+@pytest.fixture
+def fake_package(tmp_path: Path):
+    """Write a fake ``torch_npu`` package with the given ``__init__`` body; returns its root."""
+
+    def write(body: str) -> Path:
+        package = tmp_path / "torch_npu"
+        package.mkdir()
+        (package / "__init__.py").write_text(body)
+        return tmp_path
+
+    return write

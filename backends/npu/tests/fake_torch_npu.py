@@ -1,0 +1,274 @@
+"""A CPU test double of the parts of torch_npu graphcap-npu uses, faithful to their documentation.
+
+It is strict where the real API is, so tests against it can fail:
+
+* ``torch.npu.graph`` has torch_npu's signature (``auto_dispatch_capture`` before
+  ``capture_error_mode``), so passing the capture mode positionally, torch.cuda-style, lands on
+  the wrong parameter and is seen; capture on the default stream is refused as ACL does.
+* ``npu_fusion_attention_v3`` computes softmax(scale * q k^T, masked) v with torch_npu's mask
+  convention (bool/uint8, True = masked out), refuses float masks, mask shapes outside
+  SS / 11SS / B1SS / BNSS, head counts that are not whole multiples and the varlen TND layout
+  (whose host-side lengths a capture would freeze); ``scale`` defaults to 1 as in torch_npu.
+  A fully masked row is documented to lose precision unless ``inner_precise=2``: the double
+  returns NaN for such rows then (the strictest reading of "unspecified") and zeros with 2.
+
+Everything is plain torch on the CPU, with no host reads, so it can run inside a CPU graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+class FakeStream:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.label}>"
+
+
+class FakeNPUGraph:
+    """Records what torch_npu's NPUGraph would be asked to do."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.replays = 0
+        self.fail_at_capture_end: str | None = None
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        self.events.append(("capture_begin", {"pool": pool, "mode": capture_error_mode}))
+
+    def capture_end(self) -> None:
+        self.events.append(("capture_end", {}))
+        if self.fail_at_capture_end:
+            raise RuntimeError(self.fail_at_capture_end)
+
+    def replay(self) -> None:
+        self.replays += 1
+
+    def pool(self) -> tuple[str, int]:
+        return ("pool-of", id(self))
+
+
+class FakeNPUNamespace(types.SimpleNamespace):
+    """Stands in for ``torch.npu`` (created by ``import torch_npu``)."""
+
+    def __init__(self, device_count: int = 1) -> None:
+        super().__init__()
+        self.default = FakeStream("default")
+        self._current = self.default
+        self._capturing = False
+        self._device_count = device_count
+        self.graph_calls: list[dict[str, Any]] = []
+        self.memory_calls: list[tuple[str, Any]] = []
+        self.NPUGraph = FakeNPUGraph
+        self.graph = self._make_graph_class()
+
+    # ---- streams and device --------------------------------------------------------------
+    def Stream(self) -> FakeStream:
+        return FakeStream("side")
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return self._current
+
+    def set_stream(self, stream: FakeStream) -> None:
+        self._current = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[FakeStream]:
+        previous, self._current = self._current, stream
+        try:
+            yield stream
+        finally:
+            self._current = previous
+
+    def is_available(self) -> bool:
+        return self._device_count > 0
+
+    def device_count(self) -> int:
+        return self._device_count
+
+    def current_device(self) -> int:
+        return 0
+
+    def synchronize(self, device: Any = None) -> None:
+        if self._capturing:
+            raise RuntimeError("synchronize is not allowed during capture")
+
+    def memory_allocated(self, device: Any = None) -> int:
+        self.memory_calls.append(("memory_allocated", device))
+        return 1234
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        self.memory_calls.append(("max_memory_allocated", device))
+        return 5678
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self.memory_calls.append(("reset_peak_memory_stats", device))
+
+    def empty_cache(self) -> None:
+        self.memory_calls.append(("empty_cache", None))
+
+    # ---- graphs --------------------------------------------------------------------------
+    def graph_pool_handle(self) -> tuple[str, str]:
+        return ("pool", "handle")
+
+    def is_current_stream_capturing(self) -> bool:
+        return self._capturing
+
+    def _make_graph_class(self) -> type:
+        namespace = self
+
+        class graph:
+            """Same parameters, in the same order, as torch_npu's ``torch.npu.graph``."""
+
+            def __init__(
+                self,
+                npu_graph: FakeNPUGraph,
+                pool: Any = None,
+                stream: FakeStream | None = None,
+                auto_dispatch_capture: bool = False,
+                capture_error_mode: str = "global",
+            ) -> None:
+                namespace.graph_calls.append(
+                    {
+                        "graph": npu_graph,
+                        "pool": pool,
+                        "stream": stream,
+                        "auto_dispatch_capture": auto_dispatch_capture,
+                        "capture_error_mode": capture_error_mode,
+                    }
+                )
+                if not isinstance(auto_dispatch_capture, bool):
+                    raise TypeError("auto_dispatch_capture must be a bool")
+                self.npu_graph = npu_graph
+                self.pool = () if pool is None else (pool,)
+                self.capture_stream = stream if stream is not None else FakeStream("capture")
+                self.mode = capture_error_mode
+                self._previous: FakeStream | None = None
+
+            def __enter__(self) -> None:
+                if self.capture_stream is namespace.default:
+                    raise RuntimeError("capture on the default stream is not supported")
+                self._previous = namespace._current
+                namespace._current = self.capture_stream
+                self.npu_graph.capture_begin(*self.pool, capture_error_mode=self.mode)
+                namespace._capturing = True
+
+            def __exit__(self, *exc: object) -> None:
+                namespace._capturing = False
+                # Like torch_npu: capture_end runs first; if it raises, the stream stays switched.
+                self.npu_graph.capture_end()
+                namespace._current = self._previous
+
+        return graph
+
+
+def npu_fusion_attention_v3(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix: list[int] | None = None,
+    actual_seq_qlen: torch.Tensor | None = None,
+    actual_seq_kvlen: torch.Tensor | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+) -> tuple[torch.Tensor, ...]:
+    FUSION_CALLS.append(
+        {
+            "head_num": head_num,
+            "input_layout": input_layout,
+            "atten_mask": atten_mask,
+            "scale": scale,
+            "keep_prob": keep_prob,
+            "inner_precise": inner_precise,
+            "sparse_mode": sparse_mode,
+            "actual_seq_qlen": actual_seq_qlen,
+        }
+    )
+    if input_layout == "TND":
+        raise AssertionError("TND takes host-side sequence lengths: never used under a graph")
+    if input_layout != "BNSD":
+        raise NotImplementedError(f"the double models the BNSD layout only, not {input_layout}")
+    if pse is not None or padding_mask is not None or sparse_mode != 0 or keep_prob != 1.0:
+        raise NotImplementedError("the double models defaultMask without pse or dropout")
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError("query, key and value must share one dtype")
+    if key.shape != value.shape:
+        raise RuntimeError("key and value must have one shape")
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if head_num != q_heads:
+        raise RuntimeError(f"head_num {head_num} does not match the query's N {q_heads}")
+    if q_heads % kv_heads:
+        raise RuntimeError("Nq / Nkv must be a whole number")
+    group = q_heads // kv_heads
+    key = key[:, :, None].expand(batch, kv_heads, group, kv_len, head_dim)
+    value = value[:, :, None].expand(batch, kv_heads, group, kv_len, head_dim)
+    key = key.reshape(batch, q_heads, kv_len, head_dim).float()
+    value = value.reshape(batch, q_heads, kv_len, head_dim).float()
+    scores = query.float() @ key.transpose(-1, -2) * scale
+    masked = None
+    if atten_mask is not None:
+        masked = _check_mask(atten_mask, batch, q_heads, q_len, kv_len).bool()
+        scores = scores.masked_fill(masked, -math.inf)
+    probs = torch.softmax(scores, dim=-1)  # a fully masked row: all -inf -> NaN
+    out = probs @ value
+    if masked is not None and inner_precise == 2:
+        invalid = masked.expand(batch, q_heads, q_len, kv_len).all(dim=-1, keepdim=True)
+        out = torch.where(invalid, torch.zeros_like(out), out)
+    out = out.to(query.dtype)
+    softmax_max = scores.amax(dim=-1, keepdim=True)
+    softmax_sum = probs.sum(dim=-1, keepdim=True)
+    empty = torch.empty(0)
+    seed = torch.zeros(1, dtype=torch.int64)
+    offset = torch.zeros(1, dtype=torch.int64)
+    return out, softmax_max, softmax_sum, empty, seed, offset
+
+
+def _check_mask(
+    mask: torch.Tensor, batch: int, heads: int, q_len: int, kv_len: int
+) -> torch.Tensor:
+    if mask.dtype not in _MASK_DTYPES:
+        raise RuntimeError(f"atten_mask must be bool or uint8, not {mask.dtype}")
+    shape = tuple(mask.shape)
+    allowed = {(q_len, kv_len), (1, 1, q_len, kv_len), (batch, 1, q_len, kv_len)}
+    allowed.add((batch, heads, q_len, kv_len))
+    if shape not in allowed:
+        raise RuntimeError(f"atten_mask shape {shape} is not SS, 11SS, B1SS or BNSS")
+    return mask
+
+
+FUSION_CALLS: list[dict[str, Any]] = []
+
+
+def make_module(device_count: int = 1) -> tuple[types.ModuleType, FakeNPUNamespace]:
+    """A fresh fake ``torch_npu`` module and the ``torch.npu`` namespace it would create."""
+    module = types.ModuleType("torch_npu")
+    module.__version__ = "2.14.0.fake"
+    namespace = FakeNPUNamespace(device_count)
+    module.npu = namespace
+    module.npu_fusion_attention_v3 = npu_fusion_attention_v3
+    FUSION_CALLS.clear()
+    return module, namespace
