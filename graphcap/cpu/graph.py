@@ -1,0 +1,440 @@
+"""A CPU graph with device-graph semantics: record the aten operations of a capture, replay them.
+
+A silent no-op graph hides every graph bug (a host counter frozen by capture, a forgotten replay,
+an ``.item()`` inside the step). This graph behaves like a CUDA graph instead, so those bugs show up
+in CPU tests:
+
+* capture records every aten operation (a ``TorchDispatchMode``) and runs it so shapes flow, then
+  restores memory that existed before capture, poisons memory allocated during capture (it holds no
+  computed values on a device until the first replay) and restores the RNG state;
+* replay re-issues exactly the recorded operations on the same tensor objects, with every host
+  value (Python numbers, shapes, lists) frozen as it was at capture, and never runs Python code;
+* host synchronisations, ``torch.tensor(...)`` literals and compiled regions are refused at capture
+  with a :class:`~graphcap.errors.GraphCaptureError` naming the operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from graphcap.errors import GraphcapError, GraphCaptureError
+
+__all__ = ["CPUGraph", "is_capturing"]
+
+_tls = threading.local()
+
+# Python-level constructors that copy host data into a new tensor: on a device this is a pageable
+# host-to-device copy, which a graph cannot hold (and a CUDA capture rejects).
+_LITERAL_CONSTRUCTORS = frozenset(
+    {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
+)
+_LIFT_COPY = torch.ops.aten.lift_fresh_copy.default
+_IS_NONZERO = torch.ops.aten.is_nonzero.default
+_INDEX = torch.ops.aten.index.Tensor
+_INDEX_PUTS = frozenset(
+    {
+        torch.ops.aten.index_put.default,
+        torch.ops.aten.index_put_.default,
+        torch.ops.aten._index_put_impl_.default,
+    }
+)
+_REPEAT_INTERLEAVE = torch.ops.aten.repeat_interleave.Tensor
+_MASK_DTYPES = (torch.bool, torch.uint8)
+# Byte written over integer memory allocated during capture: 0xA5A5... is a recognisably wrong
+# value for every integer width (and an out-of-range index, so gathers on it fail loudly).
+_POISON_BYTE = 0xA5
+
+
+def is_capturing() -> bool:
+    """True only while a :meth:`CPUGraph.capture` is in progress on the calling thread."""
+    return getattr(_tls, "graph", None) is not None
+
+
+def _has_mask_index(indices: Any) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices or ())
+
+
+def _host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
+    """Why ``func`` needs the host to see device data, or ``None`` if it can live in a graph.
+
+    The rule follows torch's own operator tags: ``data_dependent_output`` ops return a host value
+    computed from tensor data (``item``, ``_local_scalar_dense``, ``equal``, ``allclose``);
+    ``dynamic_output_shape`` ops size their output from tensor data (``nonzero``,
+    ``masked_select``, ``unique``, ``bincount``...). Two tagged ops are data-dependent only for
+    some arguments: integer indexing and ``repeat_interleave`` with ``output_size`` are fine.
+    ``is_nonzero`` (``bool(tensor)``) and boolean-mask ``index_put`` (a hidden ``nonzero``) are
+    host syncs the tags do not mark.
+    """
+    tags = func.tags
+    if torch.Tag.data_dependent_output in tags or func is _IS_NONZERO:
+        return "reads a tensor value on the host (.item(), bool(), int(), float(), equal, ...)"
+    if func in _INDEX_PUTS:
+        if _has_mask_index(args[1] if len(args) > 1 else kwargs.get("indices")):
+            return "boolean-mask assignment runs nonzero, whose size depends on the data"
+        return None
+    if torch.Tag.dynamic_output_shape in tags:
+        if func is _INDEX and not _has_mask_index(args[1] if len(args) > 1 else kwargs["indices"]):
+            return None
+        if func is _REPEAT_INTERLEAVE and _arg(func, args, kwargs, "output_size", None) is not None:
+            return None
+        return "its output shape depends on tensor values, which the host cannot know in a graph"
+    return None
+
+
+def _arg(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, default: Any) -> Any:
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            if name in kwargs:
+                return kwargs[name]
+            return args[position] if position < len(args) else default
+    return default
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the memory a tensor lives in (shared by all its views)."""
+    return tensor.untyped_storage()._cdata
+
+
+class _OpInfo:
+    """What the schema of one operator says, computed once per operator."""
+
+    __slots__ = ("generator_pos", "written")
+
+    def __init__(self, func: torch._ops.OpOverload) -> None:
+        arguments = func._schema.arguments
+        # (position, name) of every argument the operator writes to (in-place and out= ops).
+        self.written = [
+            (i, a.name)
+            for i, a in enumerate(arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        self.generator_pos = next(
+            (i for i, a in enumerate(arguments) if a.name == "generator"), None
+        )
+
+    def get(self, position: int, name: str, args: tuple, kwargs: dict) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        return args[position] if position < len(args) else None
+
+
+_OP_INFO: dict[torch._ops.OpOverload, _OpInfo] = {}
+
+
+def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        info = _OP_INFO[func] = _OpInfo(func)
+    return info
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    leaves, _ = tree_flatten(value)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+# A replay step: the operator, its frozen arguments, then where fresh results go: the recorded
+# output of a single-tensor op, or (index into the flattened result, recorded output) pairs for
+# the others; both ``None`` when the op only writes its arguments.
+_Step = tuple[
+    torch._ops.OpOverload,
+    tuple,
+    dict,
+    "torch.Tensor | None",
+    "tuple[tuple[int, torch.Tensor], ...] | None",
+]
+
+
+class _Recording:
+    """Everything one capture accumulates; discarded or frozen into a replay plan at the end."""
+
+    def __init__(self) -> None:
+        self.steps: list[_Step] = []
+        self.op_names: list[str] = []
+        # Every tensor any operation saw or produced, kept alive for the graph's lifetime: object
+        # ids and storages would otherwise be reused by later allocations.
+        self.keepalive: list[Any] = []
+        self.new_storages: dict[int, tuple[torch.UntypedStorage, torch.dtype]] = {}
+        self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.error: GraphCaptureError | None = None
+
+    def fail(self, message: str) -> GraphCaptureError:
+        error = GraphCaptureError(message)
+        if self.error is None:
+            self.error = error
+        return error
+
+    def snapshot(self, tensor: torch.Tensor) -> None:
+        """Remember the bytes of pre-existing memory before the first write during capture."""
+        key = _storage_key(tensor)
+        if key in self.new_storages or key in self.snapshots:
+            return
+        storage = tensor.untyped_storage()
+        self.snapshots[key] = (storage, storage.clone())
+
+    def restore(self) -> None:
+        for storage, saved in self.snapshots.values():
+            if storage.nbytes() != saved.nbytes():
+                storage.resize_(saved.nbytes())
+            storage.copy_(saved)
+        for generator, state in self.generators.values():
+            generator.set_state(state)
+
+    def poison(self) -> None:
+        for storage, dtype in self.new_storages.values():
+            element = torch.empty((), dtype=dtype).element_size()
+            view = torch.empty(0, dtype=dtype).set_(storage, 0, (storage.nbytes() // element,))
+            if dtype.is_floating_point or dtype.is_complex:
+                view.fill_(float("nan"))
+            elif dtype == torch.bool:
+                view.fill_(True)
+            else:
+                storage.fill_(_POISON_BYTE)
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs and records each aten operation issued during a capture."""
+
+    def __init__(self, recording: _Recording) -> None:
+        super().__init__()
+        self.rec = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        rec = self.rec
+        kwargs = kwargs or {}
+        if rec.error is not None:
+            # A refusal was swallowed by the code under capture (or raised outside the
+            # dispatcher, like a compiled region): stop at the next operation.
+            raise rec.error
+        self._refuse(func, args, kwargs)
+        info = _op_info(func)
+        for position, name in info.written:
+            for tensor in _tensors(info.get(position, name, args, kwargs)):
+                rec.snapshot(tensor)
+        if info.generator_pos is not None:
+            generator = info.get(info.generator_pos, "generator", args, kwargs)
+            if generator is not None and id(generator) not in rec.generators:
+                rec.generators[id(generator)] = (generator, generator.get_state())
+
+        result = func(*args, **kwargs)
+
+        inputs = _tensors((args, kwargs))
+        input_keys = {_storage_key(t) for t in inputs}
+        flat, _ = tree_flatten(result)
+        fresh = []
+        for index, leaf in enumerate(flat):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if leaf.layout != torch.strided:
+                raise rec.fail(f"{func} returned a {leaf.layout} tensor; only strided tensors")
+            key = _storage_key(leaf)
+            if key in input_keys:
+                continue  # a true view (or the written argument itself): it keeps aliasing
+            rec.new_storages.setdefault(key, (leaf.untyped_storage(), leaf.dtype))
+            fresh.append((index, leaf))
+        rec.keepalive.append((args, kwargs, result))
+        if not info.written and not fresh:
+            return result  # a pure view: replay keeps aliasing the same storage, nothing to run
+        single = result if fresh and isinstance(result, torch.Tensor) else None
+        several = tuple(fresh) if fresh and single is None else None
+        rec.steps.append((func, args, kwargs, single, several))
+        rec.op_names.append(str(func))
+        return result
+
+    def _refuse(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+        if func is _LIFT_COPY:
+            raise self.rec.fail(
+                f"{func}: a tensor literal built from host data inside capture (a pageable "
+                "host-to-device copy on a device); create it before capture and copy_ into it"
+            )
+        reason = _host_sync_reason(func, args, kwargs)
+        if reason is not None:
+            raise self.rec.fail(
+                f"{func} is a host synchronisation inside graph capture: {reason}. Keep the value "
+                "on the device (torch.where, masks, fixed shapes) or read it outside the graph"
+            )
+
+
+class _LiteralGuard(TorchFunctionMode):
+    """Refuses ``torch.tensor(...)``-style literals, which the dispatcher cannot tell apart.
+
+    At the aten level a literal is a ``lift_fresh`` of a host-built tensor, but so is the scalar of
+    ``x[idx] = 0.0`` (a device-side fill on an accelerator, which is fine); only the Python-level
+    call says which is which.
+    """
+
+    def __init__(self, recording: _Recording) -> None:
+        super().__init__()
+        self.rec = recording
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func in _LITERAL_CONSTRUCTORS:
+            data = args[0] if args else (kwargs or {}).get("data")
+            if not isinstance(data, torch.Tensor):
+                name = getattr(func, "__name__", str(func))
+                raise self.rec.fail(
+                    f"torch.{name}(...) inside graph capture copies host data into a new tensor "
+                    "(aten.lift_fresh; a pageable host-to-device copy on a device). Create the "
+                    "tensor before capture and copy_ new values into it"
+                )
+        return func(*args, **(kwargs or {}))
+
+
+def _install_compile_guard() -> None:
+    """Make every entry into a torch.compile'd region during a capture a capture error.
+
+    Compiled (inductor) code runs its own kernels without the dispatcher, so nothing would be
+    recorded. Every entry point dynamo offers (a ``torch.compile``'d function or module, a
+    ``torch._dynamo.optimize`` / ``run`` context) asks ``eval_frame._callback_from_stance`` for the
+    frame callback to install. During a capture on this thread the wrapper records the refusal and
+    answers ``None`` (no dynamo: the region runs eagerly, so its state stays consistent); the
+    capture then fails at the next dispatched operation or at capture end. ``torch.compiler
+    .disable``d regions pass ``None`` themselves and are not refused.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return  # dynamo never imported: no compiled region exists yet
+    original = getattr(eval_frame, "_callback_from_stance", None)
+    if original is None or getattr(original, "_graphcap_guard", False):
+        return
+
+    def guarded(callback: Any) -> Any:
+        recording = getattr(_tls, "recording", None)
+        if recording is None or callback is None:
+            return original(callback)
+        recording.fail(
+            "a torch.compile'd region was entered inside graph capture: compiled kernels bypass "
+            "the aten dispatcher, so the CPU graph cannot record them. Capture the eager module "
+            "(or torch.compiler.disable the region) for CPU graphs"
+        )
+        return None
+
+    guarded._graphcap_guard = True  # type: ignore[attr-defined]
+    eval_frame._callback_from_stance = guarded
+
+
+class CPUGraph:
+    """A graph of recorded aten operations with device-graph capture and replay semantics.
+
+    ``with graph.capture(): ...`` records; ``graph.replay()`` re-runs the recording on the same
+    tensors. One capture per graph: capturing again without :meth:`reset` raises, as re-capturing a
+    live device graph would silently invalidate the addresses its callers hold.
+    """
+
+    def __init__(self) -> None:
+        self._steps: tuple[_Step, ...] = ()
+        self._op_names: tuple[str, ...] = ()
+        self._keepalive: list[Any] = []
+        self._state = "empty"  # empty | capturing | captured | failed
+        self._failure = ""
+
+    # ---- introspection --------------------------------------------------------------------
+    @property
+    def num_ops(self) -> int:
+        """How many operations a replay executes (pure views are not re-run)."""
+        return len(self._steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        """The replayed operations in order, e.g. ``"aten.mm.default"``; for debugging."""
+        return self._op_names
+
+    @property
+    def is_captured(self) -> bool:
+        return self._state == "captured"
+
+    def __repr__(self) -> str:
+        return f"<CPUGraph {self._state} ops={self.num_ops}>"
+
+    # ---- capture --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Record the aten operations issued inside the ``with`` block into this graph.
+
+        On exit (normal or not) memory that existed before capture is restored, memory allocated
+        during capture is poisoned and the RNG state is restored. If anything inside was refused
+        (even when the code under capture caught the error) the capture fails with
+        :class:`GraphCaptureError` and this graph stays unusable until :meth:`reset`.
+        """
+        if is_capturing():
+            raise GraphCaptureError(
+                "a capture is already in progress on this thread; graphs cannot be nested"
+            )
+        if self._state != "empty":
+            raise GraphCaptureError(
+                f"this graph already holds a capture ({self._state}); call reset() first or "
+                "create a new graph"
+            )
+        recording = _Recording()
+        default_generator = torch.default_generator
+        recording.generators[id(default_generator)] = (
+            default_generator,
+            default_generator.get_state(),
+        )
+        _install_compile_guard()
+        self._state = "capturing"
+        _tls.graph, _tls.recording = self, recording
+        error: BaseException | None = None
+        try:
+            with _LiteralGuard(recording), _Recorder(recording):
+                yield
+        except BaseException as exc:
+            error = exc
+        finally:
+            _tls.graph = _tls.recording = None
+            recording.restore()
+            recording.poison()
+        if error is None and recording.error is not None:
+            error = recording.error
+        if error is not None:
+            self._state = "failed"
+            self._failure = str(error) or type(error).__name__
+            raise error
+        self._steps = tuple(recording.steps)
+        self._op_names = tuple(recording.op_names)
+        self._keepalive = recording.keepalive
+        self._state = "captured"
+
+    def reset(self) -> None:
+        """Forget the capture (releasing its tensors) so the graph can capture again."""
+        if self._state == "capturing":
+            raise GraphCaptureError("cannot reset a graph while it is capturing")
+        self._steps, self._op_names, self._keepalive = (), (), []
+        self._state, self._failure = "empty", ""
+
+    # ---- replay ---------------------------------------------------------------------------
+    def replay(self) -> None:
+        """Re-run the recorded operations on the recorded tensors; no Python model code runs."""
+        if self._state != "captured":
+            raise GraphcapError(self._not_replayable())
+        with torch.no_grad():
+            for func, args, kwargs, single, several in self._steps:
+                result = func(*args, **kwargs)
+                if single is not None:
+                    single.copy_(result)
+                elif several is not None:
+                    flat, _ = tree_flatten(result)
+                    for index, recorded in several:
+                        recorded.copy_(flat[index])
+
+    def _not_replayable(self) -> str:
+        if self._state == "empty":
+            return "replay() of a graph that holds no capture; capture into it first"
+        if self._state == "capturing":
+            return "replay() of a graph while it is still capturing"
+        return f"replay() of a graph whose capture failed ({self._failure}); reset() and recapture"
