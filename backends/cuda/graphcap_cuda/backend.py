@@ -1,0 +1,111 @@
+"""CUDA backend: the Backend contract on torch.cuda graphs.
+
+Only the four graph hooks and availability are CUDA-specific; streams, synchronize, RNG state and
+memory figures come from the base class (``torch.get_device_module("cuda")`` is ``torch.cuda``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from graphcap.backend import Availability, Backend
+from graphcap.errors import GraphCaptureError
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+class CUDABackend(Backend):
+    name: ClassVar[str] = "cuda"
+    priority: ClassVar[int] = 100
+    device_type: ClassVar[str] = "cuda"
+    # torch registers the default CUDA generator with every graph it captures: capture does not
+    # advance it and each replay draws fresh numbers from its current state.
+    rng_in_graph: ClassVar[bool] = True
+    # NCCL collectives can be captured (after one warm-up collective outside the capture).
+    collectives_in_graph: ClassVar[bool] = True
+    # Capture on the legacy default stream is refused by CUDA.
+    capture_needs_side_stream: ClassVar[bool] = True
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            return _probe()
+        except Exception as exc:  # a broken driver must make us unavailable, not crash selection
+            return Availability(False, f"probing CUDA raised {type(exc).__name__}: {exc}")
+
+    def create_graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        pool: Any | None = None,
+        stream: torch.cuda.Stream | None = None,
+        capture_error_mode: str | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        mode = capture_error_mode or "global"
+        if mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)} "
+                f"(or None for 'global'), not {capture_error_mode!r}"
+            )
+        return _capture(graph, pool, stream, mode)
+
+    def replay_graph(self, graph: torch.cuda.CUDAGraph) -> None:
+        graph.replay()
+
+    def is_current_stream_capturing(self) -> bool:
+        return bool(torch.cuda.is_current_stream_capturing())
+
+    def graph_pool_handle(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+
+@contextlib.contextmanager
+def _capture(
+    graph: torch.cuda.CUDAGraph, pool: Any | None, stream: torch.cuda.Stream | None, mode: str
+) -> Iterator[None]:
+    """``torch.cuda.graph`` made safe to fail.
+
+    When capture ends in an error (a host sync inside the block invalidates it), torch's context
+    manager raises from ``capture_end`` before switching back from its capture stream, leaving
+    the caller on that side stream. The rollout engine falls back to eager after a failed
+    capture, so the stream is restored here and the error says what usually causes it.
+    """
+    previous = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
+            yield
+    except RuntimeError as exc:
+        raise GraphCaptureError(
+            f"CUDA graph capture failed: {exc}\nWork inside a capture must not synchronise with "
+            "the host (.item(), bool(tensor), printing a tensor, nonzero and other data-dependent "
+            "shapes, copies to pageable host memory) nor touch CUDA from another thread in "
+            "'global' capture mode."
+        ) from exc
+    finally:
+        torch.cuda.set_stream(previous)
+
+
+def _probe() -> Availability:
+    if not torch.backends.cuda.is_built():
+        return Availability(
+            False,
+            f"torch {torch.__version__} is a build without CUDA; install a CUDA build of torch",
+        )
+    count = torch.cuda.device_count()
+    if count == 0 or not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return Availability(
+            False, f"torch {torch.__version__} has CUDA support but sees no CUDA device{where}"
+        )
+    runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"HIP {torch.version.hip}"
+    return Availability(
+        True, f"{count} CUDA device(s) visible (torch {torch.__version__}, {runtime})"
+    )

@@ -1,0 +1,130 @@
+"""graphcap-cuda: safe to install and import anywhere; the real graph hooks where CUDA exists.
+
+The full Backend contract on a GPU is checked by the conformance suite
+(``GRAPHCAP_BACKEND=cuda python -m graphcap.testing``); these tests cover what is specific to
+this plugin.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+import torch
+from graphcap_cuda import CUDABackend
+
+import graphcap
+from graphcap.cpu import CPUBackend
+from graphcap.errors import BackendSelectionError, GraphCaptureError
+from graphcap.registry import discover
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+def test_entry_point_is_installed() -> None:
+    entry_points = metadata.entry_points(group="graphcap", name="cuda")
+    assert [ep.value for ep in entry_points] == ["graphcap_cuda.plugin"], (
+        "install the plugin first: pip install -e backends/cuda --no-deps"
+    )
+
+
+def test_registry_discovers_the_backend() -> None:
+    registry = discover(refresh=True)
+    record = registry.backends["cuda"]
+    assert record.cls is CUDABackend
+    assert record.distribution == "graphcap-cuda"
+    assert record.version == metadata.version("graphcap-cuda")
+    assert not [f for f in registry.failures if f.entry_point == "cuda"]
+
+
+def test_declared_capabilities() -> None:
+    assert CUDABackend.priority > CPUBackend.priority
+    assert CUDABackend.rng_in_graph and CUDABackend.collectives_in_graph
+    assert CUDABackend.capture_needs_side_stream
+    assert CUDABackend.device_type == "cuda"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_unavailable_without_cuda_says_why() -> None:
+    availability = CUDABackend.availability()
+    assert not availability.ok
+    assert "CUDA" in availability.reason
+    with pytest.raises(BackendSelectionError, match="unavailable here"):
+        graphcap.get_backend("cuda")
+
+
+def test_no_visible_device_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    availability = CUDABackend.availability()
+    assert not availability.ok
+    assert "sees no CUDA device" in availability.reason
+    assert "CUDA_VISIBLE_DEVICES=''" in availability.reason
+
+
+def test_availability_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> int:
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", broken)
+    availability = CUDABackend.availability()
+    assert not availability.ok
+    assert "RuntimeError: driver exploded" in availability.reason
+
+
+def test_bad_capture_error_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="capture_error_mode must be one of"):
+        CUDABackend().capture_to_graph(None, capture_error_mode="strict")
+
+
+@pytest.mark.device
+@needs_cuda
+def test_auto_selected_when_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRAPHCAP_BACKEND", raising=False)
+    backend = graphcap.get_backend()
+    assert isinstance(backend, CUDABackend)
+    assert backend.device.type == "cuda"
+
+
+@pytest.mark.device
+@needs_cuda
+def test_capture_and_replay_on_the_gpu() -> None:
+    backend = CUDABackend()
+    x = torch.ones(8, device="cuda")
+    total = torch.zeros(8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        total.add_(x)
+    torch.cuda.current_stream().wait_stream(side)
+    total.zero_()
+    graph = backend.create_graph()
+    with backend.capture_to_graph(graph, pool=backend.graph_pool_handle()):
+        assert backend.is_current_stream_capturing()
+        assert torch.cuda.current_stream() != torch.cuda.default_stream()
+        total.add_(x)
+    torch.cuda.synchronize()
+    assert total.sum().item() == 0.0  # recorded, not run
+    for _ in range(3):
+        backend.replay_graph(graph)
+    torch.cuda.synchronize()
+    assert total.tolist() == [3.0] * 8
+
+
+@pytest.mark.device
+@needs_cuda
+def test_failed_capture_restores_the_stream_and_says_why() -> None:
+    backend = CUDABackend()
+    x = torch.ones(4, device="cuda")
+    (x * 2).sum().item()
+    before = torch.cuda.current_stream()
+    with (
+        pytest.raises(GraphCaptureError, match="must not synchronise with the host"),
+        backend.capture_to_graph(backend.create_graph()),
+    ):
+        (x * 2).sum().item()
+    assert torch.cuda.current_stream() == before
+    assert not backend.is_current_stream_capturing()
+    assert (x + 1).sum().item() == 8.0
