@@ -132,6 +132,27 @@ def test_multi_output_op_writes_every_recorded_output():
     assert torch.equal(indices, torch.tensor([0, 2]))
 
 
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_capture_under_any_autograd_mode_replays(mode):
+    weight = torch.nn.Parameter(torch.full((2, 2), 2.0))
+    x = torch.ones(1, 2)
+    buf = torch.zeros(1, 2)
+    contexts = {
+        "grad": contextlib.nullcontext,
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+    }
+    graph = CPUGraph()
+    with contexts[mode](), graph.capture():
+        y = x @ weight
+        buf.add_(y)
+    with torch.no_grad():
+        weight.mul_(3)  # an in-place weight update between replays is seen
+    graph.replay()
+    assert torch.equal(y, torch.full((1, 2), 12.0))
+    assert torch.equal(buf, torch.full((1, 2), 12.0))
+
+
 # ---- RNG --------------------------------------------------------------------------------------
 def test_capture_does_not_advance_the_generator():
     torch.manual_seed(123)

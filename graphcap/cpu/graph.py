@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -144,11 +144,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-# A replay step: the operator, its frozen arguments, then where fresh results go: the recorded
-# output of a single-tensor op, or (index into the flattened result, recorded output) pairs for
-# the others; both ``None`` when the op only writes its arguments.
+# A replay step: the operator's C++ entry point (``OpOverload._op``, what ``OpOverload.__call__``
+# forwards to, one Python frame less per op), its frozen arguments, then where fresh results go:
+# the recorded output of a single-tensor op, or (index into the flattened result, recorded output)
+# pairs for the others; both ``None`` when the op only writes its arguments.
 _Step = tuple[
-    torch._ops.OpOverload,
+    Callable[..., Any],
     tuple,
     dict,
     "torch.Tensor | None",
@@ -249,7 +250,7 @@ class _Recorder(TorchDispatchMode):
             return result  # a pure view: replay keeps aliasing the same storage, nothing to run
         single = result if fresh and isinstance(result, torch.Tensor) else None
         several = tuple(fresh) if fresh and single is None else None
-        rec.steps.append((func, args, kwargs, single, several))
+        rec.steps.append((func._op, args, kwargs, single, several))
         rec.op_names.append(str(func))
         return result
 
@@ -419,10 +420,15 @@ class CPUGraph:
 
     # ---- replay ---------------------------------------------------------------------------
     def replay(self) -> None:
-        """Re-run the recorded operations on the recorded tensors; no Python model code runs."""
+        """Re-run the recorded operations on the recorded tensors; no Python model code runs.
+
+        Runs under inference mode: a replay builds no autograd graph (as a device graph does
+        not), and it can write into tensors whether they were captured under ``no_grad`` or
+        ``inference_mode``.
+        """
         if self._state != "captured":
             raise GraphcapError(self._not_replayable())
-        with torch.no_grad():
+        with torch.inference_mode():
             for func, args, kwargs, single, several in self._steps:
                 result = func(*args, **kwargs)
                 if single is not None:
