@@ -11,6 +11,13 @@ import pytest
 import torch
 from graphcap_npu import backend as npu_backend
 from graphcap_npu.probe import ProbeResult
+from transformers.utils import is_torch_npu_available
+
+# transformers caches whether torch_npu is usable the first time it asks (during lazy imports of
+# its attention integrations). Ask now, while no fake is installed, so the in-process double
+# never makes transformers take its own NPU code paths.
+assert not is_torch_npu_available()
+assert not is_torch_npu_available(check_device=True)
 
 
 @pytest.fixture(autouse=True)

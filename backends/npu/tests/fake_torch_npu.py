@@ -18,6 +18,7 @@ Everything is plain torch on the CPU, with no host reads, so it can run inside a
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import math
 import types
 from collections.abc import Iterator
@@ -266,6 +267,7 @@ FUSION_CALLS: list[dict[str, Any]] = []
 def make_module(device_count: int = 1) -> tuple[types.ModuleType, FakeNPUNamespace]:
     """A fresh fake ``torch_npu`` module and the ``torch.npu`` namespace it would create."""
     module = types.ModuleType("torch_npu")
+    module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", loader=None)
     module.__version__ = "2.14.0.fake"
     namespace = FakeNPUNamespace(device_count)
     module.npu = namespace
