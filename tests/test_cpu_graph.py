@@ -123,6 +123,34 @@ def test_may_alias_ops_copy_or_view_as_at_capture():
     assert graph.num_ops == 2  # the copies run, the views do not
 
 
+def test_in_place_metadata_ops_run_once_at_capture():
+    x = torch.arange(3.0)
+    buf = torch.zeros(3)
+
+    def step():
+        x.unsqueeze_(0)  # host-side metadata: a device graph never replays it
+        buf.add_(x.squeeze(0))
+
+    graph, _ = capture(step)
+    assert x.shape == (1, 3)
+    graph.replay()
+    graph.replay()
+    assert x.shape == (1, 3)
+    assert torch.equal(buf, 2 * torch.arange(3.0))
+
+
+def test_storage_changing_ops_are_refused():
+    x = torch.zeros(3)
+    with pytest.raises(GraphCaptureError, match="resize_"):
+        capture(lambda: x.resize_(6))
+    assert x.shape == (3,)
+    with pytest.raises(GraphCaptureError, match="set_"):
+        capture(lambda: x.set_(torch.zeros(2)))
+    graph, _ = capture(lambda: x.resize_(3).add_(1))  # a same-size resize is a no-op
+    graph.replay()
+    assert torch.equal(x, torch.ones(3))
+
+
 def test_multi_output_op_writes_every_recorded_output():
     x = torch.tensor([[1.0, 5.0, 3.0], [4.0, 2.0, 6.0]])
     graph, (values, indices) = capture(lambda: torch.max(x, dim=1))
@@ -280,6 +308,10 @@ def test_compiled_region_is_refused():
         compiled(x)
     assert torch.equal(buf, torch.zeros(3))
     assert torch.equal(compiled(x), x * 2 + 1)  # dynamo still works after the refusal
+    fresh = torch.compile(lambda t: t - 1, backend="eager")  # first called inside capture
+    with pytest.raises(GraphCaptureError, match=r"torch\.compile"):
+        capture(lambda: fresh(x))
+    assert torch.equal(fresh(x), x - 1)
     disabled = torch.compiler.disable(lambda t: t * 3)
     graph, y = capture(lambda: disabled(x))  # a compiler-disabled region is plain eager code
     graph.replay()

@@ -38,6 +38,8 @@ _LITERAL_CONSTRUCTORS = frozenset(
     {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
 )
 _LIFT_COPY = torch.ops.aten.lift_fresh_copy.default
+_SET = torch.ops.aten.set_
+_RESIZES = (torch.ops.aten.resize_, torch.ops.aten.resize_as_)
 _IS_NONZERO = torch.ops.aten.is_nonzero.default
 _INDEX = torch.ops.aten.index.Tensor
 _INDEX_PUTS = frozenset(
@@ -99,6 +101,12 @@ def _arg(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, defa
     return default
 
 
+def _same_size_resize(func: torch._ops.OpOverload, args: tuple) -> bool:
+    """Whether a resize_ / resize_as_ leaves the tensor's size as it is (a harmless no-op)."""
+    target = args[1].shape if func.overloadpacket is torch.ops.aten.resize_as_ else args[1]
+    return tuple(args[0].shape) == tuple(target)
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
     """Identity of the memory a tensor lives in (shared by all its views)."""
     return tensor.untyped_storage()._cdata
@@ -107,10 +115,13 @@ def _storage_key(tensor: torch.Tensor) -> int:
 class _OpInfo:
     """What the schema of one operator says, computed once per operator."""
 
-    __slots__ = ("generator_pos", "written")
+    __slots__ = ("generator_pos", "metadata_only", "written")
 
     def __init__(self, func: torch._ops.OpOverload) -> None:
         arguments = func._schema.arguments
+        # In-place view ops (t_, unsqueeze_, as_strided_...) change only a tensor's sizes and
+        # strides, host-side state a device graph never sees: they run once, at capture.
+        self.metadata_only = torch.Tag.inplace_view in func.tags
         # (position, name) of every argument the operator writes to (in-place and out= ops).
         self.written = [
             (i, a.name)
@@ -246,8 +257,8 @@ class _Recorder(TorchDispatchMode):
             rec.new_storages.setdefault(key, (leaf.untyped_storage(), leaf.dtype))
             fresh.append((index, leaf))
         rec.keepalive.append((args, kwargs, result))
-        if not info.written and not fresh:
-            return result  # a pure view: replay keeps aliasing the same storage, nothing to run
+        if info.metadata_only or (not info.written and not fresh):
+            return result  # a view: replay keeps aliasing the same storage, nothing to run
         single = result if fresh and isinstance(result, torch.Tensor) else None
         several = tuple(fresh) if fresh and single is None else None
         rec.steps.append((func._op, args, kwargs, single, several))
@@ -255,6 +266,12 @@ class _Recorder(TorchDispatchMode):
         return result
 
     def _refuse(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+        packet = func.overloadpacket
+        if packet is _SET or (packet in _RESIZES and not _same_size_resize(func, args)):
+            raise self.rec.fail(
+                f"{func} inside graph capture moves or resizes the memory a tensor lives in; a "
+                "graph needs fixed addresses: allocate tensors at their final size before capture"
+            )
         if func is _LIFT_COPY:
             raise self.rec.fail(
                 f"{func}: a tensor literal built from host data inside capture (a pageable "
