@@ -60,9 +60,11 @@ class RLIteration:
     iteration: int
     generate_s: float
     train_step_s: float
+    loss: float
     captures: int | None
     path: str | None
     peak_memory_bytes: int | None
+    train_peak_memory_bytes: int | None
     tokens_match_eager: bool | None
     tokens_changed: bool | None
 
@@ -238,12 +240,16 @@ def format_rl_table(results: list[RLLoopResult]) -> str:
             f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
             f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}"
         )
-        lines.append("  iter  generate(ms)  train(ms)  captures  path          peak mem  =eager")
+        lines.append(
+            "  iter  generate(ms)  train(ms)  captures  path          peak mem  =eager  changed"
+        )
         for it in res.iterations:
             match = "n/a" if it.tokens_match_eager is None else str(it.tokens_match_eager)
+            changed = "n/a" if it.tokens_changed is None else str(it.tokens_changed)
             lines.append(
                 f"  {it.iteration:<4d}  {it.generate_s * 1e3:12.1f}  {it.train_step_s * 1e3:9.1f}"
                 f"  {it.captures if it.captures is not None else 'n/a':>8}  "
-                f"{it.path or 'n/a':<12}  {_fmt_bytes(it.peak_memory_bytes):>8}  {match}"
+                f"{it.path or 'n/a':<12}  {_fmt_bytes(it.peak_memory_bytes):>8}  {match:<6}  "
+                f"{changed}"
             )
     return "\n".join(lines)
