@@ -13,11 +13,12 @@ from graphcap_npu import backend as npu_backend
 from graphcap_npu.probe import ProbeResult
 from transformers.utils import is_torch_npu_available
 
-# transformers caches whether torch_npu is usable the first time it asks (during lazy imports of
-# its attention integrations). Ask now, while no fake is installed, so the in-process double
-# never makes transformers take its own NPU code paths.
-assert not is_torch_npu_available()
-assert not is_torch_npu_available(check_device=True)
+if not fake_torch_npu.REAL_TORCH_NPU:
+    # transformers caches whether torch_npu is usable the first time it asks (during lazy imports
+    # of its attention integrations). Ask now, while no double is installed, so the double never
+    # makes transformers take its own NPU code paths.
+    assert not is_torch_npu_available()
+    assert not is_torch_npu_available(check_device=True)
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +36,8 @@ def fake_npu(monkeypatch: pytest.MonkeyPatch) -> fake_torch_npu.FakeNPUNamespace
     The child-process probe is answered "ok" (a child cannot see this in-process fake); the
     rest of the availability path runs for real against the fake.
     """
+    if fake_torch_npu.REAL_TORCH_NPU:
+        pytest.skip("a real torch_npu is installed here; the double would shadow it")
     module, namespace = fake_torch_npu.make_module()
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     monkeypatch.setattr(torch, "npu", namespace, raising=False)

@@ -24,9 +24,20 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
+from graphcap_npu.probe import torch_npu_installed
 
 _MASK_DTYPES = (torch.bool, torch.uint8)
+
+#: Whether a real torch_npu is installed here (decided before any double is put in its place).
+REAL_TORCH_NPU = torch_npu_installed()
+#: For tests of the CPU logic that replace torch_npu, or assume it is absent: on an Ascend
+#: machine they would tangle with the real one, and the cpu environment runs them anyway.
+without_real_torch_npu = pytest.mark.skipif(
+    REAL_TORCH_NPU,
+    reason="a real torch_npu is installed here; the torch_npu-double tests run in the cpu env",
+)
 
 
 class FakeStream:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from graphcap_npu.attention import ATTENTION_NAME, fusion_attention_forward, to_masked_out
 
+pytestmark = fake_torch_npu.without_real_torch_npu
+
 B, NQ, NKV, D = 2, 4, 2, 8
 
 

@@ -7,6 +7,7 @@ from importlib import metadata
 
 import pytest
 import torch
+from fake_torch_npu import without_real_torch_npu
 from graphcap_npu import ATTENTION_NAME, NPUBackend, fusion_attention_forward, plugin
 from graphcap_npu import backend as npu_backend
 from graphcap_npu.probe import ProbeResult
@@ -16,11 +17,13 @@ from graphcap.errors import BackendSelectionError, GraphCaptureError
 
 
 # ---- without torch_npu (this machine) ---------------------------------------------------------
+@without_real_torch_npu
 def test_package_import_does_not_import_torch_npu() -> None:
     assert "torch_npu" not in sys.modules
     assert not hasattr(torch, "npu")
 
 
+@without_real_torch_npu
 def test_unavailable_here_with_reason() -> None:
     availability = NPUBackend.availability()
     assert not availability.ok
@@ -55,6 +58,7 @@ def test_availability_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(calls) == 1
 
 
+@without_real_torch_npu
 def test_graph_hooks_refuse_loudly_when_unavailable() -> None:
     backend = NPUBackend()
     with pytest.raises(BackendSelectionError, match="torch_npu is not installed"):
@@ -71,6 +75,7 @@ def test_entry_point_is_installed_and_loads() -> None:
     assert entry.load() is plugin
 
 
+@without_real_torch_npu
 def test_registry_discovers_the_backend() -> None:
     from graphcap.registry import discover
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fake_torch_npu import without_real_torch_npu
 from graphcap_npu.probe import probe_torch_npu
 
 FAKE_NPU_NAMESPACE = """
@@ -28,6 +29,7 @@ def _env(path: Path | None, **extra: str) -> dict[str, str]:
     return env
 
 
+@without_real_torch_npu
 def test_not_installed_says_so() -> None:
     result = probe_torch_npu(env=_env(None))
     assert not result.ok
