@@ -40,7 +40,6 @@ _LITERAL_CONSTRUCTORS = frozenset(
 _LIFT_COPY = torch.ops.aten.lift_fresh_copy.default
 _SET = torch.ops.aten.set_
 _RESIZES = (torch.ops.aten.resize_, torch.ops.aten.resize_as_)
-_IS_NONZERO = torch.ops.aten.is_nonzero.default
 _INDEX = torch.ops.aten.index.Tensor
 _INDEX_PUTS = frozenset(
     {
@@ -73,11 +72,12 @@ def _host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
     ``dynamic_output_shape`` ops size their output from tensor data (``nonzero``,
     ``masked_select``, ``unique``, ``bincount``...). Two tagged ops are data-dependent only for
     some arguments: integer indexing and ``repeat_interleave`` with ``output_size`` are fine.
-    ``is_nonzero`` (``bool(tensor)``) and boolean-mask ``index_put`` (a hidden ``nonzero``) are
-    host syncs the tags do not mark.
+    Boolean-mask ``index_put`` (a hidden ``nonzero``) is a host sync the tags do not mark.
+    ``bool(t)``, ``int(t)``, ``float(t)`` and ``is_nonzero`` reach the dispatcher as
+    ``_local_scalar_dense``.
     """
     tags = func.tags
-    if torch.Tag.data_dependent_output in tags or func is _IS_NONZERO:
+    if torch.Tag.data_dependent_output in tags:
         return "reads a tensor value on the host (.item(), bool(), int(), float(), equal, ...)"
     if func in _INDEX_PUTS:
         if _has_mask_index(args[1] if len(args) > 1 else kwargs.get("indices")):
