@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from graphcap.backend import Availability, Backend, MaskForm
-from graphcap.errors import BackendSelectionError, GraphCaptureError
+from graphcap.errors import BackendSelectionError, GraphcapError, GraphCaptureError
 from graphcap_npu.probe import INSTALL_HINT, probe_torch_npu, torch_npu_installed
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
@@ -159,6 +159,8 @@ def _capture(
     try:
         with npu.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
             yield
+    except GraphcapError:
+        raise  # already says what went wrong (a KV-table layer first seen in capture, say)
     except RuntimeError as exc:
         raise GraphCaptureError(
             f"NPU graph capture failed: {exc}\nWork inside an ACL graph capture must not "

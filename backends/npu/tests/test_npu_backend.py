@@ -173,6 +173,18 @@ def test_failed_capture_restores_stream_and_explains(fake_npu) -> None:
     assert not backend.is_current_stream_capturing()
 
 
+def test_graphcap_errors_inside_capture_pass_through(fake_npu) -> None:
+    backend = NPUBackend()
+    graph = backend.create_graph()
+    with (
+        pytest.raises(GraphCaptureError, match=r"^layer 3 appeared$"),
+        backend.capture_to_graph(graph),
+    ):
+        raise GraphCaptureError("layer 3 appeared")
+    assert backend.current_stream() is fake_npu.default
+    assert graph.events[-1] == ("capture_end", {})
+
+
 def test_replay_replays(fake_npu) -> None:
     backend = NPUBackend()
     graph = backend.create_graph()
