@@ -443,3 +443,54 @@ def test_transformers_own_mask_creation_is_a_host_sync():
     input_ids = torch.randint(0, 128, (1, 4))
     with pytest.raises(GraphCaptureError, match="_local_scalar_dense"):
         capture(lambda: model(input_ids, use_cache=False))
+
+
+def test_static_cache_decode_step_replays_token_identical_to_eager():
+    from transformers import StaticCache
+
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    batch, cache_len, prompt_len, steps = 2, 16, 5, 6
+    prompt = torch.randint(0, 128, (batch, prompt_len))
+    slots = torch.arange(cache_len).view(1, 1, 1, cache_len)
+
+    def run(use_graph):
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        prefill_mask = torch.full((prompt_len, cache_len), float("-inf")).triu(1)
+        with torch.no_grad():
+            logits = model(
+                prompt,
+                attention_mask=prefill_mask.expand(batch, 1, -1, -1),
+                position_ids=torch.arange(prompt_len).expand(batch, -1),
+                past_key_values=cache,
+            ).logits
+        ids = logits[:, -1:].argmax(-1)
+        positions = torch.full((batch, 1), prompt_len)
+
+        def step():
+            # Mask and positions come from device buffers the step advances itself.
+            visible = slots <= positions.view(-1, 1, 1, 1)
+            mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+            out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            ids.copy_(out.logits[:, -1:].argmax(-1))
+            positions.add_(1)
+            return out.logits
+
+        tokens, all_logits = [], []
+        if use_graph:
+            graph, logits = capture(step)
+            for _ in range(steps):
+                graph.replay()
+                tokens.append(ids.clone())
+                all_logits.append(logits.clone())
+        else:
+            with torch.no_grad():
+                for _ in range(steps):
+                    all_logits.append(step().clone())
+                    tokens.append(ids.clone())
+        return torch.cat(tokens, dim=1), torch.stack(all_logits)
+
+    eager_tokens, eager_logits = run(use_graph=False)
+    graph_tokens, graph_logits = run(use_graph=True)
+    assert torch.equal(graph_tokens, eager_tokens)
+    torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=0)
