@@ -60,10 +60,12 @@ def fusion_attention_forward(
         inner_precise = 0  # every row attends at least to its first key
     else:
         masked_out, inner_precise = None, 0
+    # The kernel reads its inputs as plain BNSD memory; transformers' q/k/v are transposed views
+    # (a KV-table buffer is already contiguous, so this costs nothing there).
     outputs = _torch_npu().npu_fusion_attention_v3(
-        query,
-        key,
-        value,
+        query.contiguous(),
+        key.contiguous(),
+        value.contiguous(),
         query.shape[1],
         input_layout="BNSD",
         atten_mask=masked_out,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -19,7 +20,12 @@ import torch
 
 from graphcap.backend import Availability, Backend, MaskForm
 from graphcap.errors import BackendSelectionError, GraphcapError, GraphCaptureError
-from graphcap_npu.probe import INSTALL_HINT, probe_torch_npu, torch_npu_installed
+from graphcap_npu.probe import (
+    INSTALL_HINT,
+    VISIBLE_DEVICES_VAR,
+    probe_torch_npu,
+    torch_npu_installed,
+)
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -28,28 +34,39 @@ CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 def npu_availability() -> Availability:
     """Whether torch_npu runs here and sees a device; probed once per process, then cached.
 
-    The child-process probe comes first; only when it succeeded is torch_npu imported here.
+    Unless torch_npu is already imported, a child-process probe comes first, and torch_npu is
+    imported here only when the child succeeded.
     """
-    if not torch_npu_installed():
-        return Availability(False, f"torch_npu is not installed; {INSTALL_HINT}")
-    probe = probe_torch_npu()
-    if not probe.ok:
-        return Availability(False, probe.reason)
-    try:
-        importlib.import_module("torch_npu")
-    except BaseException as exc:  # exit() inside the import must not end this process
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        return Availability(
-            False,
-            f"torch_npu imported in a probe process but not here: {type(exc).__name__}: {exc}",
-        )
+    reason = ""
+    if "torch_npu" not in sys.modules:
+        if not torch_npu_installed():
+            return Availability(False, f"torch_npu is not installed; {INSTALL_HINT}")
+        probe = probe_torch_npu()
+        if not probe.ok:
+            return Availability(False, probe.reason)
+        reason = probe.reason
+        try:
+            importlib.import_module("torch_npu")
+        except BaseException as exc:  # exit() inside the import must not end this process
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return Availability(
+                False,
+                f"torch_npu imported in a probe process but not here: {type(exc).__name__}: {exc}",
+            )
     npu = getattr(torch, "npu", None)
     if npu is None:
         return Availability(False, "torch_npu was imported but did not create torch.npu")
-    if not npu.is_available() or npu.device_count() < 1:
-        return Availability(False, "torch_npu is imported but torch.npu sees no device")
-    return Availability(True, probe.reason)
+    count = int(npu.device_count()) if npu.is_available() else 0
+    if count < 1:
+        visible = os.environ.get(VISIBLE_DEVICES_VAR)
+        where = f"={visible!r}" if visible is not None else " is unset"
+        return Availability(
+            False,
+            f"torch_npu is imported but torch.npu sees no device ({VISIBLE_DEVICES_VAR}{where});"
+            " check the driver (npu-smi info)",
+        )
+    return Availability(True, reason or f"{count} NPU device(s) visible (torch_npu imported)")
 
 
 def npu_module() -> Any:

@@ -33,18 +33,19 @@ def _fresh_availability() -> Iterator[None]:
 def fake_npu(monkeypatch: pytest.MonkeyPatch) -> fake_torch_npu.FakeNPUNamespace:
     """``torch_npu`` and ``torch.npu`` replaced by the documented-semantics test double.
 
-    The child-process probe is answered "ok" (a child cannot see this in-process fake); the
-    rest of the availability path runs for real against the fake.
+    It counts as already imported, so availability asks the double directly, with no probe.
     """
     if fake_torch_npu.REAL_TORCH_NPU:
         pytest.skip("a real torch_npu is installed here; the double would shadow it")
     module, namespace = fake_torch_npu.make_module()
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     monkeypatch.setattr(torch, "npu", namespace, raising=False)
-    monkeypatch.setattr(
-        npu_backend, "probe_torch_npu", lambda: ProbeResult(True, "1 NPU device(s) (fake)", 1)
-    )
+    monkeypatch.setattr(npu_backend, "probe_torch_npu", _no_probe_expected)
     return namespace
+
+
+def _no_probe_expected() -> ProbeResult:
+    raise AssertionError("torch_npu is already imported: no child-process probe is needed")
 
 
 @pytest.fixture

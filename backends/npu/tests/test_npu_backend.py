@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from importlib import metadata
 
+import fake_torch_npu
 import pytest
 import torch
 from fake_torch_npu import without_real_torch_npu
@@ -42,6 +43,39 @@ def test_failed_probe_keeps_torch_npu_out_of_the_process(monkeypatch: pytest.Mon
     assert not availability.ok
     assert availability.reason == "CANN is missing (probe)"
     assert imported == []
+
+
+def test_successful_probe_then_imports_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    module, namespace = fake_torch_npu.make_module(device_count=2)
+    monkeypatch.setattr(npu_backend, "torch_npu_installed", lambda: True)
+    monkeypatch.setattr(
+        npu_backend, "probe_torch_npu", lambda: ProbeResult(True, "2 NPU device(s) (probe)", 2)
+    )
+
+    def import_module(name: str) -> object:
+        assert name == "torch_npu"
+        monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.setattr(torch, "npu", namespace, raising=False)
+        return module
+
+    monkeypatch.setattr(npu_backend.importlib, "import_module", import_module)
+    availability = NPUBackend.availability()
+    assert availability.ok
+    assert availability.reason == "2 NPU device(s) (probe)"
+    assert sys.modules["torch_npu"] is module
+
+
+def test_in_process_import_that_exits_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(npu_backend, "torch_npu_installed", lambda: True)
+    monkeypatch.setattr(npu_backend, "probe_torch_npu", lambda: ProbeResult(True, "ok", 1))
+
+    def import_module(name: str) -> object:
+        raise SystemExit(1)
+
+    monkeypatch.setattr(npu_backend.importlib, "import_module", import_module)
+    availability = NPUBackend.availability()
+    assert not availability.ok
+    assert "not here: SystemExit" in availability.reason
 
 
 def test_availability_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,16 +129,18 @@ def test_attention_offered_only_to_the_npu_backend() -> None:
 
 
 # ---- with the torch_npu double ----------------------------------------------------------------
-def test_available_with_fake(fake_npu) -> None:
+def test_already_imported_torch_npu_needs_no_probe(fake_npu) -> None:
     availability = NPUBackend.availability()
     assert availability.ok, availability.reason
+    assert availability.reason == "1 NPU device(s) visible (torch_npu imported)"
 
 
-def test_no_device_in_process(fake_npu) -> None:
+def test_no_device_in_process(fake_npu, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "")
     fake_npu._device_count = 0
     availability = NPUBackend.availability()
     assert not availability.ok
-    assert "sees no device" in availability.reason
+    assert "sees no device (ASCEND_RT_VISIBLE_DEVICES='')" in availability.reason
 
 
 def test_capabilities(fake_npu) -> None:
