@@ -285,6 +285,8 @@ def test_tensor_literal_is_refused_but_scalar_assignment_is_not():
     with pytest.raises(GraphCaptureError, match=r"torch\.as_tensor"):
         capture(lambda: torch.as_tensor([1.0]))
     x = torch.ones(3)
+    with pytest.raises(GraphCaptureError, match=r"new_tensor"):
+        capture(lambda: x.new_tensor([1.0]))
     idx = torch.tensor([1])
 
     def assign():

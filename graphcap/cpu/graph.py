@@ -299,11 +299,12 @@ class _LiteralGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func in _LITERAL_CONSTRUCTORS:
-            data = args[0] if args else (kwargs or {}).get("data")
+            position = int(func is torch.Tensor.new_tensor)  # new_tensor(self, data)
+            data = args[position] if len(args) > position else (kwargs or {}).get("data")
             if not isinstance(data, torch.Tensor):
-                name = getattr(func, "__name__", str(func))
+                owner = "Tensor" if position else "torch"
                 raise self.rec.fail(
-                    f"torch.{name}(...) inside graph capture copies host data into a new tensor "
+                    f"{owner}.{func.__name__}(...) inside graph capture copies host data into a new tensor "
                     "(aten.lift_fresh; a pageable host-to-device copy on a device). Create the "
                     "tensor before capture and copy_ new values into it"
                 )
