@@ -45,6 +45,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="where to write the JSON results (default: conformance-<backend>.json)",
     )
+    group.addoption(
+        "--graphcap-require-backend",
+        action="store_true",
+        help="fail the run when the backend cannot be selected (default: skip every check, "
+        "with the reason), e.g. on a machine that is meant to have the device",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -103,6 +109,8 @@ class ConformanceSession:
         self.json_path = Path(option or f"conformance-{name}.json")
         write_json(self.json_path, record)
         self.record = record
+        if self.selection.backend is None and self.config.getoption("graphcap_require_backend"):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         record = self.record
@@ -112,6 +120,11 @@ class ConformanceSession:
         for line in render_table(record):
             terminalreporter.write_line(line)
         terminalreporter.write_line(f"results written to {self.json_path}")
+        if self.selection.backend is None and self.config.getoption("graphcap_require_backend"):
+            terminalreporter.write_line(
+                "FAILED: --graphcap-require-backend is set and the backend cannot be selected",
+                red=True,
+            )
 
 
 def _check_module(item: pytest.Item) -> str | None:

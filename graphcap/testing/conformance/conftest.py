@@ -10,6 +10,11 @@ from graphcap.backend import Backend
 from graphcap.testing.plugin import session_of
 
 
+def pytest_collection_modifyitems(config: pytest.Config) -> None:
+    """Refuse to run the checks without the plugin, which reports and records them."""
+    session_of(config)
+
+
 @pytest.fixture(scope="session")
 def gc_backend(request: pytest.FixtureRequest) -> Backend:
     """The backend under test; skips the check (with the reason) when none can be selected."""

@@ -1,0 +1,244 @@
+"""The conformance pytest plugin (graphcap.testing), run as a backend author runs it.
+
+The suite runs in-process through pytester (the plugin loaded explicitly, the backend chosen
+through GRAPHCAP_BACKEND); one subprocess checks the documented command from a bare directory.
+Deliberately broken backends, installed through a real ``graphcap`` entry point on sys.path,
+show that the checks catch what they claim to catch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# pytester's in-process runs drop modules first imported inside them, which breaks transformers'
+# lazily loaded model modules on the next run: load what the decode check uses up front.
+import transformers.models.gpt2.modeling_gpt2
+import transformers.models.llama.modeling_llama  # noqa: F401
+
+from graphcap.registry import discover
+
+pytest_plugins = ["pytester"]
+
+GRAPH_CHECKS = (
+    "graph_semantics::test_capture_records_without_executing",
+    "graph_semantics::test_replay_reexecutes_on_same_memory",
+    "graph_semantics::test_replays_accumulate",
+    "decode_step::test_captured_decode_step_gives_eager_logits[llama]",
+)
+
+# Backends a careless vendor might write, offered by a fake installed distribution.
+BROKEN_PLUGIN = '''
+import contextlib
+
+import torch
+
+from graphcap import PLUGIN_API_VERSION, Backend, hookimpl
+
+
+class NoOpGraph:
+    """What DeepSpeed's CPU and NPU accelerators had: capture runs eagerly, replay does nothing."""
+
+
+class NoOpGraphBackend(Backend):
+    name = "noop-graph"
+    priority = -20
+    rng_in_graph = True
+
+    def create_graph(self):
+        return NoOpGraph()
+
+    def capture_to_graph(self, graph, pool=None, stream=None, capture_error_mode=None):
+        return contextlib.nullcontext()
+
+    def replay_graph(self, graph):
+        pass
+
+
+class EagerOnlyBackend(Backend):
+    """Cannot capture and says so: graph checks do not apply."""
+
+    name = "eager-only"
+    priority = -20
+
+
+class SilentEagerBackend(Backend):
+    """Says it cannot capture, yet its capture hook silently runs the work."""
+
+    name = "silent-eager"
+    priority = -20
+
+    def capture_to_graph(self, graph, pool=None, stream=None, capture_error_mode=None):
+        return contextlib.nullcontext()
+
+
+@hookimpl
+def graphcap_api_version():
+    return PLUGIN_API_VERSION
+
+
+@hookimpl
+def graphcap_backends():
+    return [NoOpGraphBackend, EagerOnlyBackend, SilentEagerBackend]
+'''
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory that, on PYTHONPATH, looks like an installed plugin distribution."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "graphcap_broken_backends.py").write_text(textwrap.dedent(BROKEN_PLUGIN))
+    dist_info = site / "graphcap_broken_backends-0.0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: graphcap-broken-backends\nVersion: 0.0.1\n"
+    )
+    (dist_info / "entry_points.txt").write_text("[graphcap]\nbroken = graphcap_broken_backends\n")
+    return site
+
+
+@pytest.fixture
+def with_broken_plugins(broken_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The broken backends installed for one test; the registry forgets them afterwards."""
+    monkeypatch.syspath_prepend(str(broken_site))
+    discover(refresh=True)
+    yield
+    monkeypatch.undo()
+    discover(refresh=True)
+
+
+def run_suite(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, backend: str, *args: str
+) -> tuple[pytest.RunResult, dict[str, Any] | None]:
+    monkeypatch.setenv("GRAPHCAP_BACKEND", backend)
+    result = pytester.runpytest_inprocess(
+        "-p", "graphcap.testing", "--pyargs", "graphcap.testing.conformance", *args
+    )
+    json_path = pytester.path / f"conformance-{backend}.json"
+    record = json.loads(json_path.read_text()) if json_path.exists() else None
+    return result, record
+
+
+def outcomes(record: dict[str, Any]) -> dict[str, str]:
+    return {check["check"]: check["outcome"] for check in record["checks"]}
+
+
+def test_cpu_passes_with_table_and_json(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, record = run_suite(pytester, monkeypatch, "cpu")
+    out = result.stdout.str()
+    assert result.ret == 0, out
+    assert "graphcap conformance: backend 'cpu'" in out
+    assert "rng_in_graph" in out and "capture_needs_side_stream" in out
+    assert record is not None, "no conformance-cpu.json written"
+    assert record["backend"]["name"] == "cpu" and record["backend"]["selected"]
+    assert record["backend"]["capabilities"]["graph_capture"] is True
+    assert record["device"]["device"] == "cpu"
+    versions = record["versions"]
+    assert versions["torch"] and versions["transformers"] and versions["graphcap"]
+    assert versions["plugin"].startswith("graphcap ")
+    datetime.fromisoformat(record["date"])
+    results = outcomes(record)
+    assert record["summary"]["failed"] == 0 and record["summary"]["error"] == 0
+    assert all(results[check] == "passed" for check in GRAPH_CHECKS)
+    assert "rng::test_replays_draw_what_eager_steps_draw" in results
+    # Only the check that applies to backends without graphs is skipped, and it says why.
+    skipped = [c for c in record["checks"] if c["outcome"] == "skipped"]
+    assert [c["check"] for c in skipped] == ["contract::test_graph_hooks_refuse_without_capture"]
+    assert skipped[0]["reason"]
+    for check in results:  # the table lists every check
+        assert check in out
+
+
+def test_unselectable_backend_skips_every_check_with_reason(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, record = run_suite(
+        pytester, monkeypatch, "no-such-backend", "--graphcap-json", "out/result.json"
+    )
+    assert result.ret == 0, result.stdout.str()
+    assert record is None  # written where asked, not to the default path
+    record = json.loads((pytester.path / "out" / "result.json").read_text())
+    assert record["backend"]["selected"] is False
+    assert record["backend"]["name"] == "no-such-backend"
+    assert "no installed plugin provides it" in record["backend"]["reason"]
+    assert record["device"] is None
+    assert len(record["checks"]) >= 20
+    for check in record["checks"]:
+        assert check["outcome"] == "skipped", check
+        assert "'no-such-backend' cannot be used" in check["reason"]
+    result.stdout.fnmatch_lines(["NOT SELECTED*no-such-backend*", "Installed backends:"])
+
+
+def test_require_backend_turns_the_skips_into_a_failure(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, _ = run_suite(
+        pytester, monkeypatch, "no-such-backend", "--graphcap-require-backend", "-k", "identity"
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*--graphcap-require-backend is set*"])
+
+
+@pytest.mark.usefixtures("with_broken_plugins")
+def test_noop_graph_backend_fails_the_graph_checks(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, record = run_suite(pytester, monkeypatch, "noop-graph")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    assert record is not None
+    assert record["versions"]["plugin"] == "graphcap-broken-backends 0.0.1"
+    results = outcomes(record)
+    assert all(results[check] == "failed" for check in GRAPH_CHECKS), results
+    assert results["contract::test_identity"] == "passed"
+
+
+@pytest.mark.usefixtures("with_broken_plugins")
+def test_backend_without_graphs_skips_graph_checks(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, record = run_suite(pytester, monkeypatch, "eager-only")
+    assert result.ret == 0, result.stdout.str()
+    assert record is not None
+    results = outcomes(record)
+    assert results["contract::test_graph_hooks_refuse_without_capture"] == "passed"
+    assert results["contract::test_create_graph_consistent_with_capabilities"] == "passed"
+    for check in record["checks"]:
+        if check["check"].split("::")[0] != "contract":
+            assert check["outcome"] == "skipped"
+            assert "does not capture graphs" in check["reason"]
+
+
+@pytest.mark.usefixtures("with_broken_plugins")
+def test_silently_eager_capture_hook_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, record = run_suite(pytester, monkeypatch, "silent-eager", "-k", "contract")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert record is not None
+    assert outcomes(record)["contract::test_graph_hooks_refuse_without_capture"] == "failed"
+
+
+def test_documented_commands_from_a_bare_directory(tmp_path: Path) -> None:
+    """`python -m graphcap.testing` works from anywhere; without the plugin the checks refuse."""
+    env = {**os.environ, "GRAPHCAP_BACKEND": "cpu"}
+    run = {"cwd": tmp_path, "env": env, "capture_output": True, "text": True, "timeout": 300}
+    select = ["-p", "no:cacheprovider", "-q", "-k", "test_identity"]
+    proc = subprocess.run([sys.executable, "-m", "graphcap.testing", *select], **run)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "contract::test_identity" in proc.stdout
+    assert (tmp_path / "conformance-cpu.json").exists()
+    bare = [sys.executable, "-m", "pytest", "--pyargs", "graphcap.testing.conformance", *select]
+    without_plugin = subprocess.run(bare, **run)
+    assert without_plugin.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "need their plugin" in without_plugin.stdout + without_plugin.stderr
