@@ -304,9 +304,9 @@ class _LiteralGuard(TorchFunctionMode):
             if not isinstance(data, torch.Tensor):
                 owner = "Tensor" if position else "torch"
                 raise self.rec.fail(
-                    f"{owner}.{func.__name__}(...) inside graph capture copies host data into a new tensor "
-                    "(aten.lift_fresh; a pageable host-to-device copy on a device). Create the "
-                    "tensor before capture and copy_ new values into it"
+                    f"{owner}.{func.__name__}(...) inside graph capture copies host data into a "
+                    "new tensor (aten.lift_fresh; a pageable host-to-device copy on a device). "
+                    "Create the tensor before capture and copy_ new values into it"
                 )
         return func(*args, **(kwargs or {}))
 
