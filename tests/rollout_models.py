@@ -27,7 +27,9 @@ VOCAB = 128
 PAD = 0
 EOS = 1
 HIDDEN = 64
-INIT = 0.3
+#: Init std per family: GPT-2 / OPT (learned positions, LayerNorm) need a larger one than the
+#: rotary families before greedy outputs stop repeating a single token.
+INIT = {"gpt2": 1.0, "opt": 1.0, "llama": 0.3, "qwen2": 0.3, "mistral": 0.3}
 FAMILIES = ("gpt2", "llama", "qwen2", "opt", "mistral")
 
 
@@ -36,7 +38,12 @@ def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Mod
     common.update(overrides)
     if family == "gpt2":
         config = GPT2Config(
-            n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, initializer_range=INIT, **common
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            initializer_range=INIT[family],
+            **common,
         )
         cls = GPT2LMHeadModel
     elif family == "opt":
@@ -47,7 +54,7 @@ def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Mod
             ffn_dim=128,
             max_position_embeddings=64,
             word_embed_proj_dim=HIDDEN,
-            init_std=INIT,
+            init_std=INIT[family],
             **common,
         )
         cls = OPTForCausalLM
@@ -64,7 +71,7 @@ def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Mod
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "max_position_embeddings": 64,
-            "initializer_range": INIT,
+            "initializer_range": INIT[family],
             "tie_word_embeddings": False,
         }
         if family == "mistral":
@@ -126,3 +133,16 @@ def generate_padded(model, ids, mask, total: int, **kwargs) -> torch.Tensor:
         )
     pad = torch.full((out.shape[0], total - out.shape[1]), PAD, dtype=out.dtype)
     return torch.cat([out, pad], dim=1)
+
+
+def run(model, ids, mask, graph: bool, backend=None, generator=None, **sampling):
+    """One ``generate`` call on a fresh engine (CPU reference backend unless given)."""
+    from graphcap.cpu import CPUBackend
+    from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+    engine = RolloutEngine(
+        model, RolloutConfig(enable_graph_capture=graph, backend=backend or CPUBackend())
+    )
+    result = engine.generate(ids, mask, SamplingParams(**sampling), generator=generator)
+    engine.shutdown()
+    return result

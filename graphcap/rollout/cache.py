@@ -27,7 +27,8 @@ class LayerSpec:
     num_heads: int
     k_head_dim: int
     v_head_dim: int
-    dtype: torch.dtype
+    k_dtype: torch.dtype
+    v_dtype: torch.dtype
     device: torch.device
 
     @classmethod
@@ -37,7 +38,9 @@ class LayerSpec:
                 f"expected K/V shaped (batch, heads, seq, head_dim), got {tuple(keys.shape)} and "
                 f"{tuple(values.shape)}; this model's cache layout is not supported"
             )
-        return cls(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
+        return cls(
+            keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype, values.dtype, keys.device
+        )
 
 
 class StaticKVLayer(CacheLayerMixin):
@@ -54,15 +57,15 @@ class StaticKVLayer(CacheLayerMixin):
         self.write_pos = write_pos
         self.keys = torch.zeros(
             (batch_size, spec.num_heads, max_len, spec.k_head_dim),
-            dtype=spec.dtype,
+            dtype=spec.k_dtype,
             device=spec.device,
         )
         self.values = torch.zeros(
             (batch_size, spec.num_heads, max_len, spec.v_head_dim),
-            dtype=spec.dtype,
+            dtype=spec.v_dtype,
             device=spec.device,
         )
-        self.dtype, self.device = spec.dtype, spec.device
+        self.dtype, self.device = spec.k_dtype, spec.device
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -75,6 +78,9 @@ class StaticKVLayer(CacheLayerMixin):
         batch, heads, q_len, _ = key_states.shape
         offsets = torch.arange(q_len, device=self.write_pos.device)
         columns = (self.write_pos[:, None] + offsets[None, :]).view(batch, 1, q_len, 1)
+        # Under autocast, K and V can arrive in different dtypes; store them as prefill did.
+        key_states = key_states.to(self.keys.dtype)
+        value_states = value_states.to(self.values.dtype)
         self.keys.scatter_(2, columns.expand(batch, heads, q_len, self.keys.shape[-1]), key_states)
         self.values.scatter_(
             2, columns.expand(batch, heads, q_len, self.values.shape[-1]), value_states

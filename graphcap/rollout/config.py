@@ -102,18 +102,15 @@ class SamplingParams:
         cls, config: GenerationConfig, *, return_logprobs: bool = False, seed: int | None = None
     ) -> SamplingParams:
         """Convert a ``GenerationConfig`` through the allow-list, with generate's defaults."""
-        from transformers import GenerationConfig as _GenerationConfig
-
         set_fields = {
             k: v
             for k, v in config.to_diff_dict().items()
             if not k.startswith("_") and k not in GENERATION_CONFIG_IGNORED
         }
-        default = _GenerationConfig()
         refused = sorted(
             k
             for k, v in set_fields.items()
-            if k not in GENERATION_CONFIG_FIELDS and getattr(default, k, None) != v
+            if k not in GENERATION_CONFIG_FIELDS and not _is_default(k, v)
         )
         if refused:
             raise ValueError(
@@ -161,6 +158,16 @@ class SamplingParams:
                 "is used as pad like generate does) or model.generation_config.pad_token_id"
             )
         return replace(params, pad_token_id=int(pad))
+
+
+def _is_default(name: str, value: Any) -> bool:
+    """Whether a GenerationConfig value means "not set": its default, generate's global default,
+    or False/0 where the default is ``None`` (model configs write ``output_attentions=False``)."""
+    from transformers import GenerationConfig
+
+    default = getattr(GenerationConfig(), name, None)
+    global_default = GenerationConfig._get_default_generation_params().get(name, default)
+    return value in (default, global_default) or (default is None and not value)
 
 
 @dataclass

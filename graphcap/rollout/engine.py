@@ -22,7 +22,7 @@ from graphcap.backend import Backend
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.eligibility import check_attention, graph_refusal
-from graphcap.rollout.masks import MaskBuffers, layer_windows
+from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import SamplerSettings
 from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
 from graphcap.rollout.step import DecodeState, DecodeStep, Snapshot, accepts_logits_to_keep
@@ -177,9 +177,13 @@ class RolloutEngine:
                 if res.graph is not None:
                     graph = res.graph
                     stats.path = "static_graph"
+                    device_type = self.backend.device.type
 
                     def runner() -> None:
-                        self.backend.replay_graph(graph)
+                        # A replay re-issues recorded kernels; ambient autocast must not touch
+                        # them again (the CPU reference graph re-dispatches recorded ops).
+                        with torch.autocast(device_type, enabled=False):
+                            self.backend.replay_graph(graph)
                         stats.replays += 1
 
             t_decode = time.perf_counter()
@@ -299,6 +303,9 @@ class RolloutEngine:
             self._drop()
         batch, total = signature.batch_size, signature.total_len
         device = self.backend.device
+        mask_form = signature.mask_form
+        if unsupported_layer_types(self.model.config):
+            mask_form = "padding"  # eager only: graph_refusal keeps such models off graphs
         cache = StaticKVCache(specs, batch, total)
         masks = MaskBuffers(
             batch,
@@ -306,7 +313,7 @@ class RolloutEngine:
             model_dtype(self.model),
             device,
             windows,
-            form=signature.mask_form,
+            form=mask_form,
             as_dict=bool(getattr(self.model.config, "layer_types", None)),
         )
         state = DecodeState.allocate(

@@ -9,7 +9,9 @@ refuse them for graphs.
 
 The truth is one boolean ``valid`` matrix ``(B, L)`` (written, non-pad cache columns); the
 model-facing buffers ``(B, 1, 1, L)`` are rendered from it each step in the backend's mask form:
-``"additive"`` (model dtype, 0 / dtype-min) or ``"bool"`` (True = attend).
+``"additive"`` (model dtype, 0 / dtype-min) or ``"bool"`` (True = attend). The eager loop of a
+model with unsupported layer types uses ``"padding"``: the 2-D ``valid`` matrix itself, from
+which transformers builds its own per-layer-type masks.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-MASK_FORMS = ("additive", "bool")
+#: "padding" hands transformers the 2-D valid-column mask so it builds every layer type's mask
+#: itself (host logic: eager only, for layer types a window cannot express).
+MASK_FORMS = ("additive", "bool", "padding")
 
 
 def layer_windows(config: object) -> dict[str, int | None]:
@@ -68,7 +72,7 @@ class MaskBuffers:
         out_dtype = dtype if form == "additive" else torch.bool
         self.outputs = {
             name: torch.zeros((batch_size, 1, 1, total_len), dtype=out_dtype, device=device)
-            for name in self.windows
+            for name in (self.windows if form != "padding" else ())
         }
         # One preallocated fill value, so rendering allocates no host-built literal per step.
         self._blocked = (
@@ -97,6 +101,8 @@ class MaskBuffers:
 
     def render(self, query_columns: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """Write the masks for queries at ``query_columns`` (B,) and return what the model takes."""
+        if self.form == "padding":
+            return self.valid
         batch, length = self.valid.shape
         for name, window in self.windows.items():
             allowed = self.valid

@@ -1,0 +1,268 @@
+"""Static graph path behaviour: EOS, reuse, recapture per signature member, failure, refusals."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from rollout_models import PAD, distinct_tokens_per_row, prompts, run, tiny_model
+
+from graphcap.backend import Backend
+from graphcap.cpu import CPUBackend
+from graphcap.rollout import (
+    CaptureFallbackWarning,
+    GraphUnsupportedModelError,
+    RolloutConfig,
+    RolloutEngine,
+    SamplingParams,
+    load_weights_in_place,
+)
+
+NEW = 8
+NO_EOS = {"eos_token_id": []}
+
+
+def graph_engine(model, **config) -> RolloutEngine:
+    return RolloutEngine(
+        model, RolloutConfig(enable_graph_capture=True, backend=CPUBackend(), **config)
+    )
+
+
+def test_eos_on_third_token_stops_early_with_equal_output():
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    width = ids.shape[1]
+    new = 20
+    probe = run(model, ids, mask, False, max_new_tokens=new, **NO_EOS)
+    eos = sorted({int(t) for t in probe.sequences[:, width + 2]})  # each row's third token
+    graph = run(model, ids, mask, True, max_new_tokens=new, eos_token_id=eos)
+    eager = run(model, ids, mask, False, max_new_tokens=new, eos_token_id=eos)
+    assert graph.stats.path == "static_graph"
+    assert torch.equal(graph.sequences, eager.sequences)
+    assert graph.response_lengths.tolist() == [3, 3, 3]
+    assert graph.finish_reasons == ["eos"] * 3
+    assert graph.response_mask.sum(-1).tolist() == [3, 3, 3]
+    assert (graph.sequences[:, width + 3 :] == PAD).all()
+    # stopped at the first EOS check (interval 4 < new - 1 = 19 possible replays)
+    checked = run(model, ids, mask, True, max_new_tokens=new, eos_token_id=eos)
+    assert checked.stats.replays < new - 1
+    short = RolloutEngine(
+        model, RolloutConfig(enable_graph_capture=True, backend=CPUBackend(), eos_check_interval=4)
+    ).generate(ids, mask, SamplingParams(max_new_tokens=new, eos_token_id=eos))
+    assert short.stats.replays == 4 and short.stats.steps == 4
+    assert torch.equal(short.sequences, graph.sequences)
+
+
+def test_reuse_weights_width_and_recapture_on_total_length():
+    model = tiny_model("llama", fresh=True)
+    engine = graph_engine(model)
+    ids, mask = prompts(3, width=6)
+    sampling = SamplingParams(max_new_tokens=NEW, **NO_EOS)
+    first = engine.generate(ids, mask, sampling)
+    assert first.stats.captured and first.stats.captures == 1
+    assert distinct_tokens_per_row(first)
+    again = engine.generate(ids, mask, sampling)
+    assert not again.stats.captured and again.stats.captures == 1
+    assert torch.equal(again.sequences, first.sequences)
+
+    # in-place weight update: same graph, new tokens, equal to eager with the new weights
+    new_weights = {
+        name: p.detach() * 1.3 + 0.05 for name, p in model.named_parameters() if "mlp" in name
+    }
+    load_weights_in_place(model, new_weights, strict=False)
+    updated = engine.generate(ids, mask, sampling)
+    assert updated.stats.captures == 1 and updated.stats.path == "static_graph"
+    assert not torch.equal(updated.sequences, first.sequences)
+    assert torch.equal(updated.sequences, run(model, ids, mask, False, **_kw(sampling)).sequences)
+
+    # a new prompt width with the same total length reuses the graph
+    ids2, mask2 = prompts(3, width=9, seed=5)
+    wider = SamplingParams(max_new_tokens=NEW - 3, **NO_EOS)
+    reused = engine.generate(ids2, mask2, wider)
+    assert reused.stats.captures == 1 and reused.stats.replays == NEW - 4
+    assert torch.equal(reused.sequences, run(model, ids2, mask2, False, **_kw(wider)).sequences)
+
+    # a new total length recaptures
+    longer = SamplingParams(max_new_tokens=NEW + 2, **NO_EOS)
+    recaptured = engine.generate(ids, mask, longer)
+    assert recaptured.stats.captured and recaptured.stats.captures == 2
+    assert recaptured.stats.recapture_reason == ["total_len"]
+    assert torch.equal(recaptured.sequences, run(model, ids, mask, False, **_kw(longer)).sequences)
+
+    cache = engine.cache
+    assert cache is not None and cache.nbytes() > 0
+    engine.shutdown()
+    assert engine.cache is None and cache.nbytes() == 0
+
+
+def _kw(params: SamplingParams) -> dict:
+    return {k: getattr(params, k) for k in params.__dataclass_fields__}
+
+
+def _replace_param(model):
+    head = model.lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach() * -1.0)
+
+
+def _set_eager_attention(model):
+    model.set_attn_implementation("eager")
+
+
+# name -> (signature member, sampling overrides, model mutation, context manager factory)
+SIGNATURE_CHANGES = {
+    "batch_size": ("batch_size", {}, None),
+    "total_len": ("total_len", {"max_new_tokens": NEW + 1}, None),
+    "dtype": ("dtype", {}, lambda m: m.to(torch.float64)),
+    "parameter_address": ("tensors", {}, _replace_param),
+    "training": ("training", {}, lambda m: m.train()),
+    "attn_implementation": ("attn_implementation", {}, _set_eager_attention),
+    "autocast": ("autocast", {}, None),
+    "do_sample": ("sampler", {"do_sample": True}, None),
+    "temperature": ("sampler", {"temperature": 0.5}, None),
+    "top_k": ("sampler", {"top_k": 7}, None),
+    "top_p": ("sampler", {"top_p": 0.7}, None),
+    "repetition_penalty": ("sampler", {"repetition_penalty": 1.4}, None),
+    "min_new_tokens": ("sampler", {"min_new_tokens": 3}, None),
+    "eos_ids": ("eos_ids", {"eos_token_id": [5]}, None),
+    "pad_id": ("pad_id", {"pad_token_id": 3}, None),
+    "return_logprobs": ("return_logprobs", {"return_logprobs": True}, None),
+}
+
+
+@pytest.mark.parametrize("change", sorted(SIGNATURE_CHANGES))
+def test_each_signature_member_change_recaptures(change):
+    member, overrides, mutate = SIGNATURE_CHANGES[change]
+    model = tiny_model("llama", fresh=True)
+    engine = graph_engine(model)
+    ids, mask = prompts(3)
+    base = {"max_new_tokens": NEW, "do_sample": True, "top_k": 0, "seed": 3, **NO_EOS}
+    if change == "do_sample":
+        base["do_sample"] = False
+    first = engine.generate(ids, mask, SamplingParams(**base))
+    assert first.stats.captures == 1
+    changed = {**base, **overrides}
+    if change == "batch_size":
+        ids, mask = prompts(4)
+    if mutate is not None:
+        mutate(model)
+    autocast = change == "autocast"
+    context = (
+        torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+        if autocast
+        else torch.autocast("cpu", enabled=False)
+    )
+    with context:
+        second = engine.generate(ids, mask, SamplingParams(**changed))
+        reference = run(model, ids, mask, False, **changed)
+    assert second.stats.captured and second.stats.captures == 2
+    assert member in second.stats.recapture_reason
+    assert second.stats.path == "static_graph"
+    assert torch.equal(second.sequences, reference.sequences)
+
+
+def test_same_settings_never_recapture():
+    model = tiny_model("gpt2")
+    engine = graph_engine(model)
+    ids, mask = prompts(3)
+    params = SamplingParams(do_sample=True, top_k=10, max_new_tokens=NEW, seed=1)
+    counts = [engine.generate(ids, mask, params).stats.captures for _ in range(3)]
+    assert counts == [1, 1, 1]
+
+
+def test_capture_failure_rolls_back_and_stays_eager_with_one_warning():
+    model = tiny_model("llama", fresh=True)
+    backend = CPUBackend()
+
+    def host_read_during_capture(module, args, output):
+        if backend.is_current_stream_capturing():
+            output[0].sum().item()  # a host sync: the CPU graph refuses it mid-capture
+
+    handle = model.model.layers[1].register_forward_hook(host_read_during_capture)
+    engine = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=backend))
+    ids, mask = prompts(3)
+    params = SamplingParams(do_sample=True, top_k=10, max_new_tokens=NEW, seed=4, **NO_EOS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        failed = engine.generate(ids, mask, params)
+        rng_after_failed = torch.get_rng_state()
+        later = engine.generate(ids, mask, params)
+    handle.remove()
+    fallbacks = [w for w in caught if issubclass(w.category, CaptureFallbackWarning)]
+    assert len(fallbacks) == 1
+    pure = run(model, ids, mask, False, **_kw(params))
+    assert torch.equal(torch.get_rng_state(), rng_after_failed)
+    assert failed.stats.path == "eager" and not failed.stats.captured
+    assert "capture failed" in failed.stats.fallback_reason
+    assert torch.equal(failed.sequences, pure.sequences)
+    assert later.stats.path == "eager" and later.stats.captures == 0
+    assert "capture failed" in later.stats.fallback_reason
+    assert torch.equal(later.sequences, pure.sequences)
+
+
+class NoGraphBackend(Backend):
+    """A backend that cannot capture: create_graph() returns None."""
+
+    name = "nograph"
+
+
+def test_backend_without_graphs_runs_eagerly_with_reason():
+    model = tiny_model("gpt2")
+    ids, mask = prompts(2)
+    result = run(model, ids, mask, True, backend=NoGraphBackend(), max_new_tokens=4)
+    assert result.stats.path == "eager"
+    assert "cannot capture" in result.stats.fallback_reason
+
+
+def test_stateful_model_runs_eagerly_with_reason():
+    model = tiny_model("llama", fresh=True)
+    model._is_stateful = True
+    ids, mask = prompts(2)
+    result = run(model, ids, mask, True, max_new_tokens=4)
+    assert result.stats.path == "eager" and "stateful" in result.stats.fallback_reason
+
+
+def test_non_resident_parameters_run_eagerly_with_reason():
+    model = tiny_model("llama", fresh=True)
+    model.register_parameter("placeholder", torch.nn.Parameter(torch.empty(0)))
+    ids, mask = prompts(2)
+    result = run(model, ids, mask, True, max_new_tokens=4)
+    assert result.stats.path == "eager" and "zero-size" in result.stats.fallback_reason
+
+
+def test_chunked_attention_layers_run_eagerly_with_reason():
+    model = tiny_model("llama", fresh=True)
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    ids, mask = prompts(2)
+    result = run(model, ids, mask, True, max_new_tokens=NEW, **NO_EOS)
+    assert result.stats.path == "eager" and "chunked_attention" in result.stats.fallback_reason
+    # Llama ignores layer_types, so the eager loop (transformers-built masks) must equal the
+    # usual 4-D-mask result of the unmodified model
+    plain = run(tiny_model("llama"), ids, mask, True, max_new_tokens=NEW, **NO_EOS)
+    assert plain.stats.path == "static_graph"
+    assert torch.equal(result.sequences, plain.sequences)
+
+
+def test_autocast_weight_cache_runs_eagerly_with_reason():
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = run(model, ids, mask, True, max_new_tokens=4)
+    assert result.stats.path == "eager" and "cache_enabled=False" in result.stats.fallback_reason
+
+
+def test_graph_unsafe_attention_is_refused_by_name():
+    model = tiny_model("llama", fresh=True)
+    model.config._attn_implementation = "flash_attention_2"
+    engine = graph_engine(model)
+    ids, mask = prompts(2)
+    with pytest.raises(GraphUnsupportedModelError, match="flash_attention_2"):
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=4))
+
+
+def test_single_new_token_needs_no_graph():
+    model = tiny_model("gpt2")
+    ids, mask = prompts(2)
+    result = run(model, ids, mask, True, max_new_tokens=1)
+    assert result.stats.captures == 0 and result.stats.replays == 0
+    assert torch.equal(result.sequences, run(model, ids, mask, False, max_new_tokens=1).sequences)
