@@ -150,7 +150,7 @@ def render_table(record: dict[str, Any]) -> list[str]:
     lines.append("")
     lines.append(f"{'check':<{width}}  outcome  note")
     for check in record["checks"]:
-        note = check["reason"] or ""
+        note = (check["reason"] or "").split("\n", 1)[0]
         if len(note) > 100:
             note = note[:97] + "..."
         lines.append(f"{check['check']:<{width}}  {check['outcome']:<7}  {note}")
