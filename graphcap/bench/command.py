@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights dtype (default fp32 on CPU, fp16 for gpt2 presets, bf16 otherwise)",
     )
     parser.add_argument("--batch-sizes", type=_int_list, help="comma-separated, e.g. 1,8,32,64")
+    parser.add_argument(
+        "--compile-batch-sizes",
+        type=_int_list,
+        help="run the compiling modes only at these batch sizes (default: all)",
+    )
     parser.add_argument("--prompt-len", type=int, help="prompt tokens per row")
     parser.add_argument("--new-tokens", type=int, help="generated tokens per row (EOS is off)")
     parser.add_argument("--repeats", type=int, help="steady-state calls (median reported)")
@@ -74,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peak-bandwidth",
         type=_bandwidth,
         help="device memory bandwidth for the roofline, e.g. 4.8TB/s (default: known devices)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="time limit for the mode sweep; pairs not started in time are reported skipped",
     )
     parser.add_argument("--backend", help="graphcap backend name (default: $GRAPHCAP_BACKEND)")
     parser.add_argument(
@@ -96,6 +106,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         model=args.model,
         dtype=args.dtype,
         batch_sizes=args.batch_sizes,
+        compile_batch_sizes=args.compile_batch_sizes,
+        budget_s=args.budget_s,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
         repeats=args.repeats,

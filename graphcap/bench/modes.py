@@ -59,6 +59,8 @@ class BenchMode(ABC):
     name: ClassVar[str]
     #: True for modes that must run on the graph path (a silent eager run is a fallback).
     expects_graph: ClassVar[bool] = False
+    #: True for modes whose first call compiles (tens of seconds per batch size on a device).
+    compiles: ClassVar[bool] = False
 
     def unsupported(self, backend: Backend) -> str | None:
         """Why this mode cannot run on ``backend`` (``None`` when it can)."""
@@ -119,6 +121,7 @@ class HFStaticCompile(HFEager):
     """
 
     name = "hf-static-compile"
+    compiles = True
     generate_kwargs: ClassVar[dict[str, Any]] = {"cache_implementation": "static"}
 
     def open(self, work: Workload) -> None:
@@ -177,16 +180,34 @@ class GraphcapGraph(GraphcapMode):
     expects_graph = True
 
 
-class GraphcapGraphCompiled(GraphcapGraph):
-    """The static graph captured around a ``torch.compile``'d model forward.
+class DecodeCompiledForward:
+    """A model forward whose single-token (decode) calls run ``torch.compile``'d code.
 
-    The engine is handed the model with its forward compiled (``dynamic=False``): compilation
-    happens in the warm-up step before capture, and the capture records the compiled kernels.
-    Whether the engine and backend can do that is read from the result (a failed capture is a
-    fallback with the reason), never assumed.
+    The engine's prefill stays eager (as in transformers' own auto-compile), so only the decode
+    shape is compiled: one compilation instead of two, each tens of seconds for a large model.
+    """
+
+    def __init__(self, forward: Any) -> None:
+        self.eager = forward
+        self.compiled = torch.compile(forward, dynamic=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        decode = ids is not None and ids.shape[-1] == 1
+        return (self.compiled if decode else self.eager)(*args, **kwargs)
+
+
+class GraphcapGraphCompiled(GraphcapGraph):
+    """The static graph captured around a ``torch.compile``'d decode forward.
+
+    The engine is handed the model with its decode forward compiled (``dynamic=False``):
+    compilation happens in the warm-up step before capture, and the capture records the
+    compiled kernels. Whether the engine and backend can do that is read from the result (a
+    failed capture is a fallback with the reason), never assumed.
     """
 
     name = "graphcap-graph-compiled"
+    compiles = True
 
     def unsupported(self, backend: Backend) -> str | None:
         reason = super().unsupported(backend)
@@ -201,7 +222,7 @@ class GraphcapGraphCompiled(GraphcapGraph):
         torch._dynamo.reset()
         model = work.model
         # An instance attribute shadows the class's forward for this model only; close() undoes it.
-        model.forward = torch.compile(model.forward, dynamic=False)
+        model.forward = DecodeCompiledForward(model.forward)
         super().open(work)
 
     def close(self) -> None:

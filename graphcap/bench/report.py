@@ -16,7 +16,7 @@ import torch
 SCHEMA_VERSION = 1
 
 #: status values of a ModeResult
-OK, FALLBACK, UNSUPPORTED, ERROR = "ok", "fallback", "unsupported", "error"
+OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
 
 
 @dataclass
@@ -182,7 +182,7 @@ def format_table(report: BenchReport) -> str:
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     for r in report.results:
-        if r.status in (UNSUPPORTED, ERROR):
+        if r.status in (UNSUPPORTED, ERROR, SKIPPED):
             rows.append((r.mode, str(r.batch_size), r.status, *([""] * 9)))
             notes.append(f"{r.mode} (bs {r.batch_size}): {r.status}: {r.reason}")
             continue

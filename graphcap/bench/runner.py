@@ -23,6 +23,7 @@ from graphcap.bench.report import (
     ERROR,
     FALLBACK,
     OK,
+    SKIPPED,
     UNSUPPORTED,
     BenchReport,
     ModeResult,
@@ -44,7 +45,13 @@ MIN_DISTINCT_TOKENS = 4
 
 @dataclass
 class BenchConfig:
-    """What to measure. ``None`` fields take the backend's defaults (see :func:`resolve`)."""
+    """What to measure. ``None`` fields take the backend's defaults (see :func:`resolve`).
+
+    ``compile_batch_sizes`` limits the modes that compile (their first call costs tens of
+    seconds per batch size on a device) to those batch sizes; ``None`` means all. ``budget_s``
+    bounds the mode sweep: (mode, batch size) pairs not started within it are reported as
+    skipped. The RL loop runs after the sweep, outside the budget.
+    """
 
     model: str | None = None
     dtype: str | None = None
@@ -57,6 +64,8 @@ class BenchConfig:
     seed: int = 0
     peak_bandwidth: float | None = None
     backend: str | None = None
+    compile_batch_sizes: list[int] | None = None
+    budget_s: float | None = None
     rl_loop: int = 0
     rl_batch_size: int | None = None
     rl_optimizer: str = "sgd"
@@ -114,6 +123,8 @@ def _validate(config: BenchConfig) -> None:
         raise ValueError("new tokens must be >= 2 (the prefill token plus at least one step)")
     if config.warmup < 0 or config.rl_loop < 0:
         raise ValueError("warmup and --rl-loop must be >= 0")
+    if config.budget_s is not None and config.budget_s <= 0:
+        raise ValueError(f"the time budget must be positive, got {config.budget_s}")
     if config.rl_optimizer not in ("sgd", "adamw"):
         raise ValueError(f"RL optimizer must be 'sgd' or 'adamw', got {config.rl_optimizer!r}")
 
@@ -141,6 +152,7 @@ def run_benchmark(
     backend = backend or graphcap.get_backend(config.backend if config else None)
     config = resolve(config or BenchConfig(), backend)
     say = progress or (lambda _line: None)
+    deadline = None if config.budget_s is None else time.monotonic() + config.budget_s
     say(f"building {config.model} ({config.dtype}) on {backend.device}")
     model = build_model(
         config.model,
@@ -159,6 +171,13 @@ def run_benchmark(
         work = Workload(model, backend, ids, mask, config.new_tokens)
         outputs: dict[str, tuple[CallOutput, CallOutput]] = {}
         for name in config.modes:
+            if not _runs_at(name, batch, config):
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                report.results.append(
+                    ModeResult(name, batch, SKIPPED, f"time budget of {config.budget_s:g} s spent")
+                )
+                continue
             say(f"bs {batch}: {name}")
             result, calls = _run_mode(name, work, config, report.weight_bytes_per_step, peak, say)
             report.results.append(result)
@@ -194,6 +213,13 @@ def run_benchmark(
                     "weight updates invalidated the graph"
                 )
     return report
+
+
+def _runs_at(name: str, batch: int, config: BenchConfig) -> bool:
+    """Whether ``name`` is measured at ``batch`` (compiling modes may be limited)."""
+    mode = MODES.get(name)
+    limit = config.compile_batch_sizes
+    return mode is None or not mode.compiles or limit is None or batch in limit
 
 
 def _new_report(config: BenchConfig, backend: Backend, model: torch.nn.Module) -> BenchReport:
