@@ -206,8 +206,8 @@ class _Recording:
 
     def poison(self) -> None:
         for storage, dtype in self.new_storages.values():
-            element = torch.empty((), dtype=dtype).element_size()
-            view = torch.empty(0, dtype=dtype).set_(storage, 0, (storage.nbytes() // element,))
+            numel = storage.nbytes() // dtype.itemsize
+            view = torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
             if dtype.is_floating_point or dtype.is_complex:
                 view.fill_(float("nan"))
             elif dtype == torch.bool:
