@@ -17,7 +17,7 @@ import torch
 
 from graphcap.bench import command, modes, plot, presets
 from graphcap.bench.modes import MODES, Workload, default_modes, parse_modes
-from graphcap.bench.report import ModeResult, fill_ratios, format_table
+from graphcap.bench.report import ModeResult, fill_ratios, format_table, load_report
 from graphcap.bench.rl_loop import make_optimizer, run_rl_loop
 from graphcap.bench.roofline import (
     bandwidth_figures,
@@ -435,8 +435,21 @@ def test_plot_writes_png_when_matplotlib_is_installed(tmp_path: Any) -> None:
         BenchConfig(model="tiny-llama", batch_sizes=[1, 2], modes=["graphcap-eager"], **SMALL),
         backend=CPUBackend(),
     )
-    target = plot.plot_throughput(report, tmp_path / "tps.png")
-    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = report.write_json(tmp_path / "r.json")
+    assert plot.main([str(saved), str(tmp_path / "tps.png")]) == 0
+    assert (tmp_path / "tps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_saved_report_round_trips(tmp_path: Any, backend: CPUBackend) -> None:
+    report = run_benchmark(
+        BenchConfig(
+            model="tiny-llama", batch_sizes=[1], modes=["graphcap-graph"], rl_loop=1, **SMALL
+        ),
+        backend=backend,
+    )
+    loaded = load_report(report.write_json(tmp_path / "r.json"))
+    assert loaded == report
+    assert [r.captures_final for r in loaded.rl_loop] == [0, 1]
 
 
 def test_graph_compiled_mode_compiles_only_decode_and_restores_forward(

@@ -48,6 +48,9 @@ def plot_throughput(report: BenchReport, path: str | Path) -> Path:
         points.sort()
         ax.plot([b for b, _ in points], [t for _, t in points], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    batches = sorted({b for points in series.values() for b, _ in points})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
     ax.set_ylabel("generated tokens/s (steady state)")
@@ -64,3 +67,30 @@ def plot_throughput(report: BenchReport, path: str | Path) -> Path:
     fig.savefig(target, dpi=120)
     plt.close(fig)
     return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m graphcap.bench.plot REPORT.json OUT.png``: plot a saved report."""
+    import argparse
+    import sys
+
+    from graphcap.bench.report import load_report
+
+    parser = argparse.ArgumentParser(
+        prog="python -m graphcap.bench.plot",
+        description="Plot tokens/s vs batch size from a graphcap bench JSON report.",
+    )
+    parser.add_argument("report", help="JSON written by graphcap bench --json")
+    parser.add_argument("output", help="PNG to write")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_throughput(load_report(args.report), args.output)
+    except (PlotUnavailableError, ValueError, OSError) as exc:
+        print(f"graphcap bench plot: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -99,6 +99,7 @@ class BenchReport:
     results: list[ModeResult] = field(default_factory=list)
     rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    elapsed_s: float | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,6 +118,22 @@ class BenchReport:
         return next(
             (r for r in self.results if r.mode == mode and r.batch_size == batch_size), None
         )
+
+
+def load_report(path: str | Path) -> BenchReport:
+    """Read a report written by :meth:`BenchReport.write_json` (e.g. to plot it elsewhere)."""
+    data = json.loads(Path(path).read_text())
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: report schema version {version!r}, this graphcap reads {SCHEMA_VERSION}"
+        )
+    data["results"] = [ModeResult(**r) for r in data["results"]]
+    data["rl_loop"] = [
+        RLLoopResult(**{**r, "iterations": [RLIteration(**i) for i in r["iterations"]]})
+        for r in data["rl_loop"]
+    ]
+    return BenchReport(**data)
 
 
 def _json_default(value: object) -> object:

@@ -152,6 +152,7 @@ def run_benchmark(
     backend = backend or graphcap.get_backend(config.backend if config else None)
     config = resolve(config or BenchConfig(), backend)
     say = progress or (lambda _line: None)
+    started = time.monotonic()
     deadline = None if config.budget_s is None else time.monotonic() + config.budget_s
     say(f"building {config.model} ({config.dtype}) on {backend.device}")
     model = build_model(
@@ -212,6 +213,7 @@ def run_benchmark(
                     f"rl-loop graphcap-graph captured {res.captures_final} times (expected 1): "
                     "weight updates invalidated the graph"
                 )
+    report.elapsed_s = time.monotonic() - started
     return report
 
 
