@@ -365,6 +365,7 @@ class RolloutEngine:
             if graph is None:
                 raise RuntimeError("create_graph() returned None")
             if stream is not None:
+                stream.wait_stream(backend.current_stream())  # prefill work first
                 with backend.stream(stream):
                     res.step()
             else:

@@ -1,0 +1,190 @@
+"""Unit tests of the rollout building blocks the continuous path reuses: cache, masks,
+sampling, signature, eligibility and the in-place weight loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_models import prompts, tiny_model
+from transformers import DynamicCache
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from graphcap.rollout import load_weights_in_place
+from graphcap.rollout.cache import LayerSpec, StaticKVCache
+from graphcap.rollout.eligibility import non_resident_reason
+from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
+from graphcap.rollout.sampling import (
+    block_eos,
+    repetition_penalty,
+    sanitise,
+    top_k_filter,
+    top_p_filter,
+)
+
+
+def _spec(heads: int = 2, dim: int = 4) -> LayerSpec:
+    return LayerSpec(heads, dim, dim, torch.float32, torch.float32, torch.device("cpu"))
+
+
+# ---- cache ------------------------------------------------------------------------------------
+def test_cache_writes_each_row_at_its_own_device_position():
+    cache = StaticKVCache([_spec(), _spec()], batch_size=3, max_len=6)
+    cache.write_pos.copy_(torch.tensor([0, 2, 5]))
+    keys = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 1, 4) + 1
+    out_k, out_v = cache.update(keys, -keys, layer_idx=1)
+    for row, col in enumerate([0, 2, 5]):
+        assert torch.equal(out_k[row, :, col], keys[row, :, 0])
+        assert torch.equal(out_v[row, :, col], -keys[row, :, 0])
+        others = [c for c in range(6) if c != col]
+        assert not out_k[row, :, others].any()
+    assert not cache.layers[0].keys.any()  # other layers untouched
+    assert cache.get_seq_length().item() == 5  # a device tensor, not a host int
+    assert cache.get_mask_sizes(1, 0) == (6, 0)
+    cache.advance(2)
+    assert cache.write_pos.tolist() == [2, 4, 7]
+
+
+def test_cache_load_prefill_repeats_rows_and_reset_zeroes():
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    prefill = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=prefill, use_cache=True)
+    specs = StaticKVCache.specs_of(prefill)
+    assert specs[0].num_heads == model.config.num_key_value_heads
+    cache = StaticKVCache(specs, batch_size=6, max_len=10)
+    cache.load_prefill(prefill, repeats=3)
+    width = ids.shape[1]
+    for row in range(6):
+        assert torch.equal(cache.layers[1].keys[row, :, :width], prefill.layers[1].keys[row // 3])
+    assert not cache.layers[1].keys[:, :, width:].any()
+    assert cache.write_pos.tolist() == [width] * 6
+    cache.reset()
+    assert not cache.layers[0].keys.any() and cache.write_pos.sum() == 0
+    cache.load_prefill(prefill, rows=torch.tensor([4, 1]))
+    assert torch.equal(cache.layers[0].values[4, :, :width], prefill.layers[0].values[0])
+    assert cache.write_pos.tolist() == [0, width, 0, 0, width, 0]
+    nbytes = cache.nbytes()
+    assert nbytes == 2 * 2 * (6 * specs[0].num_heads * 10 * specs[0].k_head_dim * 4)
+    cache.release()
+    assert cache.nbytes() == 0
+
+
+# ---- masks ------------------------------------------------------------------------------------
+def test_masks_additive_bool_and_window():
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    windows = {"full_attention": None, "sliding_attention": 2}
+    additive = MaskBuffers(2, 6, torch.float32, torch.device("cpu"), windows)
+    additive.reset(prompt_mask)
+    additive.attend(torch.tensor([3, 3]))
+    rendered = additive.render(torch.tensor([3, 3]))
+    assert set(rendered) == set(windows)
+    low = torch.finfo(torch.float32).min
+    assert rendered["full_attention"][0, 0, 0].tolist() == [low, 0, 0, 0, low, low]
+    assert rendered["sliding_attention"][1, 0, 0].tolist() == [low, low, 0, 0, low, low]
+    boolean = MaskBuffers(
+        2, 6, torch.float32, torch.device("cpu"), {"full_attention": None}, form="bool"
+    )
+    boolean.reset(prompt_mask)
+    out = boolean.render(torch.tensor([2, 2]))
+    assert out.dtype == torch.bool and out[0, 0, 0].tolist() == [False, True, True] + [False] * 3
+    # reset forgets everything from before, a row reset touches only that row
+    boolean.attend(torch.tensor([4, 5]))
+    boolean.reset(torch.tensor([[1]]), rows=torch.tensor([1]))
+    assert boolean.valid[1].tolist() == [True] + [False] * 5
+    assert boolean.valid[0].tolist() == [False, True, True, False, True, False]
+    with pytest.raises(ValueError, match="mask form"):
+        MaskBuffers(1, 2, torch.float32, torch.device("cpu"), windows, form="float")
+
+
+def test_layer_windows_from_configs():
+    qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert layer_windows(qwen.config) == {"full_attention": None, "sliding_attention": 4}
+    assert layer_windows(tiny_model("llama").config) == {"full_attention": None}
+    assert layer_windows(tiny_model("mistral", sliding_window=4).config) == {"full_attention": 4}
+    llama = tiny_model("llama", fresh=True)
+    llama.config.layer_types = ["full_attention", "chunked_attention"]
+    assert unsupported_layer_types(llama.config) == ["chunked_attention"]
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+def test_repetition_penalty_matches_transformers_and_skips_unwritten_slots():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 20, generator=gen)
+    tokens = torch.randint(0, 20, (3, 7), generator=gen)
+    written = torch.ones(3, 7, dtype=torch.bool)
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(tokens, scores.clone())
+    assert torch.equal(repetition_penalty(scores, tokens, written, 1.7), expected)
+    written[:, 4:] = False  # unwritten slots hold stale ids: they must not be penalised
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(tokens[:, :4], scores.clone())
+    assert torch.equal(repetition_penalty(scores, tokens, written, 1.7), expected)
+
+
+@pytest.mark.parametrize("k", [1, 5, 19])
+def test_top_k_matches_transformers(k):
+    scores = torch.randn(4, 19, generator=torch.Generator().manual_seed(k))
+    assert torch.equal(top_k_filter(scores, k), TopKLogitsWarper(k)(None, scores))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.95])
+def test_top_p_matches_transformers(p):
+    scores = torch.randn(4, 19, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(top_p_filter(scores, p), TopPLogitsWarper(p)(None, scores))
+
+
+def test_sanitise_flattens_finished_and_broken_rows_only():
+    scores = torch.randn(4, 6)
+    scores[1, 2] = float("nan")
+    scores[2] = -float("inf")
+    finished = torch.tensor([False, False, False, True])
+    clean = sanitise(scores, finished)
+    assert torch.equal(clean[0], scores[0])
+    assert not clean[1:].any()
+    probs = torch.softmax(clean, -1)
+    assert torch.isfinite(probs).all()
+    torch.multinomial(probs, 1)  # would raise on NaN / all-zero rows
+
+
+def test_block_eos_uses_a_device_counter():
+    scores = torch.zeros(2, 5)
+    eos_vocab = torch.tensor([False, True, False, False, True])
+    blocked = block_eos(scores, eos_vocab, torch.tensor(1), min_new_tokens=2)
+    assert torch.isneginf(blocked[:, [1, 4]]).all() and not blocked[:, [0, 2, 3]].any()
+    assert torch.equal(block_eos(scores, eos_vocab, torch.tensor(2), min_new_tokens=2), scores)
+
+
+# ---- eligibility ------------------------------------------------------------------------------
+def test_non_resident_parameters_are_named():
+    model = tiny_model("gpt2", fresh=True)
+    assert non_resident_reason(model) is None
+    param = next(model.parameters())
+    param.ds_id = 7  # what DeepSpeed ZeRO-3 attaches
+    assert "ZeRO-3" in non_resident_reason(model)
+    del param.ds_id
+
+    class FSDPLinear(torch.nn.Linear):
+        pass
+
+    model.extra = FSDPLinear(2, 2)
+    assert "FSDP" in non_resident_reason(model)
+
+
+# ---- weights ----------------------------------------------------------------------------------
+def test_load_weights_in_place_keeps_addresses_and_checks_input():
+    model = tiny_model("gpt2", fresh=True)
+    head = model.lm_head.weight
+    address = head.data_ptr()
+    state = {k: v.detach().clone() + 1 for k, v in model.state_dict().items()}
+    loaded = load_weights_in_place(model, state)
+    assert "lm_head.weight" in loaded and head.data_ptr() == address
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
+    with pytest.raises(KeyError, match="no parameter"):
+        load_weights_in_place(model, {"nope": head}, strict=False)
+    with pytest.raises(KeyError, match="strict=False"):
+        load_weights_in_place(model, {"lm_head.weight": head.detach().clone()})
+    with pytest.raises(ValueError, match="shape"):
+        load_weights_in_place(model, {"lm_head.weight": torch.zeros(2, 2)}, strict=False)
