@@ -7,6 +7,7 @@ they check what the harness reports (statuses, captures, agreement, JSON shape),
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from dataclasses import replace
@@ -302,14 +303,15 @@ def test_compiling_modes_limited_to_their_batch_sizes_and_budget_skips(
     assert "budget" in spent.results[0].reason
 
 
+@pytest.mark.parametrize(("optimizer", "lr"), [("sgd", 1e-2), ("adamw", 1e-3)])
 def test_rl_loop_keeps_one_capture_across_in_place_updates(
-    backend: CPUBackend, tiny_llama: Any
+    backend: CPUBackend, tiny_llama: Any, optimizer: str, lr: float
 ) -> None:
     model = presets.build_model("tiny-llama", dtype=torch.float32, device=CPU)
     ids, mask = make_prompts(model.config.vocab_size, 2, 4, seed=0, device=CPU)
     work = Workload(model, backend, ids, mask, new_tokens=4)
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
-    eager, graph = run_rl_loop(work, iterations=3, optimizer="sgd", lr=1e-2)
+    eager, graph = run_rl_loop(work, iterations=3, optimizer=optimizer, lr=lr)
     assert (eager.mode, graph.mode) == ("graphcap-eager", "graphcap-graph")
     assert graph.captures_final == 1 and eager.captures_final == 0
     assert [it.captures for it in graph.iterations] == [1, 1, 1]
@@ -474,6 +476,7 @@ def test_graph_compiled_mode_compiles_only_decode_and_restores_forward(
     ids, mask = make_prompts(model.config.vocab_size, 1, 4, seed=0, device=CPU)
     mode = modes.GraphcapGraphCompiled()
     mode.open(Workload(model, backend, ids, mask, new_tokens=4))
+    assert "logits_to_keep" in inspect.signature(model.forward).parameters
     try:
         out = mode()
     finally:

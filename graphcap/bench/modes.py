@@ -8,6 +8,7 @@ fallback, never as a graph result.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -190,6 +191,8 @@ class DecodeCompiledForward:
     def __init__(self, forward: Any) -> None:
         self.eager = forward
         self.compiled = torch.compile(forward, dynamic=False)
+        # Keep the real signature visible: the engine inspects forward's parameters.
+        functools.update_wrapper(self, forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
