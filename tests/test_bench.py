@@ -18,8 +18,14 @@ import torch
 
 from graphcap.bench import command, modes, plot, presets
 from graphcap.bench.modes import MODES, Workload, default_modes, parse_modes
-from graphcap.bench.report import ModeResult, fill_ratios, format_table, load_report
-from graphcap.bench.rl_loop import make_optimizer, run_rl_loop
+from graphcap.bench.report import (
+    ModeResult,
+    RLLoopResult,
+    fill_ratios,
+    format_table,
+    load_report,
+)
+from graphcap.bench.rl_loop import make_optimizer, rl_warnings, run_rl_loop
 from graphcap.bench.roofline import (
     bandwidth_figures,
     parse_bandwidth,
@@ -271,6 +277,37 @@ def test_graph_modes_are_refused_on_a_backend_without_graphs() -> None:
     assert graph.status == "unsupported"
     assert "cannot capture" in graph.reason
     assert graph.tokens_per_s is None
+
+
+class FailingCaptureBackend(CPUBackend):
+    """Hands out graphs, but every capture fails: the engine must finish eagerly."""
+
+    name = "failing-capture"
+
+    def capture_to_graph(self, graph: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("capture exploded")
+
+
+def test_graph_mode_that_ran_eagerly_is_a_fallback_not_a_graph_result() -> None:
+    config = BenchConfig(
+        model="tiny-llama", batch_sizes=[1], modes=["graphcap-eager", "graphcap-graph"], **SMALL
+    )
+    with pytest.warns(RuntimeWarning, match="capture exploded"):
+        report = run_benchmark(config, backend=FailingCaptureBackend())
+    graph = report.result("graphcap-graph", 1)
+    assert graph.status == "fallback"
+    assert "capture exploded" in graph.reason
+    assert graph.path == "eager" and graph.captures == 0
+    assert graph.tokens_identical  # the eager completion still gives the reference tokens
+    assert "[fallback]" in format_table(report)
+
+
+def test_rl_warnings_flag_recaptures_and_reallocation() -> None:
+    good = RLLoopResult("graphcap-graph", 2, "sgd", captures_final=1)
+    assert rl_warnings([good]) == []
+    bad = RLLoopResult("graphcap-graph", 2, "sgd", captures_final=3, parameters_reallocated=True)
+    text = " ".join(rl_warnings([bad]))
+    assert "captured 3 times" in text and "reallocated" in text
 
 
 def test_static_compile_baseline_that_compiled_nothing_is_reported(backend: CPUBackend) -> None:

@@ -166,3 +166,17 @@ def _summarise(res: RLLoopResult) -> None:
     res.steady_generate_median_s = statistics.median(later) if later else None
     res.train_step_median_s = statistics.median(i.train_step_s for i in its)
     res.iteration_median_s = statistics.median(i.generate_s + i.train_step_s for i in its)
+
+
+def rl_warnings(results: list[RLLoopResult]) -> list[str]:
+    """What broke the RL-loop invariants: reallocated weights, or a graph captured again."""
+    warnings = []
+    for res in results:
+        if res.parameters_reallocated:
+            warnings.append(f"rl-loop {res.mode}: the optimizer reallocated parameters")
+        if res.mode == "graphcap-graph" and res.captures_final != 1:
+            warnings.append(
+                f"rl-loop graphcap-graph captured {res.captures_final} times (expected 1): "
+                "the weight updates invalidated the graph"
+            )
+    return warnings

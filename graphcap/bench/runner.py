@@ -188,7 +188,7 @@ def run_benchmark(
     fill_ratios(report.results)
     _collect_warnings(report)
     if config.rl_loop:
-        from graphcap.bench.rl_loop import run_rl_loop
+        from graphcap.bench.rl_loop import rl_warnings, run_rl_loop
 
         ids, mask = make_prompts(
             model.config.vocab_size,
@@ -203,16 +203,10 @@ def run_benchmark(
             iterations=config.rl_loop,
             optimizer=config.rl_optimizer,
             lr=config.rl_lr,
+            seed=config.seed,
             progress=say,
         )
-        for res in report.rl_loop:
-            if res.parameters_reallocated:
-                report.warnings.append(f"rl-loop {res.mode}: the optimizer reallocated weights")
-            if res.mode == "graphcap-graph" and res.captures_final not in (None, 1):
-                report.warnings.append(
-                    f"rl-loop graphcap-graph captured {res.captures_final} times (expected 1): "
-                    "weight updates invalidated the graph"
-                )
+        report.warnings += rl_warnings(report.rl_loop)
     report.elapsed_s = time.monotonic() - started
     return report
 
@@ -291,7 +285,8 @@ def _run_mode(
             held = backend.memory_allocated()
             if held is not None and before is not None:
                 result.engine_memory_bytes = held - before
-        say(f"  {phase} {index + 1 if phase != 'first' else ''}: {seconds * 1e3:.1f} ms")
+        label = phase if phase == "first" else f"{phase} {index + 1}"
+        say(f"  {label}: {seconds * 1e3:.1f} ms")
 
     try:
         mode.open(work)
