@@ -169,9 +169,16 @@ class DecodeStep:
             use_cache=True,
             **self._extra,
         )
-        self.cache.advance(1)
-        s.positions.add_(1)
+        self.advance()
         self.commit(out.logits[:, -1, :])
+
+    def advance(self) -> None:
+        """Move every row's write position and position id on by one (in place).
+
+        A separate method so the continuous path can hold finished rows in place instead.
+        """
+        self.cache.advance(1)
+        self.state.positions.add_(1)
 
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
