@@ -133,12 +133,17 @@ class StaticKVCache(Cache):
         self.write_pos.zero_()
 
     def load_prefill(
-        self, prefill: Cache, repeats: int = 1, rows: torch.Tensor | None = None
+        self,
+        prefill: Cache,
+        repeats: int = 1,
+        rows: torch.Tensor | None = None,
+        source_rows: torch.Tensor | None = None,
     ) -> None:
         """Copy a prefill's K/V into columns ``[0, W)``; each prompt row fills ``repeats`` rows.
 
-        ``rows`` (optional, long device tensor) names the destination rows, for callers that
-        refill part of the batch; by default prompt ``i`` goes to rows ``i*repeats ..``.
+        ``source_rows`` (long device tensor) instead says which prefill row each destination
+        row copies (samples of a prompt, padding rows of a bucket). ``rows`` names the
+        destination rows, for callers that refill part of the batch; by default all rows.
         The write position of the touched rows becomes ``W``.
         """
         if len(prefill.layers) != len(self.layers):
@@ -149,8 +154,15 @@ class StaticKVCache(Cache):
         if width > self.max_len:
             raise ValueError(f"prompt width {width} exceeds cache length {self.max_len}")
         for src, dst in zip(prefill.layers, self.layers, strict=True):
-            keys = src.keys.repeat_interleave(repeats, dim=0) if repeats > 1 else src.keys
-            values = src.values.repeat_interleave(repeats, dim=0) if repeats > 1 else src.values
+            keys, values = src.keys, src.values
+            if source_rows is not None:
+                keys, values = (
+                    keys.index_select(0, source_rows),
+                    values.index_select(0, source_rows),
+                )
+            elif repeats > 1:
+                keys = keys.repeat_interleave(repeats, dim=0)
+                values = values.repeat_interleave(repeats, dim=0)
             if rows is None:
                 dst.keys[:, :, :width].copy_(keys)
                 dst.values[:, :, :width].copy_(values)

@@ -178,11 +178,16 @@ class RolloutConfig:
     the new field with a ``DeprecationWarning``; both set to different values is an error.
     ``backend`` is a :class:`graphcap.Backend`, a backend name, or ``None`` for
     ``graphcap.get_backend()`` (which honours ``GRAPHCAP_BACKEND``).
+    ``batch_buckets`` / ``length_buckets`` pad the batch (rows x samples) and the total length
+    (prompt width + max_new_tokens) up to the smallest listed size that fits, so varying
+    requests reuse a few graphs; a request larger than every bucket runs at its own size.
     """
 
     enable_graph_capture: bool | None = None
     eos_check_interval: int = 16
     backend: Backend | str | None = None
+    batch_buckets: tuple[int, ...] | None = None
+    length_buckets: tuple[int, ...] | None = None
     enable_cuda_graph: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -208,3 +213,19 @@ class RolloutConfig:
             self.enable_graph_capture = False
         if self.eos_check_interval < 1:
             raise ValueError(f"eos_check_interval must be >= 1, got {self.eos_check_interval}")
+        self.batch_buckets = _buckets("batch_buckets", self.batch_buckets)
+        self.length_buckets = _buckets("length_buckets", self.length_buckets)
+
+
+def _buckets(name: str, sizes: Any) -> tuple[int, ...] | None:
+    if sizes is None:
+        return None
+    values = tuple(sorted({int(s) for s in sizes}))
+    if not values or values[0] < 1:
+        raise ValueError(f"{name} must be a non-empty list of positive sizes, got {sizes!r}")
+    return values
+
+
+def bucket_size(value: int, buckets: tuple[int, ...] | None) -> int:
+    """The smallest bucket >= ``value``; ``value`` itself when no bucket fits or none is set."""
+    return next((b for b in buckets or () if b >= value), value)

@@ -20,7 +20,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from graphcap.backend import Backend
 from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.config import RolloutConfig, SamplingParams
+from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.eligibility import check_attention, graph_refusal
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import SamplerSettings
@@ -44,9 +44,12 @@ class RolloutStats:
     ``captures`` counts the graphs this engine has captured so far (all calls); ``replays`` and
     ``steps`` count this call's graph replays and decode steps (the prefill token excluded).
     ``first_call_s`` is the whole call's time when this call captured, else ``None``.
+    ``batch_size`` / ``total_len`` are the sizes the buffers had (after bucket padding).
     """
 
     path: str
+    batch_size: int = 0
+    total_len: int = 0
     captures: int = 0
     captured: bool = False
     replays: int = 0
@@ -124,13 +127,15 @@ class RolloutEngine:
         rows, width = input_ids.shape
         repeats = params.num_return_sequences
         batch, total = rows * repeats, width + params.max_new_tokens
+        padded_batch = bucket_size(batch, self.config.batch_buckets)
+        padded_total = bucket_size(total, self.config.length_buckets)
         if params.seed is not None:
             if generator is not None:
                 generator.manual_seed(params.seed)
             else:
                 self.backend.manual_seed(params.seed)
 
-        stats = RolloutStats(path="eager")
+        stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
         use_graph = False
         if self.config.enable_graph_capture:
             check_attention(self.model)
@@ -141,8 +146,8 @@ class RolloutEngine:
         windows = layer_windows(self.model.config)
         signature = signature_of(
             self.model,
-            batch_size=batch,
-            total_len=total,
+            batch_size=padded_batch,
+            total_len=padded_total,
             device=self.backend.device,
             sampler=SamplerSettings.from_params(params),
             eos_ids=params.eos_ids,
@@ -159,10 +164,17 @@ class RolloutEngine:
 
         with torch.no_grad():
             prefill, logits, next_positions = self._prefill(input_ids, attention_mask)
-            if repeats > 1:
-                logits = logits.repeat_interleave(repeats, dim=0)
+            # prefill row of each batch row: samples of a prompt, then bucket padding rows
+            sources = torch.arange(rows, device=input_ids.device).repeat_interleave(repeats)
+            sources = torch.cat([sources, sources[-1:].expand(padded_batch - batch)])
+            logits = logits.index_select(0, sources)
             res = self._resources(signature, prefill, logits, params, windows, generator)
-            self._start_call(res, prefill, input_ids, attention_mask, next_positions, repeats)
+            res.cache.reset()
+            res.cache.load_prefill(prefill, source_rows=sources)
+            res.masks.reset(attention_mask.index_select(0, sources))
+            res.state.reset(
+                input_ids.index_select(0, sources), next_positions.index_select(0, sources), batch
+            )
             res.step.commit(logits)
             stats.prefill_s = time.perf_counter() - start
 
@@ -170,7 +182,7 @@ class RolloutEngine:
             if use_graph and params.max_new_tokens > 1:
                 if res.graph is None:
                     t_capture = time.perf_counter()
-                    stats.captured = self._capture(res, prefill, repeats)
+                    stats.captured = self._capture(res, prefill, sources)
                     stats.capture_s = time.perf_counter() - t_capture
                     if not stats.captured:
                         stats.fallback_reason = self._graphs_off_reason
@@ -190,7 +202,7 @@ class RolloutEngine:
             stats.steps = self._decode(runner, params.max_new_tokens - 1, res.state)
             self.backend.synchronize()
             stats.decode_s = time.perf_counter() - t_decode
-            result = self._collect(res.state, width, params.return_logprobs, stats)
+            result = self._collect(res.state, batch, width, total, params.return_logprobs, stats)
         stats.captures = self.captures
         stats.total_s = time.perf_counter() - start
         if stats.captured:
@@ -331,25 +343,7 @@ class RolloutEngine:
         self._res = _Resources(signature, cache, masks, state, step, generator)
         return self._res
 
-    @staticmethod
-    def _start_call(
-        res: _Resources,
-        prefill: DynamicCache,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        next_positions: torch.Tensor,
-        repeats: int,
-    ) -> None:
-        if repeats > 1:
-            input_ids = input_ids.repeat_interleave(repeats, dim=0)
-            attention_mask = attention_mask.repeat_interleave(repeats, dim=0)
-            next_positions = next_positions.repeat_interleave(repeats, dim=0)
-        res.cache.reset()
-        res.cache.load_prefill(prefill, repeats)
-        res.masks.reset(attention_mask)
-        res.state.reset(input_ids, next_positions)
-
-    def _capture(self, res: _Resources, prefill: DynamicCache, repeats: int) -> bool:
+    def _capture(self, res: _Resources, prefill: DynamicCache, sources: torch.Tensor) -> bool:
         """Warm up, capture the decode step, leave every buffer as it was; False on failure.
 
         The first replay (by the caller) performs the first decode step, on a device and on the
@@ -385,7 +379,7 @@ class RolloutEngine:
             if res.generator is not None:
                 res.generator.set_state(gen_state)
             res.cache.reset()
-            res.cache.load_prefill(prefill, repeats)
+            res.cache.load_prefill(prefill, source_rows=sources)
             res.graph = None
             self._graphs_off_reason = f"graph capture failed: {type(exc).__name__}: {exc}"
             warnings.warn(
@@ -410,16 +404,22 @@ class RolloutEngine:
 
     @staticmethod
     def _collect(
-        state: DecodeState, width: int, return_logprobs: bool, stats: RolloutStats
+        state: DecodeState,
+        batch: int,
+        width: int,
+        total: int,
+        return_logprobs: bool,
+        stats: RolloutStats,
     ) -> RolloutResult:
-        response = state.response[:, width:].to(torch.long)
-        finished = state.finished.tolist()
+        """The caller's rows and columns (bucket padding cut off), copied out of the buffers."""
+        response = state.response[:batch, width:total].to(torch.long)
+        finished = state.finished[:batch].tolist()
         return RolloutResult(
-            sequences=state.sequences.clone(),
+            sequences=state.sequences[:batch, :total].clone(),
             response_mask=response,
             response_lengths=response.sum(-1),
             finish_reasons=["eos" if done else "length" for done in finished],
-            logprobs=state.logprobs[:, width:].clone() if return_logprobs else None,
+            logprobs=state.logprobs[:batch, width:total].clone() if return_logprobs else None,
             stats=stats,
         )
 

@@ -64,8 +64,13 @@ class DecodeState:
             pad=torch.full((), pad_id, **long),
         )
 
-    def reset(self, prompt_ids: torch.Tensor, next_positions: torch.Tensor) -> None:
-        """Start a call: prompt in the first columns, pad after, counters and flags cleared."""
+    def reset(
+        self, prompt_ids: torch.Tensor, next_positions: torch.Tensor, active: int | None = None
+    ) -> None:
+        """Start a call: prompt in the first columns, pad after, counters and flags cleared.
+
+        Rows from ``active`` on (bucket padding) start finished: they only ever emit pad.
+        """
         width = prompt_ids.shape[-1]
         self.sequences.copy_(self.pad.expand_as(self.sequences))
         self.sequences[:, :width].copy_(prompt_ids)
@@ -75,6 +80,8 @@ class DecodeState:
         self.tokens.zero_()
         self.generated.zero_()
         self.finished.zero_()
+        if active is not None:
+            self.finished[active:] = True
         self.all_finished.zero_()
 
     def tensors(self) -> dict[str, torch.Tensor]:
