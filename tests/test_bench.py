@@ -48,6 +48,16 @@ CPU = torch.device("cpu")
 SMALL = {"prompt_len": 4, "new_tokens": 3, "repeats": 1, "warmup": 0}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine two threads
+    # per process make these runs several times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def backend() -> CPUBackend:
     return CPUBackend()
