@@ -1,0 +1,149 @@
+"""The rollout engine on a real accelerator backend (``GRAPHCAP_BACKEND=cuda``, ``npu``...).
+
+The CPU reference backend runs every graph path in CI; these tests confirm the same claims on a
+device: graph == eager == ``generate()`` token for token, sampling equal bitwise for a fixed
+seed, reuse across in-place weight updates, and stale graph state dropped before a recapture.
+Skipped, with the reason, unless an accelerator backend is selected and available.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from rollout_models import PAD, distinct_tokens_per_row, prompts, tiny_model
+
+import graphcap
+from graphcap.errors import BackendSelectionError
+from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams, load_weights_in_place
+
+pytestmark = pytest.mark.device
+
+NEW = 12
+NO_EOS = {"eos_token_id": []}
+
+
+@pytest.fixture(scope="module")
+def backend() -> graphcap.Backend:
+    name = os.environ.get("GRAPHCAP_BACKEND")
+    if not name or name == "cpu":
+        pytest.skip("device tests need an accelerator backend: set GRAPHCAP_BACKEND=cuda (or npu)")
+    try:
+        selected = graphcap.get_backend(name)
+    except BackendSelectionError as exc:
+        pytest.skip(f"backend {name!r} not usable here: {exc}")
+    if not selected.supports_graph_capture:
+        pytest.skip(f"backend {name!r} cannot capture graphs")
+    return selected
+
+
+def on_device(model: torch.nn.Module, backend, dtype=torch.float32) -> torch.nn.Module:
+    return model.to(device=backend.device, dtype=dtype)
+
+
+def run(model, ids, mask, backend, graph: bool, engine=None, **sampling):
+    engine = engine or RolloutEngine(
+        model, RolloutConfig(enable_graph_capture=graph, backend=backend)
+    )
+    return engine.generate(ids, mask, SamplingParams(**sampling))
+
+
+def generate(model, ids, mask, total: int, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=PAD, **kwargs)
+    pad = torch.full((out.shape[0], total - out.shape[1]), PAD, dtype=out.dtype, device=out.device)
+    return torch.cat([out, pad], dim=1)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_greedy_graph_equals_eager_equals_generate(backend, family, batch):
+    model = on_device(tiny_model(family, fresh=True), backend)
+    ids, mask = (t.to(backend.device) for t in prompts(batch, seed=batch))
+    total = ids.shape[1] + NEW
+    graph = run(model, ids, mask, backend, True, max_new_tokens=NEW, **NO_EOS)
+    eager = run(model, ids, mask, backend, False, max_new_tokens=NEW, **NO_EOS)
+    reference = generate(
+        model, ids, mask, total, max_new_tokens=NEW, do_sample=False, eos_token_id=None
+    )
+    assert graph.stats.path == "static_graph", graph.stats.fallback_reason
+    assert graph.stats.replays == NEW - 1
+    assert distinct_tokens_per_row(graph, min_distinct=3)
+    assert torch.equal(graph.sequences, eager.sequences)
+    assert torch.equal(graph.sequences, reference)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [{"top_k": 5}, {"top_p": 0.8, "temperature": 1.3}, {"repetition_penalty": 1.5, "top_k": 20}],
+    ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()),
+)
+def test_sampling_graph_equals_eager_equals_generate(backend, case):
+    model = on_device(tiny_model("llama", fresh=True), backend)
+    ids, mask = (t.to(backend.device) for t in prompts(4, padded=False, seed=3))
+    total = ids.shape[1] + NEW
+    outs, states = {}, {}
+    for graph in (True, False):
+        backend.manual_seed(11)
+        outs[graph] = run(
+            model, ids, mask, backend, graph, do_sample=True, max_new_tokens=NEW, **case
+        )
+        states[graph] = backend.get_rng_state()
+    backend.manual_seed(11)
+    reference = generate(
+        model, ids, mask, total, max_new_tokens=NEW, do_sample=True, **{"top_k": None, **case}
+    )
+    assert outs[True].stats.path == "static_graph", outs[True].stats.fallback_reason
+    assert torch.equal(outs[True].sequences, outs[False].sequences)
+    assert torch.equal(states[True], states[False])
+    assert torch.equal(outs[True].sequences, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_graph_equals_eager(backend, dtype):
+    model = on_device(tiny_model("llama", fresh=True), backend, dtype)
+    ids, mask = (t.to(backend.device) for t in prompts(8, seed=2))
+    graph = run(model, ids, mask, backend, True, max_new_tokens=NEW, **NO_EOS)
+    eager = run(model, ids, mask, backend, False, max_new_tokens=NEW, **NO_EOS)
+    assert graph.stats.path == "static_graph", graph.stats.fallback_reason
+    assert torch.equal(graph.sequences, eager.sequences)
+
+
+def test_in_place_weight_update_reuses_the_graph(backend):
+    model = on_device(tiny_model("gpt2", fresh=True), backend)
+    ids, mask = (t.to(backend.device) for t in prompts(3))
+    engine = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=backend))
+    before = run(model, ids, mask, backend, True, engine=engine, max_new_tokens=NEW, **NO_EOS)
+    torch.manual_seed(7)
+    new_state = {
+        k: v + 0.5 * torch.randn_like(v)
+        for k, v in model.state_dict().items()
+        if v.is_floating_point()
+    }
+    load_weights_in_place(model, new_state)
+    after = run(model, ids, mask, backend, True, engine=engine, max_new_tokens=NEW, **NO_EOS)
+    eager = run(model, ids, mask, backend, False, max_new_tokens=NEW, **NO_EOS)
+    assert after.stats.captures == 1
+    assert not torch.equal(before.sequences, after.sequences)
+    assert torch.equal(after.sequences, eager.sequences)
+
+
+def test_recapture_drops_the_stale_graph_first(backend, record_property):
+    """A new total length recaptures; device memory does not hold two generations of state."""
+    model = on_device(tiny_model("llama", fresh=True), backend)
+    engine = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=backend))
+    ids, mask = (t.to(backend.device) for t in prompts(8))
+    figures = []
+    for new in (48, 48, 40, 48):
+        result = run(model, ids, mask, backend, True, engine=engine, max_new_tokens=new, **NO_EOS)
+        backend.synchronize()
+        figures.append((result.stats.captures, backend.memory_allocated()))
+    record_property("captures_and_memory_allocated", figures)
+    assert [c for c, _ in figures] == [1, 1, 2, 3]
+    steady = figures[1][1]
+    # Each recapture replaces the old state: allocated memory returns to the same level.
+    assert figures[3][1] == pytest.approx(steady, rel=0.05)
+    engine.shutdown()
+    backend.synchronize()
+    assert backend.memory_allocated() < steady
