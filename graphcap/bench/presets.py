@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    GenerationConfig,
     GPT2Config,
     LlamaConfig,
     PretrainedConfig,
@@ -141,20 +142,15 @@ def default_dtype_name(model: str, device_type: str) -> str:
 
 
 def disable_eos(model: PreTrainedModel, pad_token_id: int = 0) -> None:
-    """Make every mode generate exactly ``max_new_tokens``: no EOS, an explicit pad id.
+    """Make every mode generate exactly ``max_new_tokens`` the same plain greedy way.
 
     Timing comparisons need equal work per mode, and token agreement is only meaningful when
-    no row stops early on a random model's accidental EOS.
+    no row stops early on a random model's accidental EOS. A local checkpoint's generation
+    defaults (sampling, repetition penalty, ...) are dropped too: ``generate`` would apply them
+    and graphcap's engine, given explicit settings, would not.
     """
     model.config.eos_token_id = None
-    gen = model.generation_config
-    gen.eos_token_id = None
-    gen.pad_token_id = pad_token_id
-    # Presets sample nothing; a local checkpoint's sampling defaults must not leak into greedy.
-    gen.do_sample = False
-    gen.temperature = None
-    gen.top_k = None
-    gen.top_p = None
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=pad_token_id)
 
 
 def build_model(

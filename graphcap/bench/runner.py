@@ -376,11 +376,17 @@ def _fill_agreement(
     ref_tokens = reference[1].tokens
     for name, (first, last) in outputs.items():
         result = report.result(name, batch)
+        result.distinct_tokens = int(torch.unique(last.tokens).numel())
+        if last.tokens.shape != ref_tokens.shape or first.tokens.shape != ref_tokens.shape:
+            report.warnings.append(
+                f"{name} (bs {batch}) returned {tuple(last.tokens.shape)} tokens, the reference "
+                f"{tuple(ref_tokens.shape)}: not compared"
+            )
+            continue
         fraction = token_agreement(last.tokens, ref_tokens)
         result.token_agreement = fraction
         result.tokens_identical = fraction == 1.0
         result.first_call_tokens_identical = token_agreement(first.tokens, ref_tokens) == 1.0
-        result.distinct_tokens = int(torch.unique(last.tokens).numel())
 
 
 def token_agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
