@@ -278,6 +278,39 @@ def test_run_benchmark_report_structure_and_json(backend: CPUBackend) -> None:
     assert "graphcap-graph" in table and "unsupported" in table
 
 
+class MemoryReportingBackend(CPUBackend):
+    """Reports device memory like an accelerator, from a scripted allocator."""
+
+    name = "memory-reporting"
+
+    def memory_allocated(self) -> int:
+        return 1000
+
+    def max_memory_allocated(self) -> int:
+        return 5000
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+
+def test_memory_and_roofline_figures_reach_the_report() -> None:
+    config = BenchConfig(
+        model="tiny-llama",
+        batch_sizes=[1],
+        modes=["graphcap-graph"],
+        peak_bandwidth=50e9,
+        **SMALL,
+    )
+    report = run_benchmark(config, backend=MemoryReportingBackend())
+    graph = report.result("graphcap-graph", 1)
+    assert graph.peak_memory_bytes == 5000
+    assert graph.engine_memory_bytes == 0
+    assert report.peak_bandwidth_gbps == 50.0
+    expected = report.weight_bytes_per_step / graph.decode_step_s
+    assert graph.weight_bandwidth_gbps == pytest.approx(expected / 1e9)
+    assert graph.bandwidth_fraction == pytest.approx(expected / 50e9)
+
+
 def test_graph_modes_are_refused_on_a_backend_without_graphs() -> None:
     config = BenchConfig(
         model="tiny-llama", batch_sizes=[1], modes=["graphcap-eager", "graphcap-graph"], **SMALL

@@ -56,7 +56,11 @@ def device_name(backend: Backend) -> str:
 
 
 def peak_bandwidth(name: str, override: float | None = None) -> float | None:
-    """Peak bytes/s for ``name``: the override, else the table, else None (unknown / CPU)."""
+    """Peak bytes/s for ``name``: the override, else the table, else None.
+
+    The table holds accelerators only; on a CPU the roofline appears when the user gives the
+    machine's memory bandwidth.
+    """
     if override is not None:
         if override <= 0:
             raise ValueError(f"--peak-bandwidth must be positive (bytes/s), got {override}")

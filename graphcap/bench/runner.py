@@ -220,7 +220,7 @@ def _runs_at(name: str, batch: int, config: BenchConfig) -> bool:
 
 def _new_report(config: BenchConfig, backend: Backend, model: torch.nn.Module) -> BenchReport:
     name = device_name(backend)
-    peak = peak_bandwidth(name, config.peak_bandwidth) if backend.device.type != "cpu" else None
+    peak = peak_bandwidth(name, config.peak_bandwidth)
     return BenchReport(
         environment={
             "graphcap": graphcap.__version__,
