@@ -262,6 +262,7 @@ def _run_mode(
     peak: float | None,
     say: Progress,
 ) -> tuple[ModeResult, tuple[CallOutput, CallOutput] | None]:
+    """Measure one mode at one batch size; also return its first and last call's output."""
     result = ModeResult(mode=name, batch_size=work.batch_size)
     if name in NOT_YET_SUPPORTED:
         result.status, result.reason = UNSUPPORTED, NOT_YET_SUPPORTED[name]
@@ -270,7 +271,7 @@ def _run_mode(
     reason = mode.unsupported(work.backend)
     if reason is not None:
         result.status, result.reason = UNSUPPORTED, reason
-        say(f"  skipped: {reason}")
+        say(f"  unsupported: {reason}")
         return result, None
     backend = work.backend
     gc.collect()
