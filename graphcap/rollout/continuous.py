@@ -1,0 +1,480 @@
+"""Continuous batching: a queue of requests through a fixed number of slots (docs/continuous.md).
+
+The decode step always runs over all ``N`` slots, so a captured graph sees one batch shape and
+one set of tensor addresses. Every ``eos_check_interval`` steps the host reads the slots'
+device ``finished`` flags (the only device read while decoding), copies finished requests'
+rows out, clears those slots and refills them with queued requests (prefilled eagerly, their
+K/V written into the slot's cache row, their first token chosen by the same commit math).
+Graph and eager loops share this schedule, so they produce the same tokens bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.eligibility import check_attention, graph_refusal
+from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
+from graphcap.rollout.sampling import SamplerSettings
+from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
+from graphcap.rollout.slots import (
+    ContinuousStep,
+    SlotTable,
+    allocate_state,
+    clear_slots,
+    shift_row,
+)
+from graphcap.rollout.step import Snapshot
+
+if TYPE_CHECKING:
+    from graphcap.rollout.config import SamplingParams
+    from graphcap.rollout.engine import RolloutEngine, RolloutResult, RolloutStats
+
+
+@dataclass(frozen=True)
+class ContinuousSignature:
+    """The static path's signature (``batch_size`` = slot capacity) plus the prompt width."""
+
+    graph: GraphSignature
+    prompt_width: int
+
+    def differences(self, other: ContinuousSignature) -> list[str]:
+        names = self.graph.differences(other.graph)
+        return names + (["prompt_width"] if self.prompt_width != other.prompt_width else [])
+
+
+@dataclass
+class _Held:
+    """Buffers and graph of one continuous signature (dropped together)."""
+
+    signature: ContinuousSignature
+    cache: StaticKVCache
+    masks: MaskBuffers
+    step: ContinuousStep
+    generator: torch.Generator | None
+    graph: object | None = None
+
+
+@dataclass
+class _Queue:
+    """The requests of one call, in request order."""
+
+    ids: torch.Tensor  # (R, W)
+    mask: torch.Tensor  # (R, W)
+    limits: list[int]
+    next: int = 0
+
+    def take(self, count: int) -> list[int]:
+        taken = list(range(self.next, min(self.next + count, len(self.limits))))
+        self.next += len(taken)
+        return taken
+
+    @property
+    def empty(self) -> bool:
+        return self.next >= len(self.limits)
+
+
+def graph_eligibility(params: SamplingParams) -> str | None:
+    """Why this request must use the eager continuous loop, or ``None``."""
+    if params.do_sample:
+        return "continuous graph path is greedy only (do_sample=True runs the eager loop)"
+    if params.num_return_sequences != 1:
+        return "continuous graph path serves one sample per prompt"
+    return None
+
+
+class ContinuousRunner:
+    """The continuous path of one :class:`RolloutEngine`; keeps its graph across calls."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+        self._held: _Held | None = None
+
+    # ---- public ---------------------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        request_max_new_tokens: Sequence[int] | None,
+        start: float,
+    ) -> RolloutResult:
+        """Run the call's rows (x samples) through the slots; results in request order."""
+        from graphcap.rollout.engine import RolloutStats
+
+        engine, config = self.engine, self.engine.config
+        stats = RolloutStats(path="continuous_eager")
+        slots = int(config.continuous_batch_size)
+        repeats = params.num_return_sequences
+        ids = input_ids.repeat_interleave(repeats, dim=0)
+        mask = attention_mask.repeat_interleave(repeats, dim=0)
+        limits = _limits(request_max_new_tokens, input_ids.shape[0], repeats, params)
+        width, max_new = ids.shape[1], params.max_new_tokens
+        align, trim = config.align_decode_fronts, config.trim_cache
+        # the sink column is last; aligned fronts may place a row up to max_new further right
+        total = width + max_new + 1 + (max_new if align else 0)
+
+        use_graph = False
+        if config.enable_graph_capture:
+            check_attention(engine.model)
+            reason = (
+                engine._graphs_off_reason
+                or graph_refusal(engine.model, engine.backend)
+                or graph_eligibility(params)
+            )
+            stats.fallback_reason = reason
+            use_graph = reason is None
+        windows = layer_windows(engine.model.config)
+        signature = ContinuousSignature(
+            signature_of(
+                engine.model,
+                batch_size=slots,
+                total_len=total,
+                device=engine.backend.device,
+                sampler=SamplerSettings.from_params(params),
+                eos_ids=params.eos_ids,
+                pad_id=int(params.pad_token_id),
+                return_logprobs=params.return_logprobs,
+                mask_form=engine.backend.capabilities.mask_form,
+                windows=windows,
+                generator=generator,
+            ),
+            width,
+        )
+        if self._held is not None and self._held.signature != signature:
+            stats.recapture_reason = self._held.signature.differences(signature)
+            self.drop()
+        stats.batch_size, stats.total_len = slots, total
+
+        queue = _Queue(ids, mask, limits)
+        rows = len(limits)
+        device = engine.backend.device
+        out_seq = torch.full((rows, width + max_new), int(params.pad_token_id), device=device)
+        out_resp = torch.zeros((rows, max_new), dtype=torch.bool, device=device)
+        out_logp = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        table = SlotTable.empty(slots)
+        with torch.no_grad():
+            first = queue.take(slots)
+            prefill, logits, next_pos = engine._prefill(ids[first], mask[first])
+            held = self._resources(signature, prefill, params, windows, generator)
+            step = held.step
+            clear_slots(step, torch.arange(slots, device=device))
+            self._fill(step, table, queue, first, (prefill, logits, next_pos))
+            stats.prefill_s = time.perf_counter() - start
+
+            runner = step
+            if use_graph:
+                if held.graph is None:
+                    t_capture = time.perf_counter()
+                    stats.captured = self._capture(held)
+                    stats.capture_s = time.perf_counter() - t_capture
+                    if not stats.captured:
+                        stats.fallback_reason = engine._graphs_off_reason
+                if held.graph is not None:
+                    stats.path = "continuous_graph"
+                    runner = self._replayer(held.graph, stats)
+
+            t_decode = time.perf_counter()
+            interval = config.eos_check_interval
+            while table.occupied():
+                runner()
+                stats.steps += 1
+                if stats.steps % interval == 0:
+                    self._service(step, table, queue, (out_seq, out_resp, out_logp), align, trim)
+            engine.backend.synchronize()
+            stats.decode_s = time.perf_counter() - t_decode
+        stats.slots_refilled = table.refilled
+        result = self._result(out_seq, out_resp, out_logp, width, params, stats, slots)
+        stats.total_s = time.perf_counter() - start
+        if stats.captured:
+            stats.first_call_s = stats.total_s
+        return result
+
+    def drop(self) -> None:
+        """Release the graph and every buffer of the held signature."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.graph = None
+            held.cache.release()
+            self.engine.backend.empty_cache()
+
+    @property
+    def cache(self) -> StaticKVCache | None:
+        return None if self._held is None else self._held.cache
+
+    @property
+    def step(self) -> ContinuousStep | None:
+        return None if self._held is None else self._held.step
+
+    # ---- pieces ---------------------------------------------------------------------------
+    def _resources(
+        self,
+        signature: ContinuousSignature,
+        prefill: object,
+        params: SamplingParams,
+        windows: dict[str, int | None],
+        generator: torch.Generator | None,
+    ) -> _Held:
+        specs = StaticKVCache.specs_of(prefill)
+        if self._held is not None:
+            if self._held.cache.layer_specs() == specs:
+                return self._held
+            self.drop()
+        model, device = self.engine.model, self.engine.backend.device
+        slots, total = signature.graph.batch_size, signature.graph.total_len
+        mask_form = signature.graph.mask_form
+        if unsupported_layer_types(model.config):
+            mask_form = "padding"  # eager only: graph_refusal keeps such models off graphs
+        cache = StaticKVCache(specs, slots, total)
+        masks = MaskBuffers(
+            slots,
+            total,
+            model_dtype(model),
+            device,
+            windows,
+            form=mask_form,
+            as_dict=bool(getattr(model.config, "layer_types", None)),
+        )
+        vocab = model.get_output_embeddings().weight.shape[0]
+        state = allocate_state(
+            slots, total, vocab, params.eos_ids, int(params.pad_token_id), device
+        )
+        step = ContinuousStep(
+            model, cache, masks, state, signature.graph.sampler, params.return_logprobs, generator
+        )
+        self._held = _Held(signature, cache, masks, step, generator)
+        return self._held
+
+    def _fill(
+        self,
+        step: ContinuousStep,
+        table: SlotTable,
+        queue: _Queue,
+        requests: list[int],
+        prefilled: tuple | None = None,
+        front: int | None = None,
+    ) -> None:
+        """Prefill ``requests`` (one batch) and put them into free slots, first token chosen."""
+        if not requests:
+            return
+        if prefilled is None:
+            prefilled = self.engine._prefill(queue.ids[requests], queue.mask[requests])
+        prefill, logits, next_pos = prefilled
+        free = table.free()[: len(requests)]
+        device = step.state.finished.device
+        rows = torch.tensor(free, dtype=torch.long, device=device)
+        width = queue.ids.shape[1]
+        s = step.state
+        step.cache.load_prefill(prefill, rows=rows)
+        step.masks.reset(queue.mask[requests], rows=rows)
+        s.sequences[rows, :width] = queue.ids[requests]
+        s.positions[rows] = next_pos.view(-1, 1)
+        s.finished[rows] = False
+        s.generated[rows] = 0
+        step.limits[rows] = torch.tensor(
+            [queue.limits[r] for r in requests], dtype=torch.long, device=device
+        )
+        for slot, request in zip(free, requests, strict=True):
+            table.request[slot] = request
+            table.start[slot] = 0
+            if front is not None and front > width:
+                shift_row(step, slot, front - width)
+                table.start[slot] = front - width
+        step.commit_rows(logits, rows)
+
+    def _service(
+        self,
+        step: ContinuousStep,
+        table: SlotTable,
+        queue: _Queue,
+        outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        align: bool,
+        trim: bool,
+    ) -> None:
+        """The refill check: retire finished slots, then refill them from the queue."""
+        finished = step.state.finished.tolist()  # the one device read of the check
+        done = [i for i in table.occupied() if finished[i]]
+        if done:
+            self._retire(step, table, done, outputs, queue.ids.shape[1])
+        requests = queue.take(len(table.free()))
+        front = None
+        if align:
+            front = self._align(step, table, queue.ids.shape[1], trim, bool(requests))
+        elif trim:
+            self._trim(step, table)
+        table.refilled += len(requests)
+        self._fill(step, table, queue, requests, front=front)
+
+    @staticmethod
+    def _retire(
+        step: ContinuousStep,
+        table: SlotTable,
+        done: list[int],
+        outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        width: int,
+    ) -> None:
+        out_seq, out_resp, out_logp = outputs
+        span, max_new = out_seq.shape[1], out_resp.shape[1]
+        s = step.state
+        for slot in done:
+            request, begin = table.request[slot], table.start[slot]
+            out_seq[request] = s.sequences[slot, begin : begin + span]
+            out_resp[request] = s.response[slot, begin + width : begin + width + max_new]
+            out_logp[request] = s.logprobs[slot, begin + width : begin + width + max_new]
+            table.request[slot] = -1
+            table.start[slot] = 0
+        clear_slots(step, torch.tensor(done, dtype=torch.long, device=out_seq.device))
+
+    @staticmethod
+    def _trim(step: ContinuousStep, table: SlotTable) -> None:
+        """Drop the leading columns no active slot uses (shift every active slot left)."""
+        busy = table.occupied()
+        if not busy:
+            return
+        lead = min(table.start[i] for i in busy)
+        for slot in busy:
+            shift_row(step, slot, -lead)
+            table.start[slot] -= lead
+
+    def _align(
+        self, step: ContinuousStep, table: SlotTable, width: int, trim: bool, refilling: bool
+    ) -> int:
+        """Right-align every active slot at one write column; return it for the newcomers.
+
+        Rows only move right here, so without trimming the front never moves back; it compacts
+        (drops dead leading columns) only when a row could otherwise run into the sink.
+        """
+        if trim:
+            self._trim(step, table)
+        busy = table.occupied()
+        sink = int(step.sink)
+        max_new = (sink - width) // 2  # the buffers were sized W + 2 * max_new + 1
+        wp = step.cache.write_pos.tolist()
+        front = max([wp[i] for i in busy] + ([width] if refilling else []), default=width)
+        if front + max_new >= sink:
+            self._trim(step, table)
+            wp = step.cache.write_pos.tolist()
+            front = max([wp[i] for i in busy] + [width])
+        for slot in busy:
+            shift_row(step, slot, front - wp[slot])
+            table.start[slot] += front - wp[slot]
+        return front
+
+    def _capture(self, held: _Held) -> bool:
+        """Warm up and capture the continuous step, leaving every buffer as it was."""
+        engine, backend = self.engine, self.engine.backend
+        step = held.step
+        kv = [t for layer in held.cache.layers for t in (layer.keys, layer.values)]
+        snapshot = Snapshot.take(step.mutable_tensors() + kv)
+        rng = backend.get_rng_state()
+        gen_state = None if held.generator is None else held.generator.get_state()
+        stream = backend.new_stream() if backend.capabilities.capture_needs_side_stream else None
+        try:
+            graph = backend.create_graph()
+            if graph is None:
+                raise RuntimeError("create_graph() returned None")
+            if stream is not None:
+                stream.wait_stream(backend.current_stream())
+                with backend.stream(stream):
+                    step()
+            else:
+                step()
+            backend.synchronize()
+            snapshot.restore()
+            with backend.capture_to_graph(graph, pool=backend.graph_pool_handle(), stream=stream):
+                step()
+            backend.synchronize()
+        except Exception as exc:  # any capture failure: roll back, continue eagerly
+            engine._graphs_off_reason = f"graph capture failed: {type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"{engine._graphs_off_reason}; this call finishes eagerly and the engine stays "
+                "eager from now on",
+                _fallback_warning(),
+                stacklevel=4,
+            )
+            graph = None
+        finally:
+            snapshot.restore()
+            backend.set_rng_state(rng)
+            if held.generator is not None:
+                held.generator.set_state(gen_state)
+        held.graph = graph
+        if graph is None:
+            return False
+        engine.captures += 1
+        return True
+
+    def _replayer(self, graph: object, stats: RolloutStats):
+        backend = self.engine.backend
+        device_type = backend.device.type
+
+        def replay() -> None:
+            with torch.autocast(device_type, enabled=False):
+                backend.replay_graph(graph)
+            stats.replays += 1
+
+        return replay
+
+    def _result(
+        self,
+        out_seq: torch.Tensor,
+        out_resp: torch.Tensor,
+        out_logp: torch.Tensor,
+        width: int,
+        params: SamplingParams,
+        stats: RolloutStats,
+        slots: int,
+    ) -> RolloutResult:
+        from graphcap.rollout.engine import RolloutResult
+
+        lengths = out_resp.sum(-1)
+        eos = torch.zeros(out_seq.shape[0], dtype=torch.bool, device=out_seq.device)
+        last = (lengths - 1).clamp(min=0)
+        last_token = out_seq[:, width:].gather(1, last[:, None]).squeeze(1)
+        for token in params.eos_ids:
+            eos |= last_token == token
+        useful = int((lengths - 1).clamp(min=0).sum())
+        stats.occupancy = useful / (slots * stats.steps) if stats.steps else 1.0
+        stats.captures = self.engine.captures
+        return RolloutResult(
+            sequences=out_seq,
+            response_mask=out_resp.to(torch.long),
+            response_lengths=lengths,
+            finish_reasons=["eos" if e else "length" for e in eos.tolist()],
+            logprobs=out_logp if params.return_logprobs else None,
+            stats=stats,
+        )
+
+
+def _limits(
+    per_request: Sequence[int] | None, prompts: int, repeats: int, params: SamplingParams
+) -> list[int]:
+    """Each request's own max_new_tokens (default: the sampling settings' for every one)."""
+    if per_request is None:
+        return [params.max_new_tokens] * (prompts * repeats)
+    values = [int(v) for v in per_request]
+    if len(values) != prompts:
+        raise ValueError(
+            f"request_max_new_tokens has {len(values)} entries for {prompts} prompts; give one "
+            "per prompt row"
+        )
+    bad = [v for v in values if not 1 <= v <= params.max_new_tokens]
+    if bad:
+        raise ValueError(
+            f"request_max_new_tokens values must be in [1, max_new_tokens="
+            f"{params.max_new_tokens}] (max_new_tokens sizes the cache), got {bad[:5]}"
+        )
+    return [v for v in values for _ in range(repeats)]
+
+
+def _fallback_warning() -> type[Warning]:
+    from graphcap.rollout.engine import CaptureFallbackWarning
+
+    return CaptureFallbackWarning

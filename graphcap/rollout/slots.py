@@ -1,0 +1,153 @@
+"""The slot machinery of continuous batching: a decode step that holds finished rows still, and
+the host-side table that retires, clears and refills slots between steps.
+
+A slot is one row of the static cache / mask / decode-state buffers. Its request's padded prompt
+occupies columns ``[start, start + W)`` and its tokens follow. The last column of the buffers is
+a *sink*: an empty or finished slot's write position points there, so the step (which always
+runs over every slot) writes its K/V, pad token and mask bit into a column no request reads,
+and never past the buffer end; its position id stops advancing, so learned position tables are
+never indexed out of range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.masks import MaskBuffers
+from graphcap.rollout.sampling import SamplerSettings
+from graphcap.rollout.step import DecodeState, DecodeStep
+
+
+def allocate_state(
+    slots: int,
+    total_len: int,
+    vocab_size: int,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    device: torch.device,
+) -> DecodeState:
+    """A :class:`DecodeState` whose step counter is per row ``(N, 1)``: slots start at
+    different times, so ``min_new_tokens`` and the length limit count each row's own tokens."""
+    state = DecodeState.allocate(slots, total_len, vocab_size, eos_ids, pad_id, device)
+    state.generated = torch.zeros((slots, 1), dtype=torch.long, device=device)
+    return state
+
+
+class ContinuousStep(DecodeStep):
+    """The static path's decode step with two per-row rules added.
+
+    * finished (or empty) rows do not advance: their write position goes to the sink column and
+      their position id stays, so idle slots stay in bounds however long they wait;
+    * a row finishes when it has generated its own ``limits[row]`` tokens, as well as at EOS.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: StaticKVCache,
+        masks: MaskBuffers,
+        state: DecodeState,
+        settings: SamplerSettings,
+        return_logprobs: bool,
+        generator: torch.Generator | None,
+    ):
+        super().__init__(model, cache, masks, state, settings, return_logprobs, generator)
+        device = state.finished.device
+        slots = state.finished.shape[0]
+        self.limits = torch.zeros(slots, dtype=torch.long, device=device)
+        self.sink = torch.full((), cache.max_len - 1, dtype=torch.long, device=device)
+
+    def mutable_tensors(self) -> list[torch.Tensor]:
+        return [*super().mutable_tensors(), self.limits]
+
+    def advance(self) -> None:
+        s = self.state
+        wp = self.cache.write_pos
+        wp.copy_(torch.where(s.finished, self.sink, wp + 1))
+        s.positions.add_((~s.finished).to(torch.long).view(-1, 1))
+
+    def commit(self, logits: torch.Tensor) -> None:
+        super().commit(logits)
+        s = self.state
+        s.finished.logical_or_(s.generated.view(-1) >= self.limits)
+        s.all_finished.copy_(s.finished.all())
+
+    def commit_rows(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+        """Commit first tokens for the slots in ``rows`` (long), leaving every other slot as it
+        was: the refilled slots' first token is chosen by exactly the static path's math."""
+        s = self.state
+        written = [s.sequences, s.response, s.logprobs, s.finished, s.tokens, s.generated]
+        before = [t.clone() for t in written]
+        full = torch.zeros(
+            (s.finished.shape[0], logits.shape[-1]), dtype=logits.dtype, device=logits.device
+        )
+        full[rows] = logits
+        self.commit(full)
+        keep = torch.ones_like(s.finished)
+        keep[rows] = False
+        for live, old in zip(written, before, strict=True):
+            live.copy_(torch.where(keep.view(-1, *([1] * (live.dim() - 1))), old, live))
+        s.all_finished.copy_(s.finished.all())
+
+
+@dataclass
+class SlotTable:
+    """Which request each slot serves (host side; the host learns of finished slots only at
+    the refill check, from one read of the device ``finished`` flags)."""
+
+    request: list[int]
+    start: list[int]
+    refilled: int = 0
+    slot_of_request: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, slots: int) -> SlotTable:
+        return cls(request=[-1] * slots, start=[0] * slots)
+
+    def occupied(self) -> list[int]:
+        return [i for i, r in enumerate(self.request) if r >= 0]
+
+    def free(self) -> list[int]:
+        return [i for i, r in enumerate(self.request) if r < 0]
+
+
+def clear_slots(step: ContinuousStep, rows: torch.Tensor) -> None:
+    """Forget everything slots ``rows`` held: K/V, valid mask columns, outputs, counters.
+
+    Stale K/V must not survive: a masked column still enters ``q @ k`` before the mask is added,
+    so a NaN or inf left in it would poison the next occupant's attention.
+    """
+    s, cache = step.state, step.cache
+    for layer in cache.layers:
+        layer.keys[rows] = 0
+        layer.values[rows] = 0
+    step.masks.valid[rows] = False
+    s.sequences[rows] = s.pad
+    s.response[rows] = False
+    s.logprobs[rows] = 0.0
+    s.tokens[rows] = s.pad
+    s.positions[rows] = 0
+    s.generated[rows] = 0
+    s.finished[rows] = True
+    step.limits[rows] = 0
+    cache.write_pos[rows] = step.sink
+    s.all_finished.copy_(s.finished.all())
+
+
+def shift_row(step: ContinuousStep, row: int, by: int) -> None:
+    """Move slot ``row``'s columns ``by`` places (right if positive) in every buffer that is
+    indexed by cache column; the sink column stays where it is. Position ids do not change, so
+    the model sees the same sequence; only where it is stored moves."""
+    if by == 0:
+        return
+    end = step.sink.item()  # eager-only helper: a host value is fine here
+    s = step.state
+    for layer in step.cache.layers:
+        for buf in (layer.keys, layer.values):
+            buf[row, :, :end] = torch.roll(buf[row, :, :end], by, dims=1)
+    for buf in (step.masks.valid, s.sequences, s.response, s.logprobs):
+        buf[row, :end] = torch.roll(buf[row, :end], by, dims=0)
+    step.cache.write_pos[row] += by
