@@ -181,6 +181,9 @@ class RolloutConfig:
     ``batch_buckets`` / ``length_buckets`` pad the batch (rows x samples) and the total length
     (prompt width + max_new_tokens) up to the smallest listed size that fits, so varying
     requests reuse a few graphs; a request larger than every bucket runs at its own size.
+    ``continuous_batch_size=N`` runs the batch's rows as a request queue through ``N`` slots
+    (docs/continuous.md); ``align_decode_fronts`` / ``trim_cache`` are eager-only layouts of
+    that path (they move cache rows and columns, which a captured graph cannot allow).
     """
 
     enable_graph_capture: bool | None = None
@@ -188,6 +191,9 @@ class RolloutConfig:
     backend: Backend | str | None = None
     batch_buckets: tuple[int, ...] | None = None
     length_buckets: tuple[int, ...] | None = None
+    continuous_batch_size: int | None = None
+    align_decode_fronts: bool = False
+    trim_cache: bool = False
     enable_cuda_graph: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -215,6 +221,24 @@ class RolloutConfig:
             raise ValueError(f"eos_check_interval must be >= 1, got {self.eos_check_interval}")
         self.batch_buckets = _buckets("batch_buckets", self.batch_buckets)
         self.length_buckets = _buckets("length_buckets", self.length_buckets)
+        self._check_continuous()
+
+    def _check_continuous(self) -> None:
+        if self.continuous_batch_size is not None and self.continuous_batch_size < 1:
+            raise ValueError(
+                f"continuous_batch_size must be >= 1, got {self.continuous_batch_size}"
+            )
+        for name in ("align_decode_fronts", "trim_cache"):
+            if not getattr(self, name):
+                continue
+            if self.continuous_batch_size is None:
+                raise ValueError(f"{name} is a continuous-path mode: set continuous_batch_size")
+            if self.enable_graph_capture:
+                raise ValueError(
+                    f"{name}=True moves cache rows/columns between steps, but a captured graph "
+                    f"replays on fixed addresses; drop {name} or set enable_graph_capture=False "
+                    "(the eager continuous loop supports it)"
+                )
 
 
 def _buckets(name: str, sizes: Any) -> tuple[int, ...] | None:

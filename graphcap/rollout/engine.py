@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from graphcap.backend import Backend
 from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.continuous import ContinuousRunner
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.eligibility import check_attention, graph_refusal
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
@@ -45,6 +46,8 @@ class RolloutStats:
     ``steps`` count this call's graph replays and decode steps (the prefill token excluded).
     ``first_call_s`` is the whole call's time when this call captured, else ``None``.
     ``batch_size`` / ``total_len`` are the sizes the buffers had (after bucket padding).
+    ``slots_refilled`` / ``occupancy`` (share of slot-steps that produced a token) are set by the
+    continuous path only (docs/continuous.md).
     """
 
     path: str
@@ -61,6 +64,8 @@ class RolloutStats:
     first_call_s: float | None = None
     fallback_reason: str | None = None
     recapture_reason: list[str] = field(default_factory=list)
+    slots_refilled: int = 0
+    occupancy: float | None = None
 
 
 @dataclass
@@ -106,6 +111,7 @@ class RolloutEngine:
         self.captures = 0
         self._graphs_off_reason: str | None = None
         self._res: _Resources | None = None
+        self._continuous: ContinuousRunner | None = None
         self._closed = False
         self._logits_to_keep = accepts_logits_to_keep(model)
 
@@ -116,8 +122,13 @@ class RolloutEngine:
         attention_mask: torch.Tensor | None = None,
         sampling: SamplingParams | GenerationConfig | None = None,
         generator: torch.Generator | None = None,
+        *,
+        request_max_new_tokens: Sequence[int] | None = None,
     ) -> RolloutResult:
-        """Generate continuations of left-padded prompts (see docs/rollout.md)."""
+        """Generate continuations of left-padded prompts (see docs/rollout.md).
+
+        ``request_max_new_tokens`` (continuous path only): each prompt's own token budget.
+        """
         if self._closed:
             raise RuntimeError("this RolloutEngine was shut down; create a new one")
         start = time.perf_counter()
@@ -134,6 +145,17 @@ class RolloutEngine:
                 generator.manual_seed(params.seed)
             else:
                 self.backend.manual_seed(params.seed)
+        if self.config.continuous_batch_size is not None:
+            if self._continuous is None:
+                self._continuous = ContinuousRunner(self)
+            return self._continuous.generate(
+                input_ids, attention_mask, params, generator, request_max_new_tokens, start
+            )
+        if request_max_new_tokens is not None:
+            raise ValueError(
+                "request_max_new_tokens needs the continuous path: set "
+                "RolloutConfig(continuous_batch_size=N)"
+            )
 
         stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
         use_graph = False
@@ -212,6 +234,8 @@ class RolloutEngine:
     def shutdown(self) -> None:
         """Release the graph, its pool and the cache; the engine cannot be used afterwards."""
         self._drop()
+        if self._continuous is not None:
+            self._continuous.drop()
         self._closed = True
 
     @property
