@@ -73,8 +73,8 @@ FAILED=0
 bench gpt2-medium-bs1 70 --model gpt2-medium --dtype fp16 \
     --batch-sizes 1 --prompt-len 32 --new-tokens 32 --warmup 1 --repeats 5
 
-# 2. Llama-3.2-1B shape, bf16: every mode at bs 1 (128 + 128 tokens), the eager and graph modes
-#    at bs 8/32/64, then the RL loop (generate -> SGD step in place -> generate) at bs 8.
+# 2. Llama-3.2-1B shape, bf16: every mode at bs 1 (128 + 128 tokens), the modes that do not
+#    compile at bs 8/32/64, then the RL loop (generate -> SGD step in place -> generate) at bs 8.
 bench llama-1b-sweep 140 --model llama-1b --dtype bf16 \
     --batch-sizes 1,8,32,64 --compile-batch-sizes 1 --prompt-len 128 --new-tokens 128 \
     --warmup 0 --repeats 3 --rl-loop 3 --rl-batch-size 8

@@ -257,7 +257,10 @@ def test_run_benchmark_report_structure_and_json(backend: CPUBackend) -> None:
         assert report.result("hf-eager", bs).tokens_identical
         assert report.result("graphcap-eager", bs).captures == 0
         assert report.result("graphcap-graph-compiled", bs).status == "unsupported"
-        assert report.result("graphcap-continuous", bs).status == "unsupported"
+        continuous = report.result("graphcap-continuous", bs)
+        assert continuous.status == "ok", continuous.reason
+        assert continuous.path == "continuous_graph" and continuous.captures == 1
+        assert continuous.tokens_identical and 0 < continuous.occupancy <= 1
     data = json.loads(report.to_json())
     assert data["schema_version"] == 1
     assert {"environment", "backend", "config", "model", "results", "rl_loop"} <= set(data)
@@ -311,15 +314,32 @@ def test_memory_and_roofline_figures_reach_the_report() -> None:
     assert graph.bandwidth_fraction == pytest.approx(expected / 50e9)
 
 
-def test_graph_modes_are_refused_on_a_backend_without_graphs() -> None:
+def test_continuous_mode_queues_rows_through_fewer_slots(backend: CPUBackend) -> None:
     config = BenchConfig(
-        model="tiny-llama", batch_sizes=[1], modes=["graphcap-eager", "graphcap-graph"], **SMALL
+        model="tiny-llama",
+        batch_sizes=[5],
+        modes=["graphcap-eager", "graphcap-continuous"],
+        continuous_slots=2,
+        **SMALL,
     )
+    report = run_benchmark(config, backend=backend)
+    continuous = report.result("graphcap-continuous", 5)
+    assert continuous.status == "ok", continuous.reason
+    assert continuous.tokens_identical
+    # 5 rows through 2 slots take three waves of decode steps, not one.
+    assert continuous.replays_per_call > 2 * (SMALL["new_tokens"] - 1)
+    assert report.config["continuous_slots"] == 2
+
+
+def test_graph_modes_are_refused_on_a_backend_without_graphs() -> None:
+    modes = ["graphcap-eager", "graphcap-graph", "graphcap-continuous"]
+    config = BenchConfig(model="tiny-llama", batch_sizes=[1], modes=modes, **SMALL)
     report = run_benchmark(config, backend=NoGraphBackend())
-    graph = report.result("graphcap-graph", 1)
-    assert graph.status == "unsupported"
-    assert "cannot capture" in graph.reason
-    assert graph.tokens_per_s is None
+    for name in modes[1:]:
+        graph = report.result(name, 1)
+        assert graph.status == "unsupported"
+        assert "cannot capture" in graph.reason
+        assert graph.tokens_per_s is None
 
 
 class FailingCaptureBackend(CPUBackend):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from graphcap.bench.modes import MODES, NOT_YET_SUPPORTED, parse_modes
+from graphcap.bench.modes import MODES, parse_modes
 from graphcap.bench.plot import PlotUnavailableError, check_plotting, plot_throughput
 from graphcap.bench.presets import DTYPES, PRESETS
 from graphcap.bench.report import format_rl_table, format_table
@@ -72,7 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
         type=_modes,
-        help=f"comma-separated subset of {', '.join([*MODES, *NOT_YET_SUPPORTED])}",
+        help=f"comma-separated subset of {', '.join(MODES)}",
+    )
+    parser.add_argument(
+        "--continuous-slots",
+        type=int,
+        help="slots of the graphcap-continuous mode (default: one per row)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     parser.add_argument(
@@ -113,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         warmup=args.warmup,
         modes=args.modes,
+        continuous_slots=args.continuous_slots,
         seed=args.seed,
         peak_bandwidth=args.peak_bandwidth,
         backend=args.backend,

@@ -23,7 +23,10 @@ from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 @dataclass
 class Workload:
-    """What every mode generates from: the model, its prompts, and the response length."""
+    """What every mode generates from: the model, its prompts, and the response length.
+
+    ``continuous_slots`` is the continuous path's slot count (``None``: one slot per row).
+    """
 
     model: PreTrainedModel
     backend: Backend
@@ -31,6 +34,7 @@ class Workload:
     attention_mask: torch.Tensor
     new_tokens: int
     pad_token_id: int = 0
+    continuous_slots: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -52,14 +56,15 @@ class CallOutput:
     captures: int | None = None
     replays: int | None = None
     fallback_reason: str | None = None
+    occupancy: float | None = None
 
 
 class BenchMode(ABC):
     """One way of generating; ``open`` / ``__call__`` / ``close`` around a batch."""
 
     name: ClassVar[str]
-    #: True for modes that must run on the graph path (a silent eager run is a fallback).
-    expects_graph: ClassVar[bool] = False
+    #: The engine path a graph mode must report; anything else is a fallback (ran eagerly).
+    expected_path: ClassVar[str | None] = None
     #: True for modes whose first call compiles (tens of seconds per batch size on a device).
     compiles: ClassVar[bool] = False
 
@@ -145,11 +150,12 @@ class GraphcapMode(BenchMode):
             return f"backend {backend.name!r} cannot capture graphs"
         return None
 
+    def engine_config(self, work: Workload) -> RolloutConfig:
+        return RolloutConfig(enable_graph_capture=self.graphs, backend=work.backend)
+
     def open(self, work: Workload) -> None:
         self.work = work
-        self.engine = RolloutEngine(
-            work.model, RolloutConfig(enable_graph_capture=self.graphs, backend=work.backend)
-        )
+        self.engine = RolloutEngine(work.model, self.engine_config(work))
         self.sampling = SamplingParams(
             max_new_tokens=work.new_tokens, do_sample=False, pad_token_id=work.pad_token_id
         )
@@ -166,6 +172,7 @@ class GraphcapMode(BenchMode):
             captures=stats.captures,
             replays=stats.replays,
             fallback_reason=stats.fallback_reason,
+            occupancy=getattr(stats, "occupancy", None),
         )
 
     def close(self) -> None:
@@ -178,7 +185,7 @@ class GraphcapMode(BenchMode):
 class GraphcapGraph(GraphcapMode):
     name = "graphcap-graph"
     graphs = True
-    expects_graph = True
+    expected_path = "static_graph"
 
 
 class DecodeCompiledForward:
@@ -236,6 +243,25 @@ class GraphcapGraphCompiled(GraphcapGraph):
         torch._dynamo.reset()
 
 
+class GraphcapContinuous(GraphcapGraph):
+    """The continuous-batching graph path: rows queue through a fixed set of slots.
+
+    With one slot per row (the default) every request is in flight at once, so the figures
+    show what the slot machinery costs over the static graph; fewer slots (``--continuous-slots``)
+    queue the rows. Rows are only retired at the EOS check interval, so a slot can idle for up
+    to ``eos_check_interval - 1`` steps; ``occupancy`` reports the share of slot-steps used.
+    """
+
+    name = "graphcap-continuous"
+    expected_path = "continuous_graph"
+
+    def engine_config(self, work: Workload) -> RolloutConfig:
+        slots = min(work.continuous_slots or work.batch_size, work.batch_size)
+        return RolloutConfig(
+            enable_graph_capture=True, continuous_batch_size=slots, backend=work.backend
+        )
+
+
 MODES: dict[str, type[BenchMode]] = {
     cls.name: cls
     for cls in (
@@ -244,35 +270,29 @@ MODES: dict[str, type[BenchMode]] = {
         GraphcapMode,
         GraphcapGraph,
         GraphcapGraphCompiled,
+        GraphcapContinuous,
     )
-}
-
-#: Modes the harness knows but the engine does not offer yet: reported as unsupported rows.
-NOT_YET_SUPPORTED: dict[str, str] = {
-    "graphcap-continuous": (
-        "this graphcap release's rollout engine has no continuous-batching path yet"
-    ),
 }
 
 
 def default_modes(backend: Backend) -> list[str]:
     """Every mode that means something on this backend (compilation only on accelerators)."""
     if backend.device.type == "cpu":
-        return ["hf-eager", "graphcap-eager", "graphcap-graph"]
+        return ["hf-eager", "graphcap-eager", "graphcap-graph", "graphcap-continuous"]
     return [
         "hf-eager",
         "hf-static-compile",
         "graphcap-eager",
         "graphcap-graph",
         "graphcap-graph-compiled",
+        "graphcap-continuous",
     ]
 
 
 def parse_modes(text: str) -> list[str]:
     """Comma-separated mode names, validated, order kept."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = [*MODES, *NOT_YET_SUPPORTED]
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in MODES]
     if unknown or not names:
-        raise ValueError(f"unknown mode(s) {unknown or text!r}; choose from {', '.join(known)}")
+        raise ValueError(f"unknown mode(s) {unknown or text!r}; choose from {', '.join(MODES)}")
     return list(dict.fromkeys(names))

@@ -42,6 +42,7 @@ class ModeResult:
     path: str | None = None
     captures: int | None = None
     replays_per_call: int | None = None
+    occupancy: float | None = None
     compiled_graphs_first_call: int | None = None
     recompiles_steady: int | None = None
     graph_breaks: int | None = None

@@ -17,7 +17,7 @@ import graphcap
 from graphcap.backend import Backend
 from graphcap.bench import modes as modes_mod
 from graphcap.bench.compile_watch import compile_counts
-from graphcap.bench.modes import MODES, NOT_YET_SUPPORTED, CallOutput, Workload
+from graphcap.bench.modes import MODES, CallOutput, Workload
 from graphcap.bench.presets import build_model, default_dtype_name, describe_model, parse_dtype
 from graphcap.bench.report import (
     ERROR,
@@ -66,6 +66,7 @@ class BenchConfig:
     backend: str | None = None
     compile_batch_sizes: list[int] | None = None
     budget_s: float | None = None
+    continuous_slots: int | None = None
     rl_loop: int = 0
     rl_batch_size: int | None = None
     rl_optimizer: str = "sgd"
@@ -115,6 +116,7 @@ def _validate(config: BenchConfig) -> None:
         "new tokens": config.new_tokens,
         "repeats": config.repeats,
         "RL batch size": config.rl_batch_size,
+        "continuous slots": config.continuous_slots or 1,
     }
     for what, value in checks.items():
         if value < 1:
@@ -169,7 +171,9 @@ def run_benchmark(
         ids, mask = make_prompts(
             model.config.vocab_size, batch, config.prompt_len, config.seed, backend.device
         )
-        work = Workload(model, backend, ids, mask, config.new_tokens)
+        work = Workload(
+            model, backend, ids, mask, config.new_tokens, continuous_slots=config.continuous_slots
+        )
         outputs: dict[str, tuple[CallOutput, CallOutput]] = {}
         for name in config.modes:
             if not _runs_at(name, batch, config):
@@ -264,9 +268,6 @@ def _run_mode(
 ) -> tuple[ModeResult, tuple[CallOutput, CallOutput] | None]:
     """Measure one mode at one batch size; also return its first and last call's output."""
     result = ModeResult(mode=name, batch_size=work.batch_size)
-    if name in NOT_YET_SUPPORTED:
-        result.status, result.reason = UNSUPPORTED, NOT_YET_SUPPORTED[name]
-        return result, None
     mode = MODES[name]()
     reason = mode.unsupported(work.backend)
     if reason is not None:
@@ -338,6 +339,7 @@ def _fill_timings(
     result.path = last.path
     result.captures = last.captures
     result.replays_per_call = last.replays
+    result.occupancy = _median([c.occupancy for c in steady])
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -353,7 +355,7 @@ def _judge(
 ) -> None:
     """Mark results that are not what the mode name claims (fallbacks, broken baselines)."""
     last = measured.last.value
-    if mode.expects_graph and last.path != "static_graph":
+    if mode.expected_path is not None and last.path != mode.expected_path:
         result.status = FALLBACK
         result.reason = f"ran eagerly: {last.fallback_reason or 'no graph was captured'}"
     elif result.mode == "hf-static-compile":
