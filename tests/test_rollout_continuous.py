@@ -1,0 +1,212 @@
+"""Continuous batching: graph == eager continuous loop == each request alone == generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_models import PAD, generate_padded, prompts, run, tiny_model
+
+from graphcap.cpu import CPUBackend
+from graphcap.rollout import (
+    GraphUnsupportedModelError,
+    RolloutConfig,
+    RolloutEngine,
+    SamplingParams,
+    load_weights_in_place,
+)
+
+NEW = 10
+SLOTS = 3
+REQUESTS = 12
+#: per-request budgets: slots finish at different steps, so they are refilled many times
+LIMITS = [3, 7, 10, 2, 9, 5, 10, 4, 8, 6, 1, 7]
+
+
+def engine_for(model, graph: bool, slots: int = SLOTS, interval: int = 2, **config):
+    return RolloutEngine(
+        model,
+        RolloutConfig(
+            enable_graph_capture=graph,
+            backend=CPUBackend(),
+            continuous_batch_size=slots,
+            eos_check_interval=interval,
+            **config,
+        ),
+    )
+
+
+def continuous(model, ids, mask, graph: bool, limits=LIMITS, eos=(), **config):
+    engine = engine_for(model, graph, **config)
+    params = SamplingParams(max_new_tokens=NEW, eos_token_id=list(eos))
+    return engine.generate(ids, mask, params, request_max_new_tokens=limits)
+
+
+def staggered_eos(model, ids, mask) -> list[int]:
+    """Two EOS ids from a probe run, each produced once, mid-response, by a long request: those
+    rows stop at EOS part-way, every other row at its own length."""
+    probe = continuous(model, ids, mask, graph=False)
+    width = ids.shape[1]
+    rows = [probe.sequences[r, width : width + n].tolist() for r, n in enumerate(LIMITS)]
+    counts: dict[int, int] = {}
+    for tokens in rows:
+        for token in tokens:
+            counts[token] = counts.get(token, 0) + 1
+    picked = []
+    for tokens in rows:
+        once = [t for t in tokens[2:-1] if counts[t] == 1]
+        if once and len(picked) < 2:
+            picked.append(once[0])
+    assert len(picked) == 2, "probe outputs too repetitive to stagger EOS"
+    return sorted(picked)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_staggered_queue_graph_equals_eager_equals_alone_and_generate(family):
+    model = tiny_model(family)
+    ids, mask = prompts(REQUESTS, seed=7)
+    width = ids.shape[1]
+    eos = staggered_eos(model, ids, mask)
+    graph = continuous(model, ids, mask, graph=True, eos=eos)
+    eager = continuous(model, ids, mask, graph=False, eos=eos)
+    assert graph.stats.path == "continuous_graph" and eager.stats.path == "continuous_eager"
+    assert graph.stats.captures == 1 and graph.stats.replays == graph.stats.steps
+    assert torch.equal(graph.sequences, eager.sequences)
+    assert torch.equal(graph.response_mask, eager.response_mask)
+    assert graph.stats.slots_refilled == REQUESTS - SLOTS
+    useful = (graph.response_lengths - 1).sum().item()  # decode steps that produced a token
+    assert graph.stats.occupancy == pytest.approx(useful / (SLOTS * graph.stats.steps))
+    assert 0 < graph.stats.occupancy <= 1.0
+    assert graph.stats.occupancy == eager.stats.occupancy
+
+    lengths = graph.response_lengths.tolist()
+    assert len(set(lengths)) >= 5  # staggered finishes
+    assert "eos" in graph.finish_reasons and "length" in graph.finish_reasons
+    for row, limit in enumerate(LIMITS):
+        tokens = graph.sequences[row, width : width + lengths[row]].tolist()
+        if limit >= 5 and graph.finish_reasons[row] == "length":
+            assert len(set(tokens)) >= 3, f"row {row} repeats: {tokens}"
+        assert (graph.sequences[row, width + lengths[row] :] == PAD).all()
+        alone = run(model, ids[row : row + 1], mask[row : row + 1], False, max_new_tokens=limit,
+                    eos_token_id=eos)  # fmt: skip
+        assert torch.equal(graph.sequences[row, : width + limit], alone.sequences[0]), row
+        assert graph.finish_reasons[row] == alone.finish_reasons[0]
+        reference = generate_padded(
+            model, ids[row : row + 1], mask[row : row + 1], width + limit,
+            max_new_tokens=limit, do_sample=False, eos_token_id=eos or None,
+        )  # fmt: skip
+        assert torch.equal(graph.sequences[row, : width + limit], reference[0]), row
+
+
+def test_retired_slots_are_cleared_and_idle_rows_stay_in_bounds():
+    model = tiny_model("gpt2")  # learned positions: an idle row's position must not run away
+    ids, mask = prompts(REQUESTS, seed=2)
+    engine = engine_for(model, graph=True, interval=3)
+    result = engine.generate(
+        ids, mask, SamplingParams(max_new_tokens=NEW, eos_token_id=[]),
+        request_max_new_tokens=LIMITS,
+    )  # fmt: skip
+    assert result.stats.path == "continuous_graph"
+    assert result.response_lengths.tolist() == LIMITS
+    runner = engine._continuous
+    # every slot was retired at the end; nothing but the sink column may hold data
+    for layer in runner.cache.layers:
+        assert not layer.keys[:, :, :-1].any() and not layer.values[:, :, :-1].any()
+    assert not runner.step.masks.valid[:, :-1].any()
+    assert (runner.step.state.positions == 0).all()
+
+
+def test_reuse_across_prompt_sets_weight_update_and_recapture_on_capacity_and_width():
+    model = tiny_model("llama", fresh=True)
+    engine = engine_for(model, graph=True)
+    params = SamplingParams(max_new_tokens=NEW, eos_token_id=[])
+    ids, mask = prompts(7, seed=1)
+    ids2, mask2 = prompts(9, seed=4)
+    limits2 = [NEW, 4, 6, 2, 9, 3, 5, 8, 7]
+    first = engine.generate(ids, mask, params)
+    second = engine.generate(ids2, mask2, params, request_max_new_tokens=limits2)
+    assert first.stats.captured and not second.stats.captured
+    assert second.stats.captures == 1 and second.stats.path == "continuous_graph"
+    eager2 = continuous(model, ids2, mask2, graph=False, limits=limits2)
+    assert torch.equal(second.sequences, eager2.sequences)
+
+    weights = {n: p.detach() * 1.3 + 0.05 for n, p in model.named_parameters() if "mlp" in n}
+    load_weights_in_place(model, weights, strict=False)
+    updated = engine.generate(ids, mask, params)
+    assert updated.stats.captures == 1 and not updated.stats.captured
+    assert not torch.equal(updated.sequences, first.sequences)
+    assert torch.equal(
+        updated.sequences, continuous(model, ids, mask, False, limits=None).sequences
+    )
+
+    bigger = engine_for(model, graph=True, slots=SLOTS + 1)
+    bigger.generate(ids, mask, params)
+    engine.config.continuous_batch_size = SLOTS + 1
+    recaptured = engine.generate(ids, mask, params)
+    assert recaptured.stats.captured and recaptured.stats.captures == 2
+    assert recaptured.stats.recapture_reason == ["batch_size"]
+    assert torch.equal(recaptured.sequences, updated.sequences)
+
+    wide, wide_mask = prompts(5, width=8, seed=3)
+    rewidth = engine.generate(wide, wide_mask, SamplingParams(max_new_tokens=NEW - 2))
+    assert rewidth.stats.captures == 3 and "prompt_width" in rewidth.stats.recapture_reason
+
+
+@pytest.mark.parametrize("option", ["align_decode_fronts", "trim_cache"])
+def test_graph_path_rejects_layout_modes_by_name(option):
+    with pytest.raises(ValueError, match=option):
+        RolloutConfig(enable_graph_capture=True, continuous_batch_size=2, **{option: True})
+    with pytest.raises(ValueError, match="continuous_batch_size"):
+        RolloutConfig(**{option: True})
+
+
+@pytest.mark.parametrize(
+    "modes",
+    [
+        {"align_decode_fronts": True},
+        {"trim_cache": True},
+        {"align_decode_fronts": True, "trim_cache": True},
+    ],  # fmt: skip
+    ids=["align", "trim", "align+trim"],
+)
+def test_eager_layout_modes_match_plain_eager(modes):
+    model = tiny_model("qwen2")
+    ids, mask = prompts(REQUESTS, seed=9)
+    eos = staggered_eos(model, ids, mask)
+    plain = continuous(model, ids, mask, graph=False, eos=eos)
+    moved = continuous(model, ids, mask, graph=False, eos=eos, **modes)
+    assert moved.stats.path == "continuous_eager"
+    assert torch.equal(moved.sequences, plain.sequences)
+    assert torch.equal(moved.response_mask, plain.response_mask)
+    assert moved.finish_reasons == plain.finish_reasons
+
+
+def test_requests_outside_the_graph_path_run_the_eager_loop_with_reason():
+    model = tiny_model("llama")
+    ids, mask = prompts(5, seed=5)
+    sampled = SamplingParams(do_sample=True, top_k=20, max_new_tokens=6, seed=3)
+    graph_engine = engine_for(model, graph=True)
+    first = graph_engine.generate(ids, mask, sampled)
+    assert first.stats.path == "continuous_eager" and "greedy" in first.stats.fallback_reason
+    again = engine_for(model, graph=False).generate(ids, mask, sampled)
+    assert torch.equal(first.sequences, again.sequences)  # same seed, same schedule
+    two = SamplingParams(do_sample=True, num_return_sequences=2, max_new_tokens=4, seed=1)
+    multi = graph_engine.generate(ids, mask, two)
+    assert multi.sequences.shape[0] == 10 and multi.stats.path == "continuous_eager"
+
+
+def test_graph_unsafe_attention_and_bad_input_are_refused():
+    model = tiny_model("llama", fresh=True)
+    model.config._attn_implementation = "flash_attention_2"
+    ids, mask = prompts(4)
+    with pytest.raises(GraphUnsupportedModelError, match="flash_attention_2"):
+        engine_for(model, graph=True).generate(ids, mask, SamplingParams(max_new_tokens=3))
+    plain = RolloutEngine(tiny_model("llama"), RolloutConfig(backend=CPUBackend()))
+    with pytest.raises(ValueError, match="continuous_batch_size"):
+        plain.generate(ids, mask, request_max_new_tokens=[2, 2, 2, 2])
+    engine = engine_for(tiny_model("llama"), graph=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=3), request_max_new_tokens=[2])
+    with pytest.raises(ValueError, match="max_new_tokens=3"):
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=3), request_max_new_tokens=[4] * 4)
+    with pytest.raises(ValueError, match="continuous_batch_size must be"):
+        RolloutConfig(continuous_batch_size=0)
