@@ -333,8 +333,10 @@ def test_continuous_mode_queues_rows_through_fewer_slots(backend: CPUBackend) ->
 
 def test_graph_modes_are_refused_on_a_backend_without_graphs() -> None:
     modes = ["graphcap-eager", "graphcap-graph", "graphcap-continuous"]
-    config = BenchConfig(model="tiny-llama", batch_sizes=[1], modes=modes, **SMALL)
+    config = BenchConfig(model="tiny-llama", batch_sizes=[1], modes=modes, threads=2, **SMALL)
     report = run_benchmark(config, backend=NoGraphBackend())
+    assert torch.get_num_threads() == 1  # the run's thread setting does not leak
+    assert report.config["threads"] == 2
     for name in modes[1:]:
         graph = report.result(name, 1)
         assert graph.status == "unsupported"

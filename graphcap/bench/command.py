@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="slots of the graphcap-continuous mode (default: one per row)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default: 1 without an accelerator, else torch's; 0: torch's)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     parser.add_argument(
         "--peak-bandwidth",
@@ -119,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup,
         modes=args.modes,
         continuous_slots=args.continuous_slots,
+        threads=args.threads,
         seed=args.seed,
         peak_bandwidth=args.peak_bandwidth,
         backend=args.backend,

@@ -50,7 +50,8 @@ class BenchConfig:
     ``compile_batch_sizes`` limits the modes that compile (their first call costs tens of
     seconds per batch size on a device) to those batch sizes; ``None`` means all. ``budget_s``
     bounds the mode sweep: (mode, batch size) pairs not started within it are reported as
-    skipped. The RL loop runs after the sweep, outside the budget.
+    skipped. The RL loop runs after the sweep, outside the budget. ``threads`` sets torch's
+    intra-op threads for the run (0: torch's default); restored afterwards.
     """
 
     model: str | None = None
@@ -67,6 +68,7 @@ class BenchConfig:
     compile_batch_sizes: list[int] | None = None
     budget_s: float | None = None
     continuous_slots: int | None = None
+    threads: int | None = None
     rl_loop: int = 0
     rl_batch_size: int | None = None
     rl_optimizer: str = "sgd"
@@ -74,8 +76,11 @@ class BenchConfig:
 
 
 #: Defaults without an accelerator: the quick "graphcap bench" comparison (seconds on 2 cores).
+#: One intra-op thread: a tiny model's matmuls gain nothing from more, and on a busy machine
+#: extra threads make every step several times slower and the timings noisy.
 CPU_DEFAULTS: dict[str, Any] = {
     "model": "tiny-llama",
+    "threads": 1,
     "batch_sizes": [1, 4],
     "prompt_len": 16,
     "new_tokens": 16,
@@ -104,6 +109,8 @@ def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
         resolved.modes = modes_mod.default_modes(backend)
     if resolved.rl_batch_size is None:
         resolved.rl_batch_size = resolved.batch_sizes[0]
+    if resolved.threads is None:
+        resolved.threads = 0
     _validate(resolved)
     return resolved
 
@@ -125,6 +132,8 @@ def _validate(config: BenchConfig) -> None:
         raise ValueError("new tokens must be >= 2 (the prefill token plus at least one step)")
     if config.warmup < 0 or config.rl_loop < 0:
         raise ValueError("warmup and --rl-loop must be >= 0")
+    if config.threads < 0:
+        raise ValueError(f"threads must be >= 0 (0: torch's default), got {config.threads}")
     if config.budget_s is not None and config.budget_s <= 0:
         raise ValueError(f"the time budget must be positive, got {config.budget_s}")
     if config.rl_optimizer not in ("sgd", "adamw"):
@@ -153,7 +162,16 @@ def run_benchmark(
     """
     backend = backend or graphcap.get_backend(config.backend if config else None)
     config = resolve(config or BenchConfig(), backend)
-    say = progress or (lambda _line: None)
+    threads = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        return _run(config, backend, progress or (lambda _line: None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: BenchConfig, backend: Backend, say: Progress) -> BenchReport:
     started = time.monotonic()
     deadline = None if config.budget_s is None else time.monotonic() + config.budget_s
     say(f"building {config.model} ({config.dtype}) on {backend.device}")
