@@ -14,6 +14,9 @@ from rollout_models import (
 
 from graphcap.cpu import CPUBackend
 
+# A capture that falls back to eager would still produce equal tokens; make it loud instead.
+pytestmark = pytest.mark.filterwarnings("error::graphcap.rollout.CaptureFallbackWarning")
+
 NEW = 10
 NO_EOS = {"eos_token_id": []}
 

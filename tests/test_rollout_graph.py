@@ -19,6 +19,9 @@ from graphcap.rollout import (
     load_weights_in_place,
 )
 
+# A capture that falls back to eager would still produce equal tokens; make it loud instead.
+pytestmark = pytest.mark.filterwarnings("error::graphcap.rollout.CaptureFallbackWarning")
+
 NEW = 8
 NO_EOS = {"eos_token_id": []}
 
@@ -313,3 +316,43 @@ def test_bucket_sizes_are_validated():
     with pytest.raises(ValueError, match="batch_buckets"):
         RolloutConfig(batch_buckets=(0, 4))
     assert RolloutConfig(length_buckets=[64, 32, 32]).length_buckets == (32, 64)
+
+
+def test_inference_mode_and_generator_are_signature_members():
+    model = tiny_model("gpt2")
+    engine = graph_engine(model)
+    ids, mask = prompts(2)
+    params = SamplingParams(do_sample=True, top_k=10, max_new_tokens=NEW, seed=6, **NO_EOS)
+    with torch.inference_mode():
+        inside = engine.generate(ids, mask, params)
+    outside = engine.generate(ids, mask, params)
+    assert outside.stats.recapture_reason == ["inference_mode"]
+    assert torch.equal(inside.sequences, outside.sequences)
+    first_gen, second_gen = torch.Generator(), torch.Generator()
+    a = engine.generate(ids, mask, params, generator=first_gen)
+    global_rng = torch.get_rng_state()
+    b = engine.generate(ids, mask, params, generator=second_gen)
+    assert b.stats.recapture_reason == ["generator_id"] and b.stats.captures == 4
+    assert torch.equal(a.sequences, b.sequences)  # both seeded with params.seed
+    # the replays drew from the new generator, not the default one nor the old generator
+    assert torch.equal(torch.get_rng_state(), global_rng)
+    assert torch.equal(first_gen.get_state(), second_gen.get_state())
+    assert not torch.equal(second_gen.get_state(), torch.Generator().manual_seed(6).get_state())
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+def test_nan_logits_in_one_row_reach_no_sampler_and_leave_other_rows_alone(graph):
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(3)
+    params = {"do_sample": True, "top_k": 0, "max_new_tokens": NEW, "seed": 12, **NO_EOS}
+    clean = run(model, ids, mask, graph, **params)
+
+    def poison_row_zero(module, args, output):
+        output = output.clone()
+        output[0] = float("nan")  # on a GPU, NaN reaching multinomial is a device-side assert
+        return output
+
+    model.lm_head.register_forward_hook(poison_row_zero)
+    poisoned = run(model, ids, mask, graph, **params)
+    assert poisoned.stats.path == ("static_graph" if graph else "eager")
+    assert torch.equal(poisoned.sequences[1:], clean.sequences[1:])

@@ -50,6 +50,7 @@ class GraphSignature:
     tensors: tuple[TensorFacts, ...]
     training: tuple[bool, ...]
     autocast: tuple[bool, torch.dtype | None, bool]
+    inference_mode: bool
     attn_implementation: str
     sampler: SamplerSettings
     eos_ids: tuple[int, ...]
@@ -91,6 +92,8 @@ def signature_of(
         tensors=tensor_facts(model),
         training=tuple(m.training for m in model.modules()),
         autocast=autocast_state(device.type),
+        # buffers made under inference mode cannot be written outside it (and vice versa)
+        inference_mode=torch.is_inference_mode_enabled(),
         attn_implementation=attention_implementation(model),
         sampler=sampler,
         eos_ids=eos_ids,
