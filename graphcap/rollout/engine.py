@@ -20,8 +20,8 @@ from transformers import DynamicCache, GenerationConfig
 
 from graphcap.backend import Backend
 from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.continuous import ContinuousRunner
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
+from graphcap.rollout.continuous import ContinuousRunner
 from graphcap.rollout.eligibility import check_attention, graph_refusal
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import SamplerSettings
