@@ -172,7 +172,7 @@ class GraphcapMode(BenchMode):
             captures=stats.captures,
             replays=stats.replays,
             fallback_reason=stats.fallback_reason,
-            occupancy=getattr(stats, "occupancy", None),
+            occupancy=stats.occupancy,
         )
 
     def close(self) -> None:
@@ -183,6 +183,8 @@ class GraphcapMode(BenchMode):
 
 
 class GraphcapGraph(GraphcapMode):
+    """The static graph path: the whole decode step captured once, then replayed."""
+
     name = "graphcap-graph"
     graphs = True
     expected_path = "static_graph"
