@@ -298,7 +298,8 @@ class RolloutEngine:
         return input_ids.to(device=device, dtype=torch.long), mask.to(device)
 
     def _check_vocab_ids(self, params: SamplingParams) -> None:
-        vocab = self.model.get_output_embeddings().weight.shape[0]
+        head = self.model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else self.model.config.vocab_size
         checks = (("eos_token_id", params.eos_ids), ("pad_token_id", (params.pad_token_id,)))
         for name, ids in checks:
             for token in ids:
