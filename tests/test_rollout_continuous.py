@@ -86,14 +86,25 @@ def test_staggered_queue_graph_equals_eager_equals_alone_and_generate(family):
         if limit >= 5 and graph.finish_reasons[row] == "length":
             assert len(set(tokens)) >= 3, f"row {row} repeats: {tokens}"
         assert (graph.sequences[row, width + lengths[row] :] == PAD).all()
-        alone = run(model, ids[row : row + 1], mask[row : row + 1], False, max_new_tokens=limit,
-                    eos_token_id=eos)  # fmt: skip
+        alone = run(
+            model,
+            ids[row : row + 1],
+            mask[row : row + 1],
+            False,
+            max_new_tokens=limit,
+            eos_token_id=eos,
+        )
         assert torch.equal(graph.sequences[row, : width + limit], alone.sequences[0]), row
         assert graph.finish_reasons[row] == alone.finish_reasons[0]
         reference = generate_padded(
-            model, ids[row : row + 1], mask[row : row + 1], width + limit,
-            max_new_tokens=limit, do_sample=False, eos_token_id=eos or None,
-        )  # fmt: skip
+            model,
+            ids[row : row + 1],
+            mask[row : row + 1],
+            width + limit,
+            max_new_tokens=limit,
+            do_sample=False,
+            eos_token_id=eos or None,
+        )
         assert torch.equal(graph.sequences[row, : width + limit], reference[0]), row
 
 
@@ -102,9 +113,11 @@ def test_retired_slots_are_cleared_and_idle_rows_stay_in_bounds():
     ids, mask = prompts(REQUESTS, seed=2)
     engine = engine_for(model, graph=True, interval=3)
     result = engine.generate(
-        ids, mask, SamplingParams(max_new_tokens=NEW, eos_token_id=[]),
+        ids,
+        mask,
+        SamplingParams(max_new_tokens=NEW, eos_token_id=[]),
         request_max_new_tokens=LIMITS,
-    )  # fmt: skip
+    )
     assert result.stats.path == "continuous_graph"
     assert result.response_lengths.tolist() == LIMITS
     runner = engine._continuous
@@ -165,16 +178,26 @@ def test_graph_path_rejects_layout_modes_by_name(option):
         {"align_decode_fronts": True},
         {"trim_cache": True},
         {"align_decode_fronts": True, "trim_cache": True},
-    ],  # fmt: skip
+    ],
     ids=["align", "trim", "align+trim"],
 )
 def test_eager_layout_modes_match_plain_eager(modes):
     model = tiny_model("qwen2")
     ids, mask = prompts(REQUESTS, seed=9)
+    # two more left-pad columns on every row: dead columns that trimming can drop
+    ids = torch.cat([torch.full((REQUESTS, 2), PAD), ids], dim=1)
+    mask = torch.cat([torch.zeros((REQUESTS, 2), dtype=mask.dtype), mask], dim=1)
     eos = staggered_eos(model, ids, mask)
     plain = continuous(model, ids, mask, graph=False, eos=eos)
-    moved = continuous(model, ids, mask, graph=False, eos=eos, **modes)
+    engine = engine_for(model, graph=False, **modes)
+    moved = engine.generate(
+        ids,
+        mask,
+        SamplingParams(max_new_tokens=NEW, eos_token_id=eos),
+        request_max_new_tokens=LIMITS,
+    )
     assert moved.stats.path == "continuous_eager"
+    assert engine._continuous.moved_columns > 0  # the layout really moved
     assert torch.equal(moved.sequences, plain.sequences)
     assert torch.equal(moved.response_mask, plain.response_mask)
     assert moved.finish_reasons == plain.finish_reasons

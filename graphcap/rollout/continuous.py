@@ -68,6 +68,7 @@ class _Queue:
     ids: torch.Tensor  # (R, W)
     mask: torch.Tensor  # (R, W)
     limits: list[int]
+    pads: list[int]  # left-pad columns per request (host copy, taken before decoding)
     next: int = 0
 
     def take(self, count: int) -> list[int]:
@@ -95,6 +96,8 @@ class ContinuousRunner:
     def __init__(self, engine: RolloutEngine):
         self.engine = engine
         self._held: _Held | None = None
+        #: cache columns moved by aligned fronts / trimming in the last call (0 on the graph path)
+        self.moved_columns = 0
 
     # ---- public ---------------------------------------------------------------------------
     def generate(
@@ -153,7 +156,7 @@ class ContinuousRunner:
             self.drop()
         stats.batch_size, stats.total_len = slots, total
 
-        queue = _Queue(ids, mask, limits)
+        queue = _Queue(ids, mask, limits, (width - mask.sum(-1)).tolist())
         rows = len(limits)
         device = engine.backend.device
         out_seq = torch.full((rows, width + max_new), int(params.pad_token_id), device=device)
@@ -191,6 +194,7 @@ class ContinuousRunner:
             engine.backend.synchronize()
             stats.decode_s = time.perf_counter() - t_decode
         stats.slots_refilled = table.refilled
+        self.moved_columns = table.moved_columns
         result = self._result(out_seq, out_resp, out_logp, width, params, stats, slots)
         stats.total_s = time.perf_counter() - start
         if stats.captured:
@@ -284,9 +288,8 @@ class ContinuousRunner:
         for slot, request in zip(free, requests, strict=True):
             table.request[slot] = request
             table.start[slot] = 0
-            if front is not None and front > width:
-                shift_row(step, slot, front - width)
-                table.start[slot] = front - width
+            if front is not None:
+                _shift(step, table, slot, front - width)
         step.commit_rows(logits, rows)
 
     def _service(
@@ -302,13 +305,13 @@ class ContinuousRunner:
         finished = step.state.finished.tolist()  # the one device read of the check
         done = [i for i in table.occupied() if finished[i]]
         if done:
-            self._retire(step, table, done, outputs, queue.ids.shape[1])
+            self._retire(step, table, done, outputs, queue)
         requests = queue.take(len(table.free()))
         front = None
         if align:
-            front = self._align(step, table, queue.ids.shape[1], trim, bool(requests))
+            front = self._align(step, table, queue, trim, bool(requests))
         elif trim:
-            self._trim(step, table)
+            self._trim(step, table, queue)
         table.refilled += len(requests)
         self._fill(step, table, queue, requests, front=front)
 
@@ -318,33 +321,36 @@ class ContinuousRunner:
         table: SlotTable,
         done: list[int],
         outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        width: int,
+        queue: _Queue,
     ) -> None:
         out_seq, out_resp, out_logp = outputs
-        span, max_new = out_seq.shape[1], out_resp.shape[1]
+        width, max_new = queue.ids.shape[1], out_resp.shape[1]
         s = step.state
         for slot in done:
-            request, begin = table.request[slot], table.start[slot]
-            out_seq[request] = s.sequences[slot, begin : begin + span]
-            out_resp[request] = s.response[slot, begin + width : begin + width + max_new]
-            out_logp[request] = s.logprobs[slot, begin + width : begin + width + max_new]
+            request = table.request[slot]
+            first = table.start[slot] + width  # the first response column (start may be < 0
+            # once trimming dropped left padding; the prompt comes from the queue)
+            out_seq[request, :width] = queue.ids[request]
+            out_seq[request, width:] = s.sequences[slot, first : first + max_new]
+            out_resp[request] = s.response[slot, first : first + max_new]
+            out_logp[request] = s.logprobs[slot, first : first + max_new]
             table.request[slot] = -1
             table.start[slot] = 0
         clear_slots(step, torch.tensor(done, dtype=torch.long, device=out_seq.device))
 
     @staticmethod
-    def _trim(step: ContinuousStep, table: SlotTable) -> None:
-        """Drop the leading columns no active slot uses (shift every active slot left)."""
+    def _trim(step: ContinuousStep, table: SlotTable, queue: _Queue) -> None:
+        """Drop the leading columns no active slot attends to (shift every active slot left):
+        columns left of every row's first real prompt token (left padding, dead space)."""
         busy = table.occupied()
         if not busy:
             return
-        lead = min(table.start[i] for i in busy)
+        lead = min(table.start[i] + queue.pads[table.request[i]] for i in busy)
         for slot in busy:
-            shift_row(step, slot, -lead)
-            table.start[slot] -= lead
+            _shift(step, table, slot, -lead)
 
     def _align(
-        self, step: ContinuousStep, table: SlotTable, width: int, trim: bool, refilling: bool
+        self, step: ContinuousStep, table: SlotTable, queue: _Queue, trim: bool, refilling: bool
     ) -> int:
         """Right-align every active slot at one write column; return it for the newcomers.
 
@@ -352,19 +358,19 @@ class ContinuousRunner:
         (drops dead leading columns) only when a row could otherwise run into the sink.
         """
         if trim:
-            self._trim(step, table)
+            self._trim(step, table, queue)
         busy = table.occupied()
+        width = queue.ids.shape[1]
         sink = int(step.sink)
         max_new = (sink - width) // 2  # the buffers were sized W + 2 * max_new + 1
         wp = step.cache.write_pos.tolist()
         front = max([wp[i] for i in busy] + ([width] if refilling else []), default=width)
         if front + max_new >= sink:
-            self._trim(step, table)
+            self._trim(step, table, queue)
             wp = step.cache.write_pos.tolist()
             front = max([wp[i] for i in busy] + [width])
         for slot in busy:
-            shift_row(step, slot, front - wp[slot])
-            table.start[slot] += front - wp[slot]
+            _shift(step, table, slot, front - wp[slot])
         return front
 
     def _capture(self, held: _Held) -> bool:
@@ -472,6 +478,12 @@ def _limits(
             f"{params.max_new_tokens}] (max_new_tokens sizes the cache), got {bad[:5]}"
         )
     return [v for v in values for _ in range(repeats)]
+
+
+def _shift(step: ContinuousStep, table: SlotTable, slot: int, by: int) -> None:
+    shift_row(step, slot, by)
+    table.start[slot] += by
+    table.moved_columns += abs(by)
 
 
 def _fallback_warning() -> type[Warning]:

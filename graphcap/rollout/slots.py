@@ -101,6 +101,7 @@ class SlotTable:
     request: list[int]
     start: list[int]
     refilled: int = 0
+    moved_columns: int = 0
     slot_of_request: dict[int, int] = field(default_factory=dict)
 
     @classmethod
@@ -138,16 +139,25 @@ def clear_slots(step: ContinuousStep, rows: torch.Tensor) -> None:
 
 
 def shift_row(step: ContinuousStep, row: int, by: int) -> None:
-    """Move slot ``row``'s columns ``by`` places (right if positive) in every buffer that is
-    indexed by cache column; the sink column stays where it is. Position ids do not change, so
-    the model sees the same sequence; only where it is stored moves."""
+    """Move slot ``row``'s columns ``by`` places (right if positive) in every buffer indexed by
+    cache column, filling vacated columns as cleared ones; columns pushed off the left end are
+    dropped and the sink column stays put. Position ids do not change, so the model sees the
+    same sequence; only where it is stored moves (eager loop only)."""
     if by == 0:
         return
-    end = step.sink.item()  # eager-only helper: a host value is fine here
+    end = int(step.sink)
     s = step.state
-    for layer in step.cache.layers:
-        for buf in (layer.keys, layer.values):
-            buf[row, :, :end] = torch.roll(buf[row, :, :end], by, dims=1)
-    for buf in (step.masks.valid, s.sequences, s.response, s.logprobs):
-        buf[row, :end] = torch.roll(buf[row, :end], by, dims=0)
+    buffers = [(layer.keys[row], 0) for layer in step.cache.layers]
+    buffers += [(layer.values[row], 0) for layer in step.cache.layers]
+    buffers += [(step.masks.valid[row], False), (s.sequences[row], s.pad), (s.response[row], False)]
+    buffers += [(s.logprobs[row], 0.0)]
+    for buf, fill in buffers:
+        columns = buf.narrow(-2 if buf.dim() == 3 else -1, 0, end)
+        dim = columns.dim() - 2 if buf.dim() == 3 else columns.dim() - 1
+        moved = torch.empty_like(columns)
+        moved.copy_(fill if not isinstance(fill, torch.Tensor) else fill.expand_as(moved))
+        keep = end - abs(by)
+        src = columns.narrow(dim, max(-by, 0), keep)
+        moved.narrow(dim, max(by, 0), keep).copy_(src)
+        columns.copy_(moved)
     step.cache.write_pos[row] += by
