@@ -496,3 +496,15 @@ def test_static_cache_decode_step_replays_token_identical_to_eager():
     graph_tokens, graph_logits = run(use_graph=True)
     assert torch.equal(graph_tokens, eager_tokens)
     torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=0)
+
+
+def test_replay_under_an_ambient_autocast_replays_the_captured_casts():
+    weight = torch.randn(8, 8)
+    x = torch.randn(4, 8)
+    out = torch.zeros(4, 8)
+    graph = CPUGraph()
+    with graph.capture():
+        out.copy_(x @ weight)  # captured in float32: no cast recorded
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph.replay()  # a device graph ignores the ambient autocast; so must this
+    assert torch.equal(out, x @ weight)

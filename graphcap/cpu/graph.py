@@ -442,11 +442,12 @@ class CPUGraph:
 
         Runs under inference mode: a replay builds no autograd graph (as a device graph does
         not), and it can write into tensors whether they were captured under ``no_grad`` or
-        ``inference_mode``.
+        ``inference_mode``. Autocast is off: the recorded ops already carry the casts made at
+        capture, and a device graph would not apply an ambient autocast to them again.
         """
         if self._state != "captured":
             raise GraphcapError(self._not_replayable())
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, single, several in self._steps:
                 result = func(*args, **kwargs)
                 if single is not None:

@@ -211,13 +211,9 @@ class RolloutEngine:
                 if res.graph is not None:
                     graph = res.graph
                     stats.path = "static_graph"
-                    device_type = self.backend.device.type
 
                     def runner() -> None:
-                        # A replay re-issues recorded kernels; ambient autocast must not touch
-                        # them again (the CPU reference graph re-dispatches recorded ops).
-                        with torch.autocast(device_type, enabled=False):
-                            self.backend.replay_graph(graph)
+                        self.backend.replay_graph(graph)
                         stats.replays += 1
 
             t_decode = time.perf_counter()
