@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from rollout_models import PAD, generate_padded, prompts, run, tiny_model
@@ -233,3 +236,22 @@ def test_graph_unsafe_attention_and_bad_input_are_refused():
         engine.generate(ids, mask, SamplingParams(max_new_tokens=3), request_max_new_tokens=[4] * 4)
     with pytest.raises(ValueError, match="continuous_batch_size must be"):
         RolloutConfig(continuous_batch_size=0)
+
+
+def test_benchmark_script_tiny_workloads_agree():
+    path = Path(__file__).parents[1] / "benchmarks" / "continuous_h200.py"
+    spec = importlib.util.spec_from_file_location("continuous_h200", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    backend = CPUBackend()
+    model = bench.build_model("tiny-gpt2", backend)
+    shape = {**bench.TINY, "repeats": 1, "intervals": (3,)}
+    with torch.no_grad():
+        latency = bench.latency(model, backend, shape)
+        staggered = bench.staggered(model, backend, shape)
+    assert latency["continuous_graph"]["captured_on_first_call"]
+    assert all(run["token_equal_to_eager"] for run in latency.values())
+    runs = staggered["eos_check_interval=3"]
+    assert runs["continuous_graph"]["path"] == "continuous_graph"
+    assert runs["continuous_graph"]["token_equal_to_eager"]
+    assert runs["continuous_graph"]["tokens"] == sum(staggered["budgets"])

@@ -173,7 +173,7 @@ class ContinuousRunner:
             stats.prefill_s = time.perf_counter() - start
 
             runner = step
-            if use_graph:
+            if use_graph and params.max_new_tokens > 1:
                 if held.graph is None:
                     t_capture = time.perf_counter()
                     stats.captured = self._capture(held)
@@ -377,8 +377,9 @@ class ContinuousRunner:
         """Warm up and capture the continuous step, leaving every buffer as it was."""
         engine, backend = self.engine, self.engine.backend
         step = held.step
-        kv = [t for layer in held.cache.layers for t in (layer.keys, layer.values)]
-        snapshot = Snapshot.take(step.mutable_tensors() + kv)
+        # K/V need no snapshot: warm-up writes each slot's current column, which the first
+        # replay rewrites with the same values (idle slots write only their sink column).
+        snapshot = Snapshot.take(step.mutable_tensors())
         rng = backend.get_rng_state()
         gen_state = None if held.generator is None else held.generator.get_state()
         stream = backend.new_stream() if backend.capabilities.capture_needs_side_stream else None
