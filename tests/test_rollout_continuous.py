@@ -11,6 +11,7 @@ from rollout_models import PAD, generate_padded, prompts, run, tiny_model
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import (
+    CaptureFallbackWarning,
     GraphUnsupportedModelError,
     RolloutConfig,
     RolloutEngine,
@@ -255,3 +256,26 @@ def test_benchmark_script_tiny_workloads_agree():
     assert runs["continuous_graph"]["path"] == "continuous_graph"
     assert runs["continuous_graph"]["token_equal_to_eager"]
     assert runs["continuous_graph"]["tokens"] == sum(staggered["budgets"])
+
+
+def test_capture_failure_finishes_eagerly_with_equal_tokens():
+    model = tiny_model("llama", fresh=True)
+    backend = CPUBackend()
+
+    def host_read_during_capture(module, args, output):
+        if backend.is_current_stream_capturing():
+            output[0].sum().item()  # a host sync: the CPU graph refuses it mid-capture
+
+    handle = model.model.layers[0].register_forward_hook(host_read_during_capture)
+    engine = RolloutEngine(
+        model,
+        RolloutConfig(enable_graph_capture=True, backend=backend, continuous_batch_size=SLOTS),
+    )
+    ids, mask = prompts(REQUESTS, seed=7)
+    params = SamplingParams(max_new_tokens=NEW, eos_token_id=[])
+    with pytest.warns(CaptureFallbackWarning, match="capture failed"):
+        failed = engine.generate(ids, mask, params, request_max_new_tokens=LIMITS)
+    handle.remove()
+    assert failed.stats.path == "continuous_eager" and not failed.stats.captured
+    assert "capture failed" in failed.stats.fallback_reason
+    assert torch.equal(failed.sequences, continuous(model, ids, mask, graph=False).sequences)
