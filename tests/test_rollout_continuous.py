@@ -201,7 +201,11 @@ def test_eager_layout_modes_match_plain_eager(modes):
         request_max_new_tokens=LIMITS,
     )
     assert moved.stats.path == "continuous_eager"
-    assert engine._continuous.moved_columns > 0  # the layout really moved
+    runner = engine._continuous
+    assert runner.moved_columns > 0  # the layout really moved
+    assert runner.mean_span < moved.stats.total_len  # and attention read fewer columns
+    if "trim_cache" in modes:
+        assert runner.mean_span < plain.stats.total_len
     assert torch.equal(moved.sequences, plain.sequences)
     assert torch.equal(moved.response_mask, plain.response_mask)
     assert moved.finish_reasons == plain.finish_reasons

@@ -98,6 +98,9 @@ class ContinuousRunner:
         self._held: _Held | None = None
         #: cache columns moved by aligned fronts / trimming in the last call (0 on the graph path)
         self.moved_columns = 0
+        #: cache columns the last call's steps attended over, on average (the buffer length
+        #: unless a layout mode narrowed the span)
+        self.mean_span = 0.0
 
     # ---- public ---------------------------------------------------------------------------
     def generate(
@@ -186,15 +189,24 @@ class ContinuousRunner:
 
             t_decode = time.perf_counter()
             interval = config.eos_check_interval
+            narrow = runner is step and (align or trim)
+            attended = 0
             while table.occupied():
+                if narrow:
+                    step.span = self._span(table, queue, total)
+                attended += step.span[1] - step.span[0] if narrow else total
                 runner()
                 stats.steps += 1
+                for slot in table.occupied():
+                    table.column[slot] = min(table.column[slot] + 1, total - 2)
                 if stats.steps % interval == 0:
                     self._service(step, table, queue, (out_seq, out_resp, out_logp), align, trim)
             engine.backend.synchronize()
             stats.decode_s = time.perf_counter() - t_decode
+            step.span = None
         stats.slots_refilled = table.refilled
         self.moved_columns = table.moved_columns
+        self.mean_span = attended / stats.steps if stats.steps else float(total)
         result = self._result(out_seq, out_resp, out_logp, width, params, stats, slots)
         stats.total_s = time.perf_counter() - start
         if stats.captured:
@@ -288,6 +300,7 @@ class ContinuousRunner:
         for slot, request in zip(free, requests, strict=True):
             table.request[slot] = request
             table.start[slot] = 0
+            table.column[slot] = width
             if front is not None:
                 _shift(step, table, slot, front - width)
         step.commit_rows(logits, rows)
@@ -339,6 +352,15 @@ class ContinuousRunner:
         clear_slots(step, torch.tensor(done, dtype=torch.long, device=out_seq.device))
 
     @staticmethod
+    def _span(table: SlotTable, queue: _Queue, total: int) -> tuple[int, int]:
+        """Columns any busy slot may attend to: from the first real prompt token to the
+        furthest write column (host bookkeeping, no device read)."""
+        busy = table.occupied()
+        lo = min(table.start[i] + queue.pads[table.request[i]] for i in busy)
+        hi = max(table.column[i] for i in busy) + 1
+        return max(lo, 0), min(hi, total - 1)
+
+    @staticmethod
     def _trim(step: ContinuousStep, table: SlotTable, queue: _Queue) -> None:
         """Drop the leading columns no active slot attends to (shift every active slot left):
         columns left of every row's first real prompt token (left padding, dead space)."""
@@ -363,14 +385,12 @@ class ContinuousRunner:
         width = queue.ids.shape[1]
         sink = int(step.sink)
         max_new = (sink - width) // 2  # the buffers were sized W + 2 * max_new + 1
-        wp = step.cache.write_pos.tolist()
-        front = max([wp[i] for i in busy] + ([width] if refilling else []), default=width)
+        front = max([table.column[i] for i in busy] + ([width] if refilling else []), default=width)
         if front + max_new >= sink:
             self._trim(step, table, queue)
-            wp = step.cache.write_pos.tolist()
-            front = max([wp[i] for i in busy] + [width])
+            front = max([table.column[i] for i in busy] + [width])
         for slot in busy:
-            _shift(step, table, slot, front - wp[slot])
+            _shift(step, table, slot, front - table.column[slot])
         return front
 
     def _capture(self, held: _Held) -> bool:
@@ -484,6 +504,7 @@ def _limits(
 def _shift(step: ContinuousStep, table: SlotTable, slot: int, by: int) -> None:
     shift_row(step, slot, by)
     table.start[slot] += by
+    table.column[slot] += by
     table.moved_columns += abs(by)
 
 
