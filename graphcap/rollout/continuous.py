@@ -169,7 +169,7 @@ class ContinuousRunner:
         with torch.no_grad():
             first = queue.take(slots)
             prefill, logits, next_pos = engine._prefill(ids[first], mask[first])
-            held = self._resources(signature, prefill, params, windows, generator)
+            held = self._resources(signature, prefill, logits.shape[-1], params, windows, generator)
             step = held.step
             clear_slots(step, torch.arange(slots, device=device))
             self._fill(step, table, queue, first, (prefill, logits, next_pos))
@@ -234,6 +234,7 @@ class ContinuousRunner:
         self,
         signature: ContinuousSignature,
         prefill: object,
+        vocab: int,
         params: SamplingParams,
         windows: dict[str, int | None],
         generator: torch.Generator | None,
@@ -258,7 +259,6 @@ class ContinuousRunner:
             form=mask_form,
             as_dict=bool(getattr(model.config, "layer_types", None)),
         )
-        vocab = model.get_output_embeddings().weight.shape[0]
         state = allocate_state(
             slots, total, vocab, params.eos_ids, int(params.pad_token_id), device
         )
