@@ -66,6 +66,8 @@ class Registry:
     plugin_manager: pluggy.PluginManager
     backends: dict[str, BackendRecord] = field(default_factory=dict)
     failures: list[PluginFailure] = field(default_factory=list)
+    #: One backend object per name, shared by every caller (its capture stream included).
+    instances: dict[str, Backend] = field(default_factory=dict)
 
     def failure_for(self, name: str) -> PluginFailure | None:
         return next((f for f in self.failures if f.entry_point == name), None)
@@ -228,6 +230,8 @@ def _select_name(registry: Registry, requested: str | None) -> str:
 def get_backend(name: str | None = None) -> Backend:
     """The backend to run on: ``name``, else ``$GRAPHCAP_BACKEND``, else auto-detected.
 
+    The same object is returned for the same name, so engines share its capture stream.
+
     Auto-detection takes the available backend of highest priority (accelerators before cpu).
     Raises :class:`BackendSelectionError` with the list of installed backends, and why each is
     or is not available, when the choice cannot be honoured.
@@ -253,7 +257,10 @@ def get_backend(name: str | None = None) -> Backend:
             f"graphcap backend {chosen!r} is installed but unavailable here: {avail.reason}.\n"
             f"Installed backends:\n{registry.describe()}"
         )
-    return _instantiate(record)
+    backend = registry.instances.get(chosen)
+    if backend is None:
+        backend = registry.instances[chosen] = _instantiate(record)
+    return backend
 
 
 def _install_hint(name: str) -> str:

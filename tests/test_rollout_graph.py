@@ -285,6 +285,29 @@ def test_side_stream_warm_up_and_capture_match_eager():
     assert torch.equal(graph.sequences, run(model, ids, mask, False, **params).sequences)
 
 
+def test_recaptures_reuse_one_capture_stream():
+    """A stream per capture would leak per-stream library workspaces (seen on the H200)."""
+
+    class CountingBackend(SideStreamBackend):
+        streams = 0
+
+        def new_stream(self):
+            CountingBackend.streams += 1
+            return super().new_stream()
+
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    engine = RolloutEngine(
+        model, RolloutConfig(enable_graph_capture=True, backend=CountingBackend())
+    )
+    captures = [
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=n, **NO_EOS)).stats.captures
+        for n in (4, 5, 6)
+    ]
+    assert captures == [1, 2, 3]
+    assert CountingBackend.streams == 1
+
+
 def test_buckets_let_varying_requests_share_one_graph():
     model = tiny_model("llama")
     buckets = {"batch_buckets": (4, 8), "length_buckets": (16, 32)}

@@ -1,18 +1,14 @@
-"""The backend-agnostic rollout engine: eager and static-graph generation for HF decoders.
+"""The backend-agnostic rollout engine for HF decoders: eager, static-graph and continuous paths.
 
 Public API: :class:`RolloutEngine`, :class:`RolloutConfig`, :class:`SamplingParams`,
 :class:`RolloutResult` (and :class:`RolloutStats`), plus :func:`load_weights_in_place` for
-weight updates that keep a captured graph valid. See docs/rollout.md.
+weight updates that keep a captured graph valid. See docs/rollout.md and docs/continuous.md.
 """
 
+from graphcap.rollout.capture import CaptureFallbackWarning
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.eligibility import GraphUnsupportedModelError
-from graphcap.rollout.engine import (
-    CaptureFallbackWarning,
-    RolloutEngine,
-    RolloutResult,
-    RolloutStats,
-)
+from graphcap.rollout.engine import RolloutEngine, RolloutResult, RolloutStats
 from graphcap.rollout.weights import load_weights_in_place
 
 __all__ = [

@@ -11,14 +11,14 @@ Graph and eager loops share this schedule, so they produce the same tokens bit f
 from __future__ import annotations
 
 import time
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.eligibility import check_attention, graph_refusal
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import SamplerSettings
@@ -30,7 +30,6 @@ from graphcap.rollout.slots import (
     clear_slots,
     shift_row,
 )
-from graphcap.rollout.step import Snapshot
 
 if TYPE_CHECKING:
     from graphcap.rollout.config import SamplingParams
@@ -394,57 +393,26 @@ class ContinuousRunner:
         return front
 
     def _capture(self, held: _Held) -> bool:
-        """Warm up and capture the continuous step, leaving every buffer as it was."""
-        engine, backend = self.engine, self.engine.backend
-        step = held.step
-        # K/V need no snapshot: warm-up writes each slot's current column, which the first
-        # replay rewrites with the same values (idle slots write only their sink column).
-        snapshot = Snapshot.take(step.mutable_tensors())
-        rng = backend.get_rng_state()
-        gen_state = None if held.generator is None else held.generator.get_state()
-        stream = backend.new_stream() if backend.capabilities.capture_needs_side_stream else None
+        """Capture the continuous step, leaving every buffer as it was; False on failure.
+
+        K/V need no snapshot: warm-up writes each slot's current column, which the first replay
+        rewrites with the same values (idle slots write only their sink column).
+        """
+        engine, step = self.engine, held.step
         try:
-            graph = backend.create_graph()
-            if graph is None:
-                raise RuntimeError("create_graph() returned None")
-            if stream is not None:
-                stream.wait_stream(backend.current_stream())
-                with backend.stream(stream):
-                    step()
-            else:
-                step()
-            backend.synchronize()
-            snapshot.restore()
-            with backend.capture_to_graph(graph, pool=backend.graph_pool_handle(), stream=stream):
-                step()
-            backend.synchronize()
+            held.graph = capture_step(engine.backend, step, step.mutable_tensors(), held.generator)
         except Exception as exc:  # any capture failure: roll back, continue eagerly
-            engine._graphs_off_reason = f"graph capture failed: {type(exc).__name__}: {exc}"
-            warnings.warn(
-                f"{engine._graphs_off_reason}; this call finishes eagerly and the engine stays "
-                "eager from now on",
-                _fallback_warning(),
-                stacklevel=4,
-            )
-            graph = None
-        finally:
-            snapshot.restore()
-            backend.set_rng_state(rng)
-            if held.generator is not None:
-                held.generator.set_state(gen_state)
-        held.graph = graph
-        if graph is None:
+            held.graph = None
+            engine._graphs_off_reason = fallback_reason(exc)
             return False
         engine.captures += 1
         return True
 
-    def _replayer(self, graph: object, stats: RolloutStats):
+    def _replayer(self, graph: object, stats: RolloutStats) -> Callable[[], None]:
         backend = self.engine.backend
-        device_type = backend.device.type
 
         def replay() -> None:
-            with torch.autocast(device_type, enabled=False):
-                backend.replay_graph(graph)
+            backend.replay_graph(graph)
             stats.replays += 1
 
         return replay
@@ -506,9 +474,3 @@ def _shift(step: ContinuousStep, table: SlotTable, slot: int, by: int) -> None:
     table.start[slot] += by
     table.column[slot] += by
     table.moved_columns += abs(by)
-
-
-def _fallback_warning() -> type[Warning]:
-    from graphcap.rollout.engine import CaptureFallbackWarning
-
-    return CaptureFallbackWarning

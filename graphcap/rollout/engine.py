@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,22 +19,19 @@ from transformers import DynamicCache, GenerationConfig
 
 from graphcap.backend import Backend
 from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.continuous import ContinuousRunner
 from graphcap.rollout.eligibility import check_attention, graph_refusal
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import SamplerSettings
 from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
-from graphcap.rollout.step import DecodeState, DecodeStep, Snapshot, accepts_logits_to_keep
+from graphcap.rollout.step import DecodeState, DecodeStep, accepts_logits_to_keep
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
-
-
-class CaptureFallbackWarning(RuntimeWarning):
-    """A graph capture failed; the engine finished the call eagerly and stays eager."""
 
 
 @dataclass
@@ -365,52 +361,21 @@ class RolloutEngine:
         return self._res
 
     def _capture(self, res: _Resources, prefill: DynamicCache, sources: torch.Tensor) -> bool:
-        """Warm up, capture the decode step, leave every buffer as it was; False on failure.
+        """Capture the decode step, leaving every buffer as it was; False on failure.
 
         The first replay (by the caller) performs the first decode step, on a device and on the
         CPU reference backend alike (neither runs the work during capture).
         """
-        backend = self.backend
-        snapshot = Snapshot.take(res.step.mutable_tensors())
-        rng = backend.get_rng_state()
-        gen_state = None if res.generator is None else res.generator.get_state()
-        stream = backend.new_stream() if backend.capabilities.capture_needs_side_stream else None
         try:
-            graph = backend.create_graph()
-            if graph is None:
-                raise RuntimeError("create_graph() returned None")
-            if stream is not None:
-                stream.wait_stream(backend.current_stream())  # prefill work first
-                with backend.stream(stream):
-                    res.step()
-            else:
-                res.step()
-            backend.synchronize()
-            snapshot.restore()
-            backend.set_rng_state(rng)
-            if res.generator is not None:
-                res.generator.set_state(gen_state)
-            with backend.capture_to_graph(graph, pool=backend.graph_pool_handle(), stream=stream):
-                res.step()
-            backend.synchronize()
-            snapshot.restore()
+            res.graph = capture_step(
+                self.backend, res.step, res.step.mutable_tensors(), res.generator
+            )
         except Exception as exc:  # any capture failure: roll back, finish eagerly
-            snapshot.restore()
-            backend.set_rng_state(rng)
-            if res.generator is not None:
-                res.generator.set_state(gen_state)
             res.cache.reset()
             res.cache.load_prefill(prefill, source_rows=sources)
             res.graph = None
-            self._graphs_off_reason = f"graph capture failed: {type(exc).__name__}: {exc}"
-            warnings.warn(
-                f"{self._graphs_off_reason}; this call finishes eagerly and the engine stays "
-                "eager from now on",
-                CaptureFallbackWarning,
-                stacklevel=3,
-            )
+            self._graphs_off_reason = fallback_reason(exc)
             return False
-        res.graph = graph
         self.captures += 1
         return True
 

@@ -1,0 +1,74 @@
+"""Capturing a decode step into a graph: shared by the static and the continuous paths.
+
+A device graph needs the step warmed up once before capture (on the stream the capture uses),
+and neither the warm-up nor the capture may leave a trace: every buffer the step writes and the
+generators are put back as they were, so the first replay performs the first real step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from graphcap.backend import Backend
+from graphcap.errors import GraphUnsupportedError
+from graphcap.rollout.step import Snapshot
+
+
+class CaptureFallbackWarning(RuntimeWarning):
+    """A graph capture failed; the call finished eagerly and the engine stays eager."""
+
+
+def capture_step(
+    backend: Backend,
+    step: Callable[[], None],
+    mutable: list[torch.Tensor],
+    generator: torch.Generator | None,
+) -> object:
+    """Warm up ``step``, capture it into a new graph and return the graph.
+
+    Every tensor in ``mutable``, the backend's RNG state and ``generator`` are left as they were,
+    also when capture fails (the exception propagates after the rollback).
+    """
+    snapshot = Snapshot.take(mutable)
+    rng = backend.get_rng_state()
+    gen_state = None if generator is None else generator.get_state()
+
+    def rollback() -> None:
+        snapshot.restore()
+        backend.set_rng_state(rng)
+        if generator is not None:
+            generator.set_state(gen_state)
+
+    stream = backend.capture_stream() if backend.capabilities.capture_needs_side_stream else None
+    try:
+        graph = backend.create_graph()
+        if graph is None:
+            raise GraphUnsupportedError(f"backend {backend.name!r}: create_graph() returned None")
+        if stream is not None:
+            stream.wait_stream(backend.current_stream())  # the prefill's work first
+            with backend.stream(stream):
+                step()
+        else:
+            step()
+        backend.synchronize()
+        rollback()
+        with backend.capture_to_graph(graph, pool=backend.graph_pool_handle(), stream=stream):
+            step()
+        backend.synchronize()
+        return graph
+    finally:
+        rollback()
+
+
+def fallback_reason(exc: BaseException) -> str:
+    """Record a failed capture as the reason graphs are off, with the one warning it gets."""
+    reason = f"graph capture failed: {type(exc).__name__}: {exc}"
+    warnings.warn(
+        f"{reason}; this call finishes eagerly and the engine stays eager from now on",
+        CaptureFallbackWarning,
+        stacklevel=4,
+    )
+    return reason
