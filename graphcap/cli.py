@@ -50,7 +50,7 @@ def _format_table(info: dict[str, Any]) -> str:
                 "*" if row["selected"] else "",
                 row["name"],
                 f"{row['distribution']} {row['version']}".strip(),
-                "yes" if row["available"] else f"no: {row['reason']}",
+                "yes" if row["available"] else "no (below)",
                 row.get("device", "-"),
                 ", ".join(flags) or "-",
             )
@@ -60,6 +60,9 @@ def _format_table(info: dict[str, Any]) -> str:
         "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
         for line in lines
     ]
+    for row in info["backends"]:
+        if not row["available"]:
+            out.append(f"{row['name']} unavailable: {row['reason']}")
     for failure in info["broken_plugins"]:
         out.append(
             f"broken plugin {failure['entry_point']!r} ({failure['distribution']}): "
