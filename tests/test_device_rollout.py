@@ -9,7 +9,6 @@ Skipped, with the reason, unless an accelerator backend is selected and availabl
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
@@ -26,8 +25,8 @@ NO_EOS = {"eos_token_id": []}
 
 
 @pytest.fixture(scope="module")
-def backend() -> graphcap.Backend:
-    name = os.environ.get("GRAPHCAP_BACKEND")
+def backend(requested_backend: str | None) -> graphcap.Backend:
+    name = requested_backend
     if not name or name == "cpu":
         pytest.skip("device tests need an accelerator backend: set GRAPHCAP_BACKEND=cuda (or npu)")
     try:
