@@ -29,10 +29,8 @@ ENV_VAR = "GRAPHCAP_BACKEND"
 
 #: Where to get a plugin for a device torch can see; used when none is installed.
 PLUGIN_HINTS: dict[str, str] = {
-    "cuda": "graphcap-cuda (pip install 'graphcap[cuda]', or pip install ./backends/cuda "
-    "from a source checkout)",
-    "npu": "graphcap-npu (pip install 'graphcap[npu]', or pip install ./backends/npu "
-    "from a source checkout)",
+    "cuda": "graphcap-cuda (from a graphcap source checkout: pip install ./backends/cuda)",
+    "npu": "graphcap-npu (from a graphcap source checkout: pip install ./backends/npu)",
 }
 
 
@@ -282,3 +280,20 @@ def attention_implementations(backend: Backend) -> dict[str, Callable[..., Any]]
     for offered in results:
         merged.update(offered or {})
     return merged
+
+
+def register_attention_implementations(backend: Backend) -> list[str]:
+    """Register the attention functions plugins offer for ``backend`` with transformers.
+
+    Each name also gets transformers' SDPA mask function: for an attention name without one,
+    transformers builds no mask at all, and padding and causality would silently vanish. Returns
+    the names; load or configure a model with ``attn_implementation=<name>`` to use one.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    offered = attention_implementations(backend)
+    for name, function in offered.items():
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
+    return list(offered)

@@ -199,6 +199,28 @@ def test_attention_implementations_hook_is_called_for_the_backend(plugin_dir):
     assert list(impls) == ["fake_attn_cpu"]
 
 
+def test_offered_attention_is_registered_with_its_mask_function(plugin_dir):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    source = backend_source("attn2", 1) + textwrap.dedent(
+        """
+        def fake_attention(*args, **kwargs):
+            return None
+
+        @hookimpl
+        def graphcap_attention_implementations(backend):
+            return {"graphcap_test_attn": fake_attention}
+        """
+    )
+    install_plugin(plugin_dir, "fake-attn2", "fake_attn2", source)
+    registry.discover(refresh=True)
+    names = registry.register_attention_implementations(graphcap.get_backend("cpu"))
+    assert names == ["graphcap_test_attn"]
+    assert AttentionInterface._global_mapping["graphcap_test_attn"].__name__ == "fake_attention"
+    assert AttentionMaskInterface._global_mapping["graphcap_test_attn"] is sdpa_mask
+
+
 def test_core_never_names_a_device_library():
     root = Path(graphcap.__file__).parent
     pattern = ("torch." + "cuda", "torch." + "npu", "torch" + "_npu")
