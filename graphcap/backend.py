@@ -9,14 +9,17 @@ Capability is derived from behaviour (``create_graph()`` returning a graph), nev
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from graphcap.errors import GraphUnsupportedError
+from graphcap.errors import GraphcapError, GraphCaptureError, GraphUnsupportedError
 
 MaskForm = Literal["additive", "bool"]
+#: Capture error modes of the ``graph`` context managers of torch's CUDA and NPU device modules.
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
 @dataclass(frozen=True)
@@ -238,3 +241,44 @@ class Backend:
             info["device"] = str(self.device)
             info["capabilities"] = self.capabilities.as_dict()
         return info
+
+
+def device_graph_capture(
+    device_module: Any,
+    graph: Any,
+    pool: Any | None,
+    stream: Any | None,
+    capture_error_mode: str | None,
+    hint: str,
+) -> contextlib.AbstractContextManager[None]:
+    """``device_module.graph(...)`` (the CUDA / NPU device modules' form) made safe to fail.
+
+    Arguments go by keyword (the NPU module orders them differently from the CUDA one after
+    ``stream``); the error mode defaults to "global" and is checked now, not at ``__enter__``.
+    When a capture fails, torch raises from ``capture_end`` before leaving its capture stream;
+    the caller's stream is restored so an eager fallback does not run on the side stream, and
+    the error becomes a :class:`GraphCaptureError` carrying ``hint`` (the usual causes).
+    """
+    mode = capture_error_mode or "global"
+    if mode not in CAPTURE_ERROR_MODES:
+        raise ValueError(
+            f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)} "
+            f"(or None for 'global'), not {capture_error_mode!r}"
+        )
+    return _guarded_capture(device_module, graph, pool, stream, mode, hint)
+
+
+@contextlib.contextmanager
+def _guarded_capture(
+    device_module: Any, graph: Any, pool: Any | None, stream: Any | None, mode: str, hint: str
+) -> Iterator[None]:
+    previous = device_module.current_stream()
+    try:
+        with device_module.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
+            yield
+    except GraphcapError:
+        raise  # already says what went wrong
+    except RuntimeError as exc:
+        raise GraphCaptureError(f"graph capture failed: {exc}\n{hint}") from exc
+    finally:
+        device_module.set_stream(previous)

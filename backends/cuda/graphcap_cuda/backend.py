@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 
-from graphcap.backend import Availability, Backend
-from graphcap.errors import GraphCaptureError
+from graphcap.backend import Availability, Backend, device_graph_capture
 
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+HINT = (
+    "Work inside a CUDA graph capture must not synchronise with the host (.item(), "
+    "bool(tensor), printing a tensor, nonzero and other data-dependent shapes, copies to "
+    "pageable host memory) nor touch CUDA from another thread in 'global' capture mode."
+)
 
 
 class CUDABackend(Backend):
@@ -48,13 +50,7 @@ class CUDABackend(Backend):
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str | None = None,
     ) -> contextlib.AbstractContextManager[None]:
-        mode = capture_error_mode or "global"
-        if mode not in CAPTURE_ERROR_MODES:
-            raise ValueError(
-                f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)} "
-                f"(or None for 'global'), not {capture_error_mode!r}"
-            )
-        return _capture(graph, pool, stream, mode)
+        return device_graph_capture(torch.cuda, graph, pool, stream, capture_error_mode, HINT)
 
     def replay_graph(self, graph: torch.cuda.CUDAGraph) -> None:
         graph.replay()
@@ -64,32 +60,6 @@ class CUDABackend(Backend):
 
     def graph_pool_handle(self) -> Any:
         return torch.cuda.graph_pool_handle()
-
-
-@contextlib.contextmanager
-def _capture(
-    graph: torch.cuda.CUDAGraph, pool: Any | None, stream: torch.cuda.Stream | None, mode: str
-) -> Iterator[None]:
-    """``torch.cuda.graph`` made safe to fail.
-
-    When capture ends in an error (a host sync inside the block invalidates it), torch's context
-    manager raises from ``capture_end`` before switching back from its capture stream, leaving
-    the caller on that side stream. The rollout engine falls back to eager after a failed
-    capture, so the stream is restored here and the error says what usually causes it.
-    """
-    previous = torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
-            yield
-    except RuntimeError as exc:
-        raise GraphCaptureError(
-            f"CUDA graph capture failed: {exc}\nWork inside a capture must not synchronise with "
-            "the host (.item(), bool(tensor), printing a tensor, nonzero and other data-dependent "
-            "shapes, copies to pageable host memory) nor touch CUDA from another thread in "
-            "'global' capture mode."
-        ) from exc
-    finally:
-        torch.cuda.set_stream(previous)
 
 
 def _probe() -> Availability:

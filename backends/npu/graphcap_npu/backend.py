@@ -13,13 +13,12 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 
-from graphcap.backend import Availability, Backend, MaskForm
-from graphcap.errors import BackendSelectionError, GraphcapError, GraphCaptureError
+from graphcap.backend import Availability, Backend, MaskForm, device_graph_capture
+from graphcap.errors import BackendSelectionError
 from graphcap_npu.probe import (
     INSTALL_HINT,
     VISIBLE_DEVICES_VAR,
@@ -27,7 +26,13 @@ from graphcap_npu.probe import (
     torch_npu_installed,
 )
 
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+HINT = (
+    "Work inside an ACL graph capture must not synchronise with the host (.item(), printing a "
+    "tensor, data-dependent shapes), seed a generator, or use operators that run on an internal "
+    "secondary stream (error 107025: npu_fusion_attention v1/v2 do; use "
+    "npu_fusion_attention_v3, graphcap_npu.fusion_attention_forward). Only aclnn operators can "
+    "be captured."
+)
 
 
 @functools.cache
@@ -113,13 +118,7 @@ class NPUBackend(Backend):
         stream: Any | None = None,
         capture_error_mode: str | None = None,
     ) -> contextlib.AbstractContextManager[None]:
-        mode = capture_error_mode or "global"
-        if mode not in CAPTURE_ERROR_MODES:
-            raise ValueError(
-                f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)} "
-                f"(or None for 'global'), not {capture_error_mode!r}"
-            )
-        return _capture(npu_module(), graph, pool, stream, mode)
+        return device_graph_capture(npu_module(), graph, pool, stream, capture_error_mode, HINT)
 
     def replay_graph(self, graph: Any) -> None:
         graph.replay()
@@ -159,32 +158,3 @@ class NPUBackend(Backend):
 
     def _device_index(self) -> int:
         return self._index if self._index is not None else self.current_device_index()
-
-
-@contextlib.contextmanager
-def _capture(
-    npu: Any, graph: Any, pool: Any | None, stream: Any | None, mode: str
-) -> Iterator[None]:
-    """``torch.npu.graph`` made safe to fail.
-
-    Its argument order differs from ``torch.cuda.graph`` after ``stream`` (``auto_dispatch_capture``
-    comes before ``capture_error_mode``), so everything is passed by keyword. When capture ends in
-    an error, its ``__exit__`` raises from ``capture_end`` before leaving the capture stream; the
-    caller's stream is restored here so an eager fallback does not run on the side stream.
-    """
-    previous = npu.current_stream()
-    try:
-        with npu.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
-            yield
-    except GraphcapError:
-        raise  # already says what went wrong (a KV-table layer first seen in capture, say)
-    except RuntimeError as exc:
-        raise GraphCaptureError(
-            f"NPU graph capture failed: {exc}\nWork inside an ACL graph capture must not "
-            "synchronise with the host (.item(), printing a tensor, data-dependent shapes), "
-            "seed a generator, or use operators that run on an internal secondary stream "
-            "(error 107025: npu_fusion_attention v1/v2 do; use npu_fusion_attention_v3, "
-            "graphcap_npu.fusion_attention_forward). Only aclnn operators can be captured."
-        ) from exc
-    finally:
-        npu.set_stream(previous)
