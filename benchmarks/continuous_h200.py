@@ -8,7 +8,7 @@ Two workloads on a random-init GPT-2 medium shape (fp16 on an accelerator), gree
    measured alongside as a reference.
 2. staggered: 64 requests with per-request budgets drawn from [8, 64] through 16 slots, at two
    refill-check intervals. Occupancy (share of slot-steps that produced a token) and
-   tokens/s (generated tokens / call time), eager vs graph.
+   tokens/s (generated tokens / median call time), eager vs graph.
 
 Every graph result is checked token-equal to the eager loop's before it is reported.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from transformers import GPT2LMHeadModel
 
 import graphcap
 from graphcap.bench.presets import PRESETS
+from graphcap.bench.timing import measure
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 FULL = {
@@ -41,6 +41,7 @@ FULL = {
     "prompt": 32,
     "new": 32,
     "repeats": 10,
+    "staggered_repeats": 3,
     "requests": 64,
     "slots": 16,
     "budget": (8, 64),
@@ -51,6 +52,7 @@ TINY = {
     "prompt": 8,
     "new": 8,
     "repeats": 3,
+    "staggered_repeats": 2,
     "requests": 12,
     "slots": 4,
     "budget": (2, 12),
@@ -66,7 +68,13 @@ def build_model(preset: str, backend: graphcap.Backend) -> torch.nn.Module:
     return model.to(device=backend.device, dtype=dtype)
 
 
-def engine(model, backend, graph: bool, slots: int | None, interval: int = 16) -> RolloutEngine:
+def engine(
+    model: torch.nn.Module,
+    backend: graphcap.Backend,
+    graph: bool,
+    slots: int | None,
+    interval: int = 16,
+) -> RolloutEngine:
     config = RolloutConfig(
         enable_graph_capture=graph,
         backend=backend,
@@ -76,15 +84,7 @@ def engine(model, backend, graph: bool, slots: int | None, interval: int = 16) -
     return RolloutEngine(model, config)
 
 
-def timed(backend, call) -> tuple[Any, float]:
-    backend.synchronize()
-    start = time.perf_counter()
-    result = call()
-    backend.synchronize()
-    return result, time.perf_counter() - start
-
-
-def latency(model, backend, shape: dict) -> dict[str, Any]:
+def latency(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) -> dict[str, Any]:
     """Batch 1: eager continuous loop, continuous graph, static graph."""
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, shape["prompt"]), device=backend.device)
@@ -97,17 +97,20 @@ def latency(model, backend, shape: dict) -> dict[str, Any]:
         ("static_graph", True, None),
     ):
         eng = engine(model, backend, graph, slots)
-        first, first_s = timed(backend, lambda eng=eng: eng.generate(ids, sampling=params))
-        times, tokens = [], int(first.response_lengths.sum())
-        for _ in range(shape["repeats"]):
-            result, seconds = timed(backend, lambda eng=eng: eng.generate(ids, sampling=params))
-            times.append(seconds)
+        runs = measure(
+            lambda eng=eng: eng.generate(ids, sampling=params),
+            repeats=shape["repeats"],
+            warmup=0,
+            sync=backend.synchronize,
+        )
+        first, result = runs.first.value, runs.last.value
+        tokens = int(result.response_lengths.sum())
         if reference is None:
             reference = result.sequences
-        median = statistics.median(times)
+        median = runs.steady_median_s
         out[name] = {
             "path": result.stats.path,
-            "first_call_s": first_s,
+            "first_call_s": runs.first.seconds,
             "captured_on_first_call": first.stats.captured,
             "median_s": median,
             "tokens_per_s": tokens / median,
@@ -118,7 +121,7 @@ def latency(model, backend, shape: dict) -> dict[str, Any]:
     return out
 
 
-def staggered(model, backend, shape: dict) -> dict[str, Any]:
+def staggered(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) -> dict[str, Any]:
     """Many requests of different lengths through a few slots, eager vs graph."""
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -137,16 +140,19 @@ def staggered(model, backend, shape: dict) -> dict[str, Any]:
             def call(eng=eng):
                 return eng.generate(ids, sampling=params, request_max_new_tokens=budgets)
 
-            first, first_s = timed(backend, call)
-            result, seconds = timed(backend, call)
+            calls = measure(
+                call, repeats=shape["staggered_repeats"], warmup=0, sync=backend.synchronize
+            )
+            first, result = calls.first.value, calls.last.value
+            seconds = calls.steady_median_s
             if reference is None:
                 reference = result.sequences
             tokens = int(result.response_lengths.sum())
             runs[name] = {
                 "path": result.stats.path,
-                "first_call_s": first_s,
+                "first_call_s": calls.first.seconds,
                 "captured_on_first_call": first.stats.captured,
-                "steady_call_s": seconds,
+                "steady_median_s": seconds,
                 "tokens": tokens,
                 "tokens_per_s": tokens / seconds,
                 "steps": result.stats.steps,
