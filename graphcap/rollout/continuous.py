@@ -382,7 +382,7 @@ class ContinuousRunner:
             self._trim(step, table, queue)
         busy = table.occupied()
         width = queue.ids.shape[1]
-        sink = int(step.sink)
+        sink = step.cache.max_len - 1  # host int: no device read
         max_new = (sink - width) // 2  # the buffers were sized W + 2 * max_new + 1
         front = max([table.column[i] for i in busy] + ([width] if refilling else []), default=width)
         if front + max_new >= sink:

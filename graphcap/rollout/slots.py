@@ -11,7 +11,7 @@ never indexed out of range.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -173,7 +173,6 @@ class SlotTable:
     column: list[int]  # each busy slot's write column (exact while its request is active)
     refilled: int = 0
     moved_columns: int = 0
-    slot_of_request: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, slots: int) -> SlotTable:
@@ -216,7 +215,7 @@ def shift_row(step: ContinuousStep, row: int, by: int) -> None:
     same sequence; only where it is stored moves (eager loop only)."""
     if by == 0:
         return
-    end = int(step.sink)
+    end = step.cache.max_len - 1  # the sink column, known on the host
     s = step.state
     buffers = [(layer.keys[row], 0) for layer in step.cache.layers]
     buffers += [(layer.values[row], 0) for layer in step.cache.layers]
