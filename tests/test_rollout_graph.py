@@ -172,6 +172,17 @@ def test_same_settings_never_recapture():
     assert counts == [1, 1, 1]
 
 
+def test_greedy_ignores_warper_settings_and_reuses_the_graph():
+    model = tiny_model("llama")
+    engine = graph_engine(model)
+    ids, mask = prompts(3)
+    first = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
+    warped = SamplingParams(max_new_tokens=NEW, temperature=0.3, top_p=0.5, top_k=4, **NO_EOS)
+    second = engine.generate(ids, mask, warped)
+    assert second.stats.captures == 1 and second.stats.recapture_reason == []
+    assert torch.equal(first.sequences, second.sequences)
+
+
 def test_capture_failure_rolls_back_and_stays_eager_with_one_warning():
     model = tiny_model("llama", fresh=True)
     backend = CPUBackend()

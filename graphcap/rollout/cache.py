@@ -76,8 +76,11 @@ class StaticKVLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``q`` new columns per row at ``write_pos[b] + i``; return the whole buffers."""
         batch, heads, q_len, _ = key_states.shape
-        offsets = torch.arange(q_len, device=self.write_pos.device)
-        columns = (self.write_pos[:, None] + offsets[None, :]).view(batch, 1, q_len, 1)
+        if q_len == 1:  # a decode step: the write positions themselves, no kernel launched
+            columns = self.write_pos.view(batch, 1, 1, 1)
+        else:
+            offsets = torch.arange(q_len, device=self.write_pos.device)
+            columns = (self.write_pos[:, None] + offsets[None, :]).view(batch, 1, q_len, 1)
         # Under autocast, K and V can arrive in different dtypes; store them as prefill did.
         key_states = key_states.to(self.keys.dtype)
         value_states = value_states.to(self.values.dtype)

@@ -30,11 +30,14 @@ class SamplerSettings:
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplerSettings:
+        """Greedy ignores the warpers, so they are normalised away: changing them between two
+        greedy calls must not change the graph signature (and force a recapture)."""
+        sample = params.do_sample
         return cls(
-            do_sample=params.do_sample,
-            temperature=params.temperature,
+            do_sample=sample,
+            temperature=params.temperature if sample else 1.0,
             top_k=params.effective_top_k,
-            top_p=params.top_p,
+            top_p=params.top_p if sample else 1.0,
             repetition_penalty=params.repetition_penalty,
             min_new_tokens=params.min_new_tokens,
         )
@@ -97,7 +100,7 @@ def process_scores(
     generated: torch.Tensor,
 ) -> torch.Tensor:
     """generate()'s logits processors, in generate's order, on float32 scores."""
-    scores = logits.to(dtype=torch.float32, copy=True)
+    scores = logits.float()  # every step below is out of place: no copy needed
     if settings.repetition_penalty != 1.0:
         scores = repetition_penalty(scores, tokens, written, settings.repetition_penalty)
     if settings.min_new_tokens > 0:

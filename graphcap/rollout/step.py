@@ -148,7 +148,8 @@ class DecodeStep:
         scores = process_scores(
             logits, self.settings, s.sequences, self.masks.valid, s.eos_vocab, s.generated
         )
-        scores = sanitise(scores, s.finished)
+        if self.settings.do_sample:  # only multinomial needs finite, non-empty rows
+            scores = sanitise(scores, s.finished)
         chosen = choose(scores, self.settings.do_sample, self.generator)
         token = torch.where(s.finished, s.pad, chosen)
         column = self.cache.write_pos[:, None]
