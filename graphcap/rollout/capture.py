@@ -26,8 +26,12 @@ def capture_step(
     step: Callable[[], None],
     mutable: list[torch.Tensor],
     generator: torch.Generator | None,
+    pool: object | None = None,
 ) -> object:
     """Warm up ``step``, capture it into a new graph and return the graph.
+
+    ``pool``: a handle from ``backend.graph_pool_handle()`` that several graphs share (the
+    per-position path passes one for its whole set); ``None`` asks the backend for one.
 
     Every tensor in ``mutable``, the backend's RNG state and ``generator`` are left as they were,
     also when capture fails (the exception propagates after the rollback).
@@ -55,7 +59,9 @@ def capture_step(
             step()
         backend.synchronize()
         rollback()
-        with backend.capture_to_graph(graph, pool=backend.graph_pool_handle(), stream=stream):
+        if pool is None:
+            pool = backend.graph_pool_handle()
+        with backend.capture_to_graph(graph, pool=pool, stream=stream):
             step()
         backend.synchronize()
         return graph
