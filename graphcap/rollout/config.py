@@ -184,6 +184,9 @@ class RolloutConfig:
     ``continuous_batch_size=N`` runs the batch's rows as a request queue through ``N`` slots
     (docs/continuous.md); ``align_decode_fronts`` / ``trim_cache`` are eager-only layouts of
     that path (they move cache rows and columns, which a captured graph cannot allow).
+    ``per_position_graphs=True`` captures one graph per decode position for calls with pinned
+    lengths (``min_new_tokens == max_new_tokens``); other calls use the static graph path, with
+    the reason in the stats (docs/rollout.md, "Per-position graphs").
     """
 
     enable_graph_capture: bool | None = None
@@ -194,6 +197,7 @@ class RolloutConfig:
     continuous_batch_size: int | None = None
     align_decode_fronts: bool = False
     trim_cache: bool = False
+    per_position_graphs: bool = False
     enable_cuda_graph: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -222,6 +226,20 @@ class RolloutConfig:
         self.batch_buckets = _buckets("batch_buckets", self.batch_buckets)
         self.length_buckets = _buckets("length_buckets", self.length_buckets)
         self._check_continuous()
+        self._check_per_position()
+
+    def _check_per_position(self) -> None:
+        if not self.per_position_graphs:
+            return
+        if not self.enable_graph_capture:
+            raise ValueError(
+                "per_position_graphs=True captures graphs: set enable_graph_capture=True too"
+            )
+        if self.continuous_batch_size is not None:
+            raise ValueError(
+                "per_position_graphs needs every row to run the same positions, but "
+                "continuous_batch_size refills slots at different positions; set only one"
+            )
 
     def _check_continuous(self) -> None:
         if self.continuous_batch_size is not None and self.continuous_batch_size < 1:

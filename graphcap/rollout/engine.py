@@ -24,6 +24,7 @@ from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.continuous import ContinuousRunner
 from graphcap.rollout.eligibility import check_attention, graph_refusal
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
+from graphcap.rollout.per_position import PositionGraphs, PositionRunner, pinned_refusal
 from graphcap.rollout.sampling import SamplerSettings
 from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
 from graphcap.rollout.step import DecodeState, DecodeStep, accepts_logits_to_keep
@@ -87,6 +88,7 @@ class _Resources:
     step: DecodeStep
     generator: torch.Generator | None
     graph: object | None = None
+    positions: PositionGraphs | None = None
 
 
 def resolve_backend(backend: Backend | str | None) -> Backend:
@@ -197,7 +199,12 @@ class RolloutEngine:
             stats.prefill_s = time.perf_counter() - start
 
             runner = res.step
-            if use_graph and params.max_new_tokens > 1:
+            per_position = None
+            if use_graph and params.max_new_tokens > 1 and self.config.per_position_graphs:
+                stats.fallback_reason = pinned_refusal(params)
+                if stats.fallback_reason is None:
+                    runner = per_position = self._position_runner(res, width, params, stats)
+            if use_graph and params.max_new_tokens > 1 and per_position is None:
                 if res.graph is None:
                     t_capture = time.perf_counter()
                     stats.captured = self._capture(res, prefill, sources)
@@ -216,6 +223,8 @@ class RolloutEngine:
             stats.steps = self._decode(runner, params.max_new_tokens - 1, res.state)
             self.backend.synchronize()
             stats.decode_s = time.perf_counter() - t_decode
+            if per_position is not None:
+                self._settle_positions(res, per_position, stats)
             result = self._collect(res.state, batch, width, total, params.return_logprobs, stats)
         stats.captures = self.captures
         stats.total_s = time.perf_counter() - start
@@ -379,6 +388,39 @@ class RolloutEngine:
         self.captures += 1
         return True
 
+    def _position_runner(
+        self, res: _Resources, width: int, params: SamplingParams, stats: RolloutStats
+    ) -> PositionRunner:
+        """The runner over the held per-position graphs (a new, empty set when none is held or
+        the prompt width or step count changed: positions are absolute)."""
+        steps = params.max_new_tokens - 1
+        if res.positions is not None:
+            changed = res.positions.differences(width, steps)
+            if changed:
+                stats.recapture_reason += changed
+                res.positions = None
+                self.backend.empty_cache()
+        if res.positions is None:
+            res.positions = PositionGraphs(width, steps, self.backend.graph_pool_handle())
+        return PositionRunner(self.backend, res.step, res.positions)
+
+    def _settle_positions(
+        self, res: _Resources, runner: PositionRunner, stats: RolloutStats
+    ) -> None:
+        """Record what the per-position runner did; after a failed capture the partial set is
+        dropped and the engine stays eager, as after a static capture failure."""
+        self.captures += runner.captures
+        stats.captured = runner.captures > 0
+        stats.capture_s = runner.capture_s
+        stats.decode_s -= runner.capture_s
+        stats.replays = runner.replays
+        if runner.failure is None:
+            stats.path = "per_position_graph"
+            return
+        stats.fallback_reason = self._graphs_off_reason = runner.failure
+        res.positions = None
+        self.backend.empty_cache()
+
     def _decode(self, runner: Callable[[], None], max_steps: int, state: DecodeState) -> int:
         """Run up to ``max_steps`` steps; stop early when the device says all rows finished."""
         interval = self.config.eos_check_interval
@@ -414,5 +456,6 @@ class RolloutEngine:
         res, self._res = self._res, None
         if res is not None:
             res.graph = None
+            res.positions = None
             res.cache.release()
             self.backend.empty_cache()
