@@ -189,3 +189,20 @@ def test_eos_and_pad_defaults_resolve_like_generate():
     explicit = SamplingParams(max_new_tokens=2, eos_token_id=9, pad_token_id=8)
     resolved = explicit.resolved(eos_default=5, pad_default=7)
     assert (resolved.eos_ids, resolved.pad_token_id) == ((9,), 8)
+
+
+def test_generator_on_another_device_is_refused_clearly():
+    class AcceleratorGenerator:  # stands in for a torch.Generator of a device absent here
+        device = torch.device("cuda", 0)
+
+    engine = RolloutEngine(tiny_model("gpt2"), RolloutConfig(backend=CPUBackend()))
+    ids, mask = prompts(2)
+    with pytest.raises(ValueError, match="generator is on cuda:0 but the backend samples on cpu"):
+        engine.generate(
+            ids, mask, SamplingParams(max_new_tokens=3), generator=AcceleratorGenerator()
+        )
+
+
+def test_buckets_are_refused_on_the_continuous_path():
+    with pytest.raises(ValueError, match="do not apply to the continuous path"):
+        RolloutConfig(continuous_batch_size=4, batch_buckets=(4, 8))

@@ -246,6 +246,11 @@ class RolloutConfig:
             raise ValueError(
                 f"continuous_batch_size must be >= 1, got {self.continuous_batch_size}"
             )
+        if self.continuous_batch_size is not None and (self.batch_buckets or self.length_buckets):
+            raise ValueError(
+                "batch_buckets / length_buckets do not apply to the continuous path (its slot "
+                "count already fixes the batch shape); drop them or continuous_batch_size"
+            )
         for name in ("align_decode_fronts", "trim_cache"):
             if not getattr(self, name):
                 continue

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from graphcap.backend import Backend
+from graphcap.registry import get_backend, register_attention_implementations
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
@@ -92,10 +93,9 @@ class _Resources:
 
 
 def resolve_backend(backend: Backend | str | None) -> Backend:
+    """A Backend object as given, or the one ``graphcap.get_backend`` selects by name / env."""
     if isinstance(backend, Backend):
         return backend
-    from graphcap.registry import get_backend
-
     return get_backend(backend)
 
 
@@ -106,6 +106,8 @@ class RolloutEngine:
         self.model = model
         self.config = config or RolloutConfig()
         self.backend = resolve_backend(self.config.backend)
+        # Attention offered by the backend's plugin becomes a valid attn_implementation name.
+        register_attention_implementations(self.backend)
         self.captures = 0
         self._graphs_off_reason: str | None = None
         self._res: _Resources | None = None
@@ -132,6 +134,11 @@ class RolloutEngine:
         start = time.perf_counter()
         params = self._resolve_sampling(sampling)
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
+        if generator is not None and generator.device.type != self.backend.device.type:
+            raise ValueError(
+                f"generator is on {generator.device} but the backend samples on "
+                f"{self.backend.device}; pass torch.Generator(device={str(self.backend.device)!r})"
+            )
         self._check_vocab_ids(params)
         rows, width = input_ids.shape
         repeats = params.num_return_sequences
