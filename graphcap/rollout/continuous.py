@@ -19,10 +19,8 @@ import torch
 
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.capture import capture_step, fallback_reason
-from graphcap.rollout.eligibility import check_attention, graph_refusal
-from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
-from graphcap.rollout.sampling import SamplerSettings
-from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
+from graphcap.rollout.masks import MaskBuffers, unsupported_layer_types
+from graphcap.rollout.signature import GraphSignature, model_dtype
 from graphcap.rollout.slots import (
     ContinuousStep,
     SlotTable,
@@ -126,33 +124,12 @@ class ContinuousRunner:
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
 
-        use_graph = False
-        if config.enable_graph_capture:
-            check_attention(engine.model)
-            reason = (
-                engine._graphs_off_reason
-                or graph_refusal(engine.model, engine.backend)
-                or graph_eligibility(params)
-            )
-            stats.fallback_reason = reason
-            use_graph = reason is None
-        windows = layer_windows(engine.model.config)
-        signature = ContinuousSignature(
-            signature_of(
-                engine.model,
-                batch_size=slots,
-                total_len=total,
-                device=engine.backend.device,
-                sampler=SamplerSettings.from_params(params),
-                eos_ids=params.eos_ids,
-                pad_id=int(params.pad_token_id),
-                return_logprobs=params.return_logprobs,
-                mask_form=engine.backend.capabilities.mask_form,
-                windows=windows,
-                generator=generator,
-            ),
-            width,
+        reason, windows, base = engine._graph_plan(
+            params, generator, slots, total, refusal=graph_eligibility(params)
         )
+        stats.fallback_reason = reason
+        use_graph = bool(config.enable_graph_capture) and reason is None
+        signature = ContinuousSignature(base, width)
         if self._held is not None and self._held.signature != signature:
             stats.recapture_reason = self._held.signature.differences(signature)
             self.drop()

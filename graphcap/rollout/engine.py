@@ -163,27 +163,10 @@ class RolloutEngine:
             )
 
         stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
-        use_graph = False
-        if self.config.enable_graph_capture:
-            check_attention(self.model)
-            stats.fallback_reason = self._graphs_off_reason or graph_refusal(
-                self.model, self.backend
-            )
-            use_graph = stats.fallback_reason is None
-        windows = layer_windows(self.model.config)
-        signature = signature_of(
-            self.model,
-            batch_size=padded_batch,
-            total_len=padded_total,
-            device=self.backend.device,
-            sampler=SamplerSettings.from_params(params),
-            eos_ids=params.eos_ids,
-            pad_id=int(params.pad_token_id),
-            return_logprobs=params.return_logprobs,
-            mask_form=self.backend.capabilities.mask_form,
-            windows=windows,
-            generator=generator,
+        stats.fallback_reason, windows, signature = self._graph_plan(
+            params, generator, padded_batch, padded_total
         )
+        use_graph = bool(self.config.enable_graph_capture) and stats.fallback_reason is None
         if self._res is not None and self._res.signature != signature:
             stats.recapture_reason = self._res.signature.differences(signature)
             logger.info("graph signature changed (%s); dropping", stats.recapture_reason)
@@ -238,6 +221,37 @@ class RolloutEngine:
         if stats.captured:
             stats.first_call_s = stats.total_s
         return result
+
+    def _graph_plan(
+        self,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        batch_size: int,
+        total_len: int,
+        refusal: str | None = None,
+    ) -> tuple[str | None, dict[str, int | None], GraphSignature]:
+        """Why graphs cannot serve this call (``None`` if they can or were not asked for), the
+        attention windows, and the signature a graph of this call would have. ``refusal`` is a
+        path's own reason to decline (checked after the engine-wide ones)."""
+        reason = None
+        if self.config.enable_graph_capture:
+            check_attention(self.model)
+            reason = self._graphs_off_reason or graph_refusal(self.model, self.backend) or refusal
+        windows = layer_windows(self.model.config)
+        signature = signature_of(
+            self.model,
+            batch_size=batch_size,
+            total_len=total_len,
+            device=self.backend.device,
+            sampler=SamplerSettings.from_params(params),
+            eos_ids=params.eos_ids,
+            pad_id=int(params.pad_token_id),
+            return_logprobs=params.return_logprobs,
+            mask_form=self.backend.capabilities.mask_form,
+            windows=windows,
+            generator=generator,
+        )
+        return reason, windows, signature
 
     def shutdown(self) -> None:
         """Release the graph, its pool and the cache; the engine cannot be used afterwards."""
