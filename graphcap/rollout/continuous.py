@@ -19,7 +19,7 @@ import torch
 
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.capture import capture_step, fallback_reason
-from graphcap.rollout.masks import MaskBuffers, unsupported_layer_types
+from graphcap.rollout.masks import MaskBuffers
 from graphcap.rollout.signature import GraphSignature, model_dtype
 from graphcap.rollout.slots import (
     ContinuousStep,
@@ -222,18 +222,15 @@ class ContinuousRunner:
             self.drop()
         model, device = self.engine.model, self.engine.backend.device
         slots, total = signature.graph.batch_size, signature.graph.total_len
-        mask_form = signature.graph.mask_form
-        if unsupported_layer_types(model.config):
-            mask_form = "padding"  # eager only: graph_refusal keeps such models off graphs
         cache = StaticKVCache(specs, slots, total)
-        masks = MaskBuffers(
+        masks = MaskBuffers.for_model(
+            model.config,
             slots,
             total,
             model_dtype(model),
             device,
             windows,
-            form=mask_form,
-            as_dict=bool(getattr(model.config, "layer_types", None)),
+            signature.graph.mask_form,
         )
         state = allocate_state(
             slots, total, vocab, params.eos_ids, int(params.pad_token_id), device

@@ -24,7 +24,7 @@ from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.continuous import ContinuousRunner
 from graphcap.rollout.eligibility import check_attention, graph_refusal
-from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
+from graphcap.rollout.masks import MaskBuffers, layer_windows
 from graphcap.rollout.per_position import PositionGraphs, PositionRunner, pinned_refusal
 from graphcap.rollout.sampling import SamplerSettings
 from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
@@ -362,18 +362,15 @@ class RolloutEngine:
             self._drop()
         batch, total = signature.batch_size, signature.total_len
         device = self.backend.device
-        mask_form = signature.mask_form
-        if unsupported_layer_types(self.model.config):
-            mask_form = "padding"  # eager only: graph_refusal keeps such models off graphs
         cache = StaticKVCache(specs, batch, total)
-        masks = MaskBuffers(
+        masks = MaskBuffers.for_model(
+            self.model.config,
             batch,
             total,
             model_dtype(self.model),
             device,
             windows,
-            form=mask_form,
-            as_dict=bool(getattr(self.model.config, "layer_types", None)),
+            signature.mask_form,
         )
         state = DecodeState.allocate(
             batch, total, logits.shape[-1], params.eos_ids, int(params.pad_token_id), device

@@ -81,6 +81,25 @@ class MaskBuffers:
             else None
         )
 
+    @classmethod
+    def for_model(
+        cls,
+        config: object,
+        batch_size: int,
+        total_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        windows: Mapping[str, int | None],
+        form: str,
+    ) -> MaskBuffers:
+        """The buffers a model with ``config`` needs: one mask per layer type when the config
+        lists layer types, and the 2-D "padding" form (eager only; graphs are refused for such
+        models) when some layer type is beyond a window."""
+        if unsupported_layer_types(config):
+            form = "padding"
+        layer_types = bool(getattr(config, "layer_types", None))
+        return cls(batch_size, total_len, dtype, device, windows, form=form, as_dict=layer_types)
+
     def reset(self, prompt_mask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Forget every previous column; mark the prompt's non-pad columns valid.
 
