@@ -5,7 +5,8 @@ with the torch profiler and report, per decode step, the kernels launched, the d
 kernel family (GEMM, attention, other), the wall time (so host gaps show as wall minus device),
 and the achieved weight bandwidth. Then compare graph and eager token by token with
 log-probabilities: the first step where they differ, and the largest log-probability difference
-seen before it (0.0 means the two paths computed bitwise-equal scores up to that step).
+seen before it (0.0 means the two paths computed bitwise-equal scores up to that step); and
+whether eager decoding on the stream the graph was captured on gives the graph's tokens.
 
     python benchmarks/profile_decode.py OUT.json [--cases llama-1b:bf16:1,llama-1b:bf16:8]
 """
@@ -72,6 +73,12 @@ def profile_case(preset: str, dtype: str, batch: int, prompt: int, new: int) -> 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     decode_ms = 1000 * out.stats.decode_s / steps
     reference = eager.generate(ids, mask, params)
+    # Same kernels on the stream the graph was captured on: does the stream change the numerics?
+    side = backend.capture_stream()
+    side.wait_stream(backend.current_stream())
+    with backend.stream(side):
+        on_side = eager.generate(ids, mask, params)
+    backend.synchronize()
     differs = out.sequences != reference.sequences
     first = [int(row.nonzero()[0]) if row.any() else None for row in differs]
     width = ids.shape[1]
@@ -96,6 +103,10 @@ def profile_case(preset: str, dtype: str, batch: int, prompt: int, new: int) -> 
         "weights_gb": weights / 1e9,
         "top_kernels": [{"name": n[:120], **k} for n, k in top],
         "graph_equals_eager": not differs.any().item(),
+        "eager_on_capture_stream_equals_graph": bool(torch.equal(on_side.sequences, out.sequences)),
+        "eager_on_capture_stream_equals_eager": bool(
+            torch.equal(on_side.sequences, reference.sequences)
+        ),
         "first_divergent_response_step": [None if c is None else c - width for c in first],
         "max_abs_logprob_diff_before_divergence": max(diffs) if diffs else None,
     }

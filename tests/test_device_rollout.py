@@ -152,3 +152,39 @@ def test_recapture_drops_the_stale_graph_first(backend):
     assert figures[3][1] == figures[1][1]
     engine.shutdown()
     assert allocated_after_gc(backend) - baseline < figures[1][1]
+
+
+def test_continuous_graph_equals_eager_loop_with_refills(backend):
+    model = on_device(tiny_model("llama", fresh=True), backend)
+    ids, mask = (t.to(backend.device) for t in prompts(10, seed=7))
+    limits = [3, 9, 5, 12, 4, 7, 11, 6, 8, 10]
+    params = SamplingParams(max_new_tokens=12, **NO_EOS)
+    outs = {}
+    for graph in (True, False):
+        config = RolloutConfig(
+            enable_graph_capture=graph,
+            backend=backend,
+            continuous_batch_size=3,
+            eos_check_interval=2,
+        )
+        engine = RolloutEngine(model, config)
+        outs[graph] = engine.generate(ids, mask, params, request_max_new_tokens=limits)
+    assert outs[True].stats.path == "continuous_graph", outs[True].stats.fallback_reason
+    assert outs[True].stats.slots_refilled == 7 and outs[True].stats.captures == 1
+    assert torch.equal(outs[True].sequences, outs[False].sequences)
+    assert outs[True].response_lengths.tolist() == limits
+
+
+def test_per_position_graphs_equal_eager(backend):
+    model = on_device(tiny_model("gpt2", fresh=True), backend)
+    ids, mask = (t.to(backend.device) for t in prompts(3, seed=5))
+    pinned = {"max_new_tokens": NEW, "min_new_tokens": NEW, **NO_EOS}
+    config = RolloutConfig(enable_graph_capture=True, per_position_graphs=True, backend=backend)
+    engine = RolloutEngine(model, config)
+    first = engine.generate(ids, mask, SamplingParams(**pinned))
+    again = engine.generate(ids, mask, SamplingParams(**pinned))
+    eager = run(model, ids, mask, backend, False, **pinned)
+    assert first.stats.path == "per_position_graph", first.stats.fallback_reason
+    assert again.stats.captures == first.stats.captures == NEW - 1
+    assert torch.equal(first.sequences, eager.sequences)
+    assert torch.equal(again.sequences, eager.sequences)
