@@ -196,3 +196,45 @@ class StaticKVCache(Cache):
 
 def layer_tensors(layer: CacheLayerMixin) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in (layer.keys, layer.values) if t is not None)
+
+
+class _SpanLayer(CacheLayerMixin):
+    """One layer of :class:`SpanView`: writes through, reads columns ``[lo, hi)``."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, inner: StaticKVLayer, lo: int, hi: int):
+        super().__init__()
+        self.inner, self.lo, self.hi = inner, lo, hi
+        self.keys, self.values = inner.keys, inner.values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a span view wraps allocated buffers; lazy initialisation never runs")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.inner.update(key_states, value_states, *args, **kwargs)
+        return keys[:, :, self.lo : self.hi], values[:, :, self.lo : self.hi]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.hi - self.lo, 0
+
+    def get_seq_length(self) -> torch.Tensor:  # type: ignore[override]
+        return self.inner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.hi - self.lo
+
+
+class SpanView(Cache):
+    """A static cache seen through columns ``[lo, hi)`` (host ints: frozen into a captured graph).
+
+    K/V are still written at the absolute write positions; attention reads only the span (the
+    written columns of a per-position graph, the live columns of a trimmed or aligned layout).
+    """
+
+    def __init__(self, cache: StaticKVCache, lo: int, hi: int):
+        super().__init__(layers=[_SpanLayer(layer, lo, hi) for layer in cache.layers])

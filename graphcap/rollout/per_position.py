@@ -5,8 +5,9 @@ that changes between steps. Kernels that take host-side sequence lengths (fused 
 ``actual_seq_len`` lists) break that rule. When every row generates exactly ``max_new_tokens``
 (``min_new_tokens == max_new_tokens``: EOS cannot end a row early), the schedule of positions is
 known before decoding starts, so the graph for position ``p`` may freeze host ints that are right
-for ``p`` and only for ``p``. :class:`PositionStep` uses that to attend over exactly the written
-cache columns ``[0, W + p + 1)`` instead of the whole buffer.
+for ``p`` and only for ``p``: each graph's step (a copy of the decode step sharing its buffers)
+sets ``span`` to attend over exactly the written cache columns ``[0, W + p + 1)`` instead of the
+whole buffer.
 
 All or nothing per call: each position's graph is captured (through the shared
 :func:`~graphcap.rollout.capture.capture_step`) and replayed at once, which performs that step;
@@ -16,13 +17,13 @@ engine stays eager. All graphs of a set share one memory pool.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
 from graphcap.backend import Backend
 from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import SamplingParams
-from graphcap.rollout.slots import SpanView
 from graphcap.rollout.step import DecodeStep
 
 
@@ -35,53 +36,6 @@ def pinned_refusal(params: SamplingParams) -> str | None:
         f"{params.min_new_tokens} and {params.max_new_tokens}): EOS could end rows early, so the "
         "positions are not known in advance; this call used the static graph path"
     )
-
-
-class PositionStep(DecodeStep):
-    """The decode step attending over cache columns ``[0, span)`` only.
-
-    ``span`` is a host int, frozen into each captured graph; ``None`` attends over the whole
-    buffer exactly as :class:`DecodeStep`. K/V are still written at the device write position;
-    the model reads them and the mask through a view that ends at ``span``.
-    """
-
-    span: int | None = None
-
-    @classmethod
-    def sharing(cls, step: DecodeStep) -> PositionStep:
-        """A step over ``step``'s cache, masks, state, sampler and generator (no new buffers)."""
-        return cls(
-            step.model,
-            step.cache,
-            step.masks,
-            step.state,
-            step.settings,
-            step.return_logprobs,
-            step.generator,
-        )
-
-    def __call__(self) -> None:
-        if self.span is None:
-            super().__call__()
-            return
-        span, s = self.span, self.state
-        column = self.cache.write_pos
-        self.masks.attend(column)
-        mask = self.masks.render(column)
-        if isinstance(mask, dict):
-            mask = {name: m[..., :span] for name, m in mask.items()}
-        else:
-            mask = mask[..., :span]
-        out = self.model(
-            input_ids=s.tokens,
-            attention_mask=mask,
-            position_ids=s.positions,
-            past_key_values=SpanView(self.cache, 0, span),
-            use_cache=True,
-            **self._extra,
-        )
-        self.advance()
-        self.commit(out.logits[:, -1, :])
 
 
 @dataclass
@@ -119,7 +73,7 @@ class PositionRunner:
     def __init__(self, backend: Backend, eager: DecodeStep, graphs: PositionGraphs):
         self.backend = backend
         self.eager = eager
-        self.step = PositionStep.sharing(eager)
+        self.step = copy.copy(eager)  # the same buffers, its own attention span
         self.graphs = graphs
         self.position = 0
         self.captures = 0
@@ -138,7 +92,7 @@ class PositionRunner:
 
     def _capture(self, position: int) -> bool:
         start = time.perf_counter()
-        self.step.span = self.graphs.width + position + 1
+        self.step.span = (0, self.graphs.width + position + 1)
         try:
             graph = capture_step(
                 self.backend,

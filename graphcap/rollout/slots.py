@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from graphcap.rollout.cache import StaticKVCache, StaticKVLayer
+from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.masks import MaskBuffers
 from graphcap.rollout.sampling import SamplerSettings
 from graphcap.rollout.step import DecodeState, DecodeStep
@@ -60,36 +59,9 @@ class ContinuousStep(DecodeStep):
         slots = state.finished.shape[0]
         self.limits = torch.zeros(slots, dtype=torch.long, device=device)
         self.sink = torch.full((), cache.max_len - 1, dtype=torch.long, device=device)
-        #: eager only: attend over cache columns [lo, hi) instead of the whole buffer
-        self.span: tuple[int, int] | None = None
 
     def mutable_tensors(self) -> list[torch.Tensor]:
         return [*super().mutable_tensors(), self.limits]
-
-    def __call__(self) -> None:
-        """The static step; with a ``span`` the model sees only those cache columns."""
-        if self.span is None or self.masks.form == "padding":
-            super().__call__()
-            return
-        lo, hi = self.span
-        s = self.state
-        column = self.cache.write_pos
-        self.masks.attend(column)
-        mask = self.masks.render(column)
-        if isinstance(mask, dict):
-            mask = {name: m[..., lo:hi] for name, m in mask.items()}
-        else:
-            mask = mask[..., lo:hi]
-        out = self.model(
-            input_ids=s.tokens,
-            attention_mask=mask,
-            position_ids=s.positions,
-            past_key_values=SpanView(self.cache, lo, hi),
-            use_cache=True,
-            **self._extra,
-        )
-        self.advance()
-        self.commit(out.logits[:, -1, :])
 
     def advance(self) -> None:
         s = self.state
@@ -119,48 +91,6 @@ class ContinuousStep(DecodeStep):
         for live, old in zip(written, before, strict=True):
             live.copy_(torch.where(keep.view(-1, *([1] * (live.dim() - 1))), old, live))
         s.all_finished.copy_(s.finished.all())
-
-
-class _SpanLayer(CacheLayerMixin):
-    """One layer of :class:`SpanView`: writes through, reads columns ``[lo, hi)``."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, inner: StaticKVLayer, lo: int, hi: int):
-        super().__init__()
-        self.inner, self.lo, self.hi = inner, lo, hi
-        self.keys, self.values = inner.keys, inner.values
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("a span view wraps allocated buffers; lazy initialisation never runs")
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.inner.update(key_states, value_states, *args, **kwargs)
-        return keys[:, :, self.lo : self.hi], values[:, :, self.lo : self.hi]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.hi - self.lo, 0
-
-    def get_seq_length(self) -> torch.Tensor:  # type: ignore[override]
-        return self.inner.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return self.hi - self.lo
-
-
-class SpanView(Cache):
-    """The slot cache seen through columns ``[lo, hi)`` (eager loop only: host-chosen bounds).
-
-    K/V are still written at the absolute write positions; attention reads only the span, which
-    is what makes trimmed or aligned layouts cheaper to attend over.
-    """
-
-    def __init__(self, cache: StaticKVCache, lo: int, hi: int):
-        super().__init__(layers=[_SpanLayer(layer, lo, hi) for layer in cache.layers])
 
 
 @dataclass

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, fields
+from typing import TypeAlias
 
 import torch
+from transformers.cache_utils import Cache
 
-from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.cache import SpanView, StaticKVCache
 from graphcap.rollout.masks import MaskBuffers
 from graphcap.rollout.sampling import SamplerSettings, choose, process_scores, sanitise
+
+MaskInput: TypeAlias = "torch.Tensor | dict[str, torch.Tensor]"
 
 
 @dataclass
@@ -106,6 +110,11 @@ class Snapshot:
 class DecodeStep:
     """The model's decode step bound to its state; ``commit`` also serves the prefill token."""
 
+    #: Cache columns ``[lo, hi)`` the model attends over, as host ints (frozen into a captured
+    #: graph); ``None`` = the whole buffer. Per-position graphs attend over the written columns
+    #: only; the eager continuous layout modes over the live ones.
+    span: tuple[int, int] | None = None
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -168,17 +177,28 @@ class DecodeStep:
         s = self.state
         column = self.cache.write_pos
         self.masks.attend(column)
-        mask = self.masks.render(column)
+        mask, cache = self._view(self.masks.render(column))
         out = self.model(
             input_ids=s.tokens,
             attention_mask=mask,
             position_ids=s.positions,
-            past_key_values=self.cache,
+            past_key_values=cache,
             use_cache=True,
             **self._extra,
         )
         self.advance()
         self.commit(out.logits[:, -1, :])
+
+    def _view(self, mask: MaskInput) -> tuple[MaskInput, Cache]:
+        """The mask and cache the model sees: everything, or only the columns of ``span``."""
+        if self.span is None or self.masks.form == "padding":
+            return mask, self.cache
+        lo, hi = self.span
+        if isinstance(mask, dict):
+            mask = {name: m[..., lo:hi] for name, m in mask.items()}
+        else:
+            mask = mask[..., lo:hi]
+        return mask, SpanView(self.cache, lo, hi)
 
     def advance(self) -> None:
         """Move every row's write position and position id on by one (in place).
