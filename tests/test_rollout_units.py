@@ -57,7 +57,7 @@ def test_cache_load_prefill_repeats_rows_and_reset_zeroes():
     specs = StaticKVCache.specs_of(prefill)
     assert specs[0].num_heads == model.config.num_key_value_heads
     cache = StaticKVCache(specs, batch_size=6, max_len=10)
-    cache.load_prefill(prefill, repeats=3)
+    cache.load_prefill(prefill, source_rows=torch.tensor([0, 0, 0, 1, 1, 1]))
     width = ids.shape[1]
     for row in range(6):
         assert torch.equal(cache.layers[1].keys[row, :, :width], prefill.layers[1].keys[row // 3])

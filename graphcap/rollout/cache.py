@@ -138,15 +138,14 @@ class StaticKVCache(Cache):
     def load_prefill(
         self,
         prefill: Cache,
-        repeats: int = 1,
         rows: torch.Tensor | None = None,
         source_rows: torch.Tensor | None = None,
     ) -> None:
-        """Copy a prefill's K/V into columns ``[0, W)``; each prompt row fills ``repeats`` rows.
+        """Copy a prefill's K/V into columns ``[0, W)``.
 
-        ``source_rows`` (long device tensor) instead says which prefill row each destination
-        row copies (samples of a prompt, padding rows of a bucket). ``rows`` names the
-        destination rows, for callers that refill part of the batch; by default all rows.
+        ``source_rows`` (long device tensor) says which prefill row each destination row copies
+        (samples of a prompt, padding rows of a bucket); by default row i copies row i. ``rows``
+        names the destination rows, for callers that refill part of the batch; by default all.
         The write position of the touched rows becomes ``W``.
         """
         if len(prefill.layers) != len(self.layers):
@@ -163,9 +162,6 @@ class StaticKVCache(Cache):
                     keys.index_select(0, source_rows),
                     values.index_select(0, source_rows),
                 )
-            elif repeats > 1:
-                keys = keys.repeat_interleave(repeats, dim=0)
-                values = values.repeat_interleave(repeats, dim=0)
             if rows is None:
                 dst.keys[:, :, :width].copy_(keys)
                 dst.values[:, :, :width].copy_(values)

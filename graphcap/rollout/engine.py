@@ -113,7 +113,7 @@ class RolloutEngine:
         self._res: _Resources | None = None
         self._continuous: ContinuousRunner | None = None
         self._closed = False
-        self._logits_to_keep = accepts_logits_to_keep(model)
+        self._prefill_extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
 
     # ---- public ---------------------------------------------------------------------------
     def generate(
@@ -334,14 +334,13 @@ class RolloutEngine:
         """Eager forward over the prompts; last-position logits only (as generate positions)."""
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         prefill = DynamicCache()
-        extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=prefill,
             use_cache=True,
-            **extra,
+            **self._prefill_extra,
         )
         return prefill, out.logits[:, -1, :], position_ids[:, -1] + 1
 
