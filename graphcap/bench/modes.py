@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -264,6 +264,26 @@ class GraphcapContinuous(GraphcapGraph):
         )
 
 
+class GraphcapPerPosition(GraphcapGraph):
+    """Per-position graphs: one graph per decode position, attending over written columns only.
+
+    Every mode here generates exactly ``new_tokens`` per row (EOS is off), so pinning
+    ``min_new_tokens`` to it changes no token; the first call captures one graph per position.
+    """
+
+    name = "graphcap-per-position"
+    expected_path = "per_position_graph"
+
+    def engine_config(self, work: Workload) -> RolloutConfig:
+        return RolloutConfig(
+            enable_graph_capture=True, per_position_graphs=True, backend=work.backend
+        )
+
+    def open(self, work: Workload) -> None:
+        super().open(work)
+        self.sampling = replace(self.sampling, min_new_tokens=work.new_tokens)
+
+
 MODES: dict[str, type[BenchMode]] = {
     cls.name: cls
     for cls in (
@@ -273,6 +293,7 @@ MODES: dict[str, type[BenchMode]] = {
         GraphcapGraph,
         GraphcapGraphCompiled,
         GraphcapContinuous,
+        GraphcapPerPosition,
     )
 }
 
@@ -280,7 +301,13 @@ MODES: dict[str, type[BenchMode]] = {
 def default_modes(backend: Backend) -> list[str]:
     """Every mode that means something on this backend (compilation only on accelerators)."""
     if backend.device.type == "cpu":
-        return ["hf-eager", "graphcap-eager", "graphcap-graph", "graphcap-continuous"]
+        return [
+            "hf-eager",
+            "graphcap-eager",
+            "graphcap-graph",
+            "graphcap-continuous",
+            "graphcap-per-position",
+        ]
     return [
         "hf-eager",
         "hf-static-compile",
@@ -288,6 +315,7 @@ def default_modes(backend: Backend) -> list[str]:
         "graphcap-graph",
         "graphcap-graph-compiled",
         "graphcap-continuous",
+        "graphcap-per-position",
     ]
 
 
