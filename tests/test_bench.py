@@ -238,12 +238,13 @@ def test_run_benchmark_report_structure_and_json(backend: CPUBackend) -> None:
             "graphcap-graph",
             "graphcap-graph-compiled",
             "graphcap-continuous",
+            "graphcap-per-position",
         ],
         **SMALL,
     )
     report = run_benchmark(config, backend=backend)
     assert report.reference_mode == "graphcap-eager"
-    assert len(report.results) == 10
+    assert len(report.results) == 12
     for bs in (1, 2):
         graph = report.result("graphcap-graph", bs)
         assert graph.status == "ok", graph.reason
@@ -261,6 +262,11 @@ def test_run_benchmark_report_structure_and_json(backend: CPUBackend) -> None:
         assert continuous.status == "ok", continuous.reason
         assert continuous.path == "continuous_graph" and continuous.captures == 1
         assert continuous.tokens_identical and 0 < continuous.occupancy <= 1
+        per_position = report.result("graphcap-per-position", bs)
+        assert per_position.status == "ok", per_position.reason
+        assert per_position.path == "per_position_graph"
+        assert per_position.captures == SMALL["new_tokens"] - 1
+        assert per_position.tokens_identical
     data = json.loads(report.to_json())
     assert data["schema_version"] == 1
     assert {"environment", "backend", "config", "model", "results", "rl_loop"} <= set(data)
