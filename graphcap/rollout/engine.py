@@ -28,7 +28,7 @@ from graphcap.rollout.masks import MaskBuffers, layer_windows
 from graphcap.rollout.per_position import PositionGraphs, PositionRunner, pinned_refusal
 from graphcap.rollout.sampling import SamplerSettings
 from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
-from graphcap.rollout.step import DecodeState, DecodeStep, accepts_logits_to_keep
+from graphcap.rollout.step import DecodeState, DecodeStep, accepts_logits_to_keep, cache_keyword
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -338,8 +338,8 @@ class RolloutEngine:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=prefill,
             use_cache=True,
+            **{cache_keyword(self.model): prefill},
             **self._prefill_extra,
         )
         return prefill, out.logits[:, -1, :], position_ids[:, -1] + 1

@@ -133,6 +133,7 @@ class DecodeStep:
         self.return_logprobs = return_logprobs
         self.generator = generator
         self._extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+        self._cache_keyword = cache_keyword(model)
 
     def mutable_tensors(self) -> list[torch.Tensor]:
         """Everything a step writes except the K/V buffers."""
@@ -182,8 +183,8 @@ class DecodeStep:
             input_ids=s.tokens,
             attention_mask=mask,
             position_ids=s.positions,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_keyword: cache},
             **self._extra,
         )
         self.advance()
@@ -211,3 +212,10 @@ class DecodeStep:
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: ``cache`` from transformers 5.24 on
+    (``past_key_values`` is deprecated there and goes in 5.40), ``past_key_values`` before."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

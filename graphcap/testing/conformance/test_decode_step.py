@@ -17,6 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from graphcap.backend import Backend
 from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.step import cache_keyword
 from graphcap.testing.graphs import capture, replay, warm_up
 
 BATCH, PROMPT, TOTAL, STEPS, VOCAB = 2, 5, 16, 4, 96
@@ -109,8 +110,8 @@ class DecodeStep:
             input_ids=self.tokens,
             attention_mask=self.mask,
             position_ids=self.positions,
-            past_key_values=self.cache,
             use_cache=True,
+            **{cache_keyword(self.model): self.cache},
         )
         logits = out.logits[:, -1]
         self.logits.copy_(logits)
