@@ -12,12 +12,10 @@ never indexed out of range.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.masks import MaskBuffers
-from graphcap.rollout.sampling import SamplerSettings
 from graphcap.rollout.step import DecodeState, DecodeStep
 
 
@@ -44,21 +42,13 @@ class ContinuousStep(DecodeStep):
     * a row finishes when it has generated its own ``limits[row]`` tokens, as well as at EOS.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        cache: StaticKVCache,
-        masks: MaskBuffers,
-        state: DecodeState,
-        settings: SamplerSettings,
-        return_logprobs: bool,
-        generator: torch.Generator | None,
-    ):
-        super().__init__(model, cache, masks, state, settings, return_logprobs, generator)
-        device = state.finished.device
-        slots = state.finished.shape[0]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes :class:`DecodeStep`'s arguments; adds the per-row limits and the sink column."""
+        super().__init__(*args, **kwargs)
+        device = self.state.finished.device
+        slots = self.state.finished.shape[0]
         self.limits = torch.zeros(slots, dtype=torch.long, device=device)
-        self.sink = torch.full((), cache.max_len - 1, dtype=torch.long, device=device)
+        self.sink = torch.full((), self.cache.max_len - 1, dtype=torch.long, device=device)
 
     def mutable_tensors(self) -> list[torch.Tensor]:
         return [*super().mutable_tensors(), self.limits]
