@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from transformers import GenerationConfig
 
     from graphcap.backend import Backend
@@ -187,6 +188,9 @@ class RolloutConfig:
     ``per_position_graphs=True`` captures one graph per decode position for calls with pinned
     lengths (``min_new_tokens == max_new_tokens``); other calls use the static graph path, with
     the reason in the stats (docs/rollout.md, "Per-position graphs").
+    ``process_group``: the tensor-parallel group this rank decodes with; the graph decision and
+    the periodic "finished" checks are then all-reduced over it so ranks never diverge in
+    collectives (docs/rollout.md, "Tensor parallelism"). ``None``: no communication.
     """
 
     enable_graph_capture: bool | None = None
@@ -198,6 +202,7 @@ class RolloutConfig:
     align_decode_fronts: bool = False
     trim_cache: bool = False
     per_position_graphs: bool = False
+    process_group: ProcessGroup | None = None
     enable_cuda_graph: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -227,6 +232,10 @@ class RolloutConfig:
         self.length_buckets = _buckets("length_buckets", self.length_buckets)
         self._check_continuous()
         self._check_per_position()
+        if self.process_group is not None:
+            from graphcap.rollout.agreement import check_process_group
+
+            check_process_group(self.process_group)
 
     def _check_per_position(self) -> None:
         if not self.per_position_graphs:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from graphcap.rollout.agreement import PEER_RECAPTURE
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.masks import MaskBuffers
@@ -152,6 +153,13 @@ class ContinuousRunner:
             stats.prefill_s = time.perf_counter() - start
 
             runner = step
+            if config.enable_graph_capture and params.max_new_tokens > 1:
+                verdict = engine.agreement.decide(use_graph, held.graph is None)
+                if verdict.eager_reason is not None:
+                    use_graph, stats.fallback_reason = False, verdict.eager_reason
+                if verdict.recapture:
+                    stats.recapture_reason.append(PEER_RECAPTURE)
+                    held.graph = None
             if use_graph and params.max_new_tokens > 1:
                 if held.graph is None:
                     t_capture = time.perf_counter()
@@ -288,7 +296,9 @@ class ContinuousRunner:
         trim: bool,
     ) -> None:
         """The refill check: retire finished slots, then refill them from the queue."""
-        finished = step.state.finished.tolist()  # the one device read of the check
+        # the one device read of the check; agreed over a process group (a row retires once it
+        # is finished on every rank, so on the same step everywhere)
+        finished = self.engine.agreement.finished_rows(step.state.finished)
         done = [i for i in table.occupied() if finished[i]]
         if done:
             self._retire(step, table, done, outputs, queue)
@@ -378,8 +388,14 @@ class ContinuousRunner:
         except Exception as exc:  # any capture failure: roll back, continue eagerly
             held.graph = None
             engine._graphs_off_reason = fallback_reason(exc)
+            engine.agreement.peer_capture_failure(captured=False)
             return False
         engine.captures += 1
+        peer_failure = engine.agreement.peer_capture_failure(captured=True)
+        if peer_failure is not None:
+            held.graph = None
+            engine._graphs_off_reason = peer_failure
+            return False
         return True
 
     def _replayer(self, graph: object, stats: RolloutStats) -> Callable[[], None]:

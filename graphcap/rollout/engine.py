@@ -19,6 +19,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from graphcap.backend import Backend
 from graphcap.registry import get_backend, register_attention_implementations
+from graphcap.rollout.agreement import PEER_RECAPTURE, RankAgreement
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
@@ -110,6 +111,8 @@ class RolloutEngine:
         register_attention_implementations(self.backend)
         self.captures = 0
         self._graphs_off_reason: str | None = None
+        #: the tensor-parallel agreement (no-ops without a process group)
+        self.agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._res: _Resources | None = None
         self._continuous: ContinuousRunner | None = None
         self._closed = False
@@ -193,7 +196,11 @@ class RolloutEngine:
             if use_graph and params.max_new_tokens > 1 and self.config.per_position_graphs:
                 stats.fallback_reason = pinned_refusal(params)
                 if stats.fallback_reason is None:
-                    runner = per_position = self._position_runner(res, width, params, stats)
+                    steps = params.max_new_tokens - 1
+                    runner = per_position = self._position_runner(res, width, steps, stats)
+            if self.config.enable_graph_capture and params.max_new_tokens > 1:
+                use_graph, per_position = self._agree(res, use_graph, per_position, stats)
+                runner = per_position or res.step
             if use_graph and params.max_new_tokens > 1 and per_position is None:
                 if res.graph is None:
                     t_capture = time.perf_counter()
@@ -221,6 +228,35 @@ class RolloutEngine:
         if stats.captured:
             stats.first_call_s = stats.total_s
         return result
+
+    def _agree(
+        self,
+        res: _Resources,
+        use_graph: bool,
+        per_position: PositionRunner | None,
+        stats: RolloutStats,
+    ) -> tuple[bool, PositionRunner | None]:
+        """The group's graph decision for this call (unchanged without a process group):
+        eager everywhere if a rank cannot use graphs, a fresh capture everywhere if one
+        captures. Returns whether to use graphs and the per-position runner to use."""
+        if per_position is not None:
+            capture = len(per_position.graphs.graphs) < per_position.graphs.steps
+        else:
+            capture = res.graph is None
+        verdict = self.agreement.decide(use_graph, capture)
+        if verdict.eager_reason is not None:
+            stats.fallback_reason = verdict.eager_reason
+            return False, None
+        if verdict.recapture:
+            stats.recapture_reason.append(PEER_RECAPTURE)
+            res.graph = None
+            if per_position is not None:
+                res.positions = None
+                self.backend.empty_cache()
+                per_position = self._position_runner(
+                    res, per_position.graphs.width, per_position.graphs.steps, stats
+                )
+        return use_graph, per_position
 
     def _graph_plan(
         self,
@@ -401,16 +437,21 @@ class RolloutEngine:
             res.cache.load_prefill(prefill, source_rows=sources)
             res.graph = None
             self._graphs_off_reason = fallback_reason(exc)
+            self.agreement.peer_capture_failure(captured=False)
             return False
         self.captures += 1
+        peer_failure = self.agreement.peer_capture_failure(captured=True)
+        if peer_failure is not None:
+            res.graph = None
+            self._graphs_off_reason = peer_failure
+            return False
         return True
 
     def _position_runner(
-        self, res: _Resources, width: int, params: SamplingParams, stats: RolloutStats
+        self, res: _Resources, width: int, steps: int, stats: RolloutStats
     ) -> PositionRunner:
         """The runner over the held per-position graphs (a new, empty set when none is held or
         the prompt width or step count changed: positions are absolute)."""
-        steps = params.max_new_tokens - 1
         if res.positions is not None:
             changed = res.positions.differences(width, steps)
             if changed:
@@ -419,7 +460,7 @@ class RolloutEngine:
                 self.backend.empty_cache()
         if res.positions is None:
             res.positions = PositionGraphs(width, steps, self.backend.graph_pool_handle())
-        return PositionRunner(self.backend, res.step, res.positions)
+        return PositionRunner(self.backend, res.step, res.positions, self.agreement)
 
     def _settle_positions(
         self, res: _Resources, runner: PositionRunner, stats: RolloutStats
@@ -443,7 +484,11 @@ class RolloutEngine:
         interval = self.config.eos_check_interval
         for step in range(1, max_steps + 1):
             runner()
-            if step % interval == 0 and step < max_steps and bool(state.all_finished):
+            if (
+                step % interval == 0
+                and step < max_steps
+                and self.agreement.all_finished(state.all_finished)
+            ):
                 return step
         return max_steps
 

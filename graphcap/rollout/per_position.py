@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from graphcap.backend import Backend
+from graphcap.rollout.agreement import RankAgreement
 from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.step import DecodeStep
@@ -67,11 +68,19 @@ class PositionRunner:
 
     Step ``p`` replays ``graphs[p]``, capturing it first when the set lacks it (the capture
     leaves every buffer and the RNG as they were, so that replay performs the step). After a
-    failed capture the remaining steps run through ``eager`` and :attr:`failure` says why.
+    failed capture the remaining steps run through ``eager`` and :attr:`failure` says why; with
+    a process group, a capture that failed on any rank counts as failed on every rank.
     """
 
-    def __init__(self, backend: Backend, eager: DecodeStep, graphs: PositionGraphs):
+    def __init__(
+        self,
+        backend: Backend,
+        eager: DecodeStep,
+        graphs: PositionGraphs,
+        agreement: RankAgreement,
+    ):
         self.backend = backend
+        self.agreement = agreement
         self.eager = eager
         self.step = copy.copy(eager)  # the same buffers, its own attention span
         self.graphs = graphs
@@ -103,10 +112,14 @@ class PositionRunner:
             )
         except Exception as exc:  # any capture failure: rolled back; finish this call eagerly
             self.failure = fallback_reason(exc)
+            self.agreement.peer_capture_failure(captured=False)
             return False
         finally:
             self.step.span = None
             self.capture_s += time.perf_counter() - start
-        self.graphs.graphs.append(graph)
         self.captures += 1
+        self.failure = self.agreement.peer_capture_failure(captured=True)
+        if self.failure is not None:
+            return False
+        self.graphs.graphs.append(graph)
         return True
