@@ -19,7 +19,6 @@ import torch
 
 from graphcap.rollout.agreement import PEER_RECAPTURE
 from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.masks import MaskBuffers
 from graphcap.rollout.signature import GraphSignature, model_dtype
 from graphcap.rollout.slots import (
@@ -382,21 +381,8 @@ class ContinuousRunner:
         K/V need no snapshot: warm-up writes each slot's current column, which the first replay
         rewrites with the same values (idle slots write only their sink column).
         """
-        engine, step = self.engine, held.step
-        try:
-            held.graph = capture_step(engine.backend, step, step.mutable_tensors(), held.generator)
-        except Exception as exc:  # any capture failure: roll back, continue eagerly
-            held.graph = None
-            engine._graphs_off_reason = fallback_reason(exc)
-            engine.agreement.peer_capture_failure(captured=False)
-            return False
-        engine.captures += 1
-        peer_failure = engine.agreement.peer_capture_failure(captured=True)
-        if peer_failure is not None:
-            held.graph = None
-            engine._graphs_off_reason = peer_failure
-            return False
-        return True
+        held.graph = self.engine._capture_agreed(held.step, held.generator)
+        return held.graph is not None
 
     def _replayer(self, graph: object, stats: RolloutStats) -> Callable[[], None]:
         backend = self.engine.backend

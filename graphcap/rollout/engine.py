@@ -428,24 +428,29 @@ class RolloutEngine:
         The first replay (by the caller) performs the first decode step, on a device and on the
         CPU reference backend alike (neither runs the work during capture).
         """
-        try:
-            res.graph = capture_step(
-                self.backend, res.step, res.step.mutable_tensors(), res.generator
-            )
-        except Exception as exc:  # any capture failure: roll back, finish eagerly
+        res.graph = self._capture_agreed(res.step, res.generator)
+        if res.graph is None:  # finish eagerly from the prefill's cache
             res.cache.reset()
             res.cache.load_prefill(prefill, source_rows=sources)
-            res.graph = None
+            return False
+        return True
+
+    def _capture_agreed(self, step: DecodeStep, generator: torch.Generator | None) -> object | None:
+        """Capture ``step`` and agree on the outcome with the process group: the graph, or
+        ``None`` when this rank's or another rank's capture failed (graphs then stay off for this
+        engine, with the reason recorded)."""
+        try:
+            graph = capture_step(self.backend, step, step.mutable_tensors(), generator)
+        except Exception as exc:  # any capture failure: rolled back; the call goes on eagerly
             self._graphs_off_reason = fallback_reason(exc)
             self.agreement.peer_capture_failure(captured=False)
-            return False
+            return None
         self.captures += 1
         peer_failure = self.agreement.peer_capture_failure(captured=True)
         if peer_failure is not None:
-            res.graph = None
             self._graphs_off_reason = peer_failure
-            return False
-        return True
+            return None
+        return graph
 
     def _position_runner(
         self, res: _Resources, width: int, steps: int, stats: RolloutStats
