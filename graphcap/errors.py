@@ -17,3 +17,11 @@ class GraphCaptureError(GraphcapError):
 
 class GraphUnsupportedError(GraphcapError):
     """A graph hook was called on a backend that cannot capture graphs."""
+
+
+class GraphUnsupportedModelError(GraphcapError):
+    """Graph capture was requested for a model configuration graphs cannot serve."""
+
+
+class CaptureFallbackWarning(RuntimeWarning):
+    """A graph capture failed; the call finished eagerly and the engine stays eager."""

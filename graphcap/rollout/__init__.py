@@ -5,10 +5,10 @@ Public API: :class:`RolloutEngine`, :class:`RolloutConfig`, :class:`SamplingPara
 weight updates that keep a captured graph valid. See docs/rollout.md and docs/continuous.md.
 """
 
-from graphcap.rollout.capture import CaptureFallbackWarning
+from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedModelError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
-from graphcap.rollout.eligibility import GraphUnsupportedModelError
-from graphcap.rollout.engine import RolloutEngine, RolloutResult, RolloutStats
+from graphcap.rollout.engine import RolloutEngine
+from graphcap.rollout.results import RolloutResult, RolloutStats
 from graphcap.rollout.weights import load_weights_in_place
 
 __all__ = [

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from graphcap.rollout.capture import CaptureFallbackWarning
+from graphcap.errors import CaptureFallbackWarning
 
 #: stats.recapture_reason entry when this rank recaptures because another rank does
 PEER_RECAPTURE = "another rank recaptures"
@@ -25,25 +25,6 @@ PEER_RECAPTURE = "another rank recaptures"
 PEER_REFUSAL = "another rank of the process group cannot use graphs for this call"
 #: stats.fallback_reason (and the engine's reason graphs are off) after a peer's failed capture
 PEER_CAPTURE_FAILURE = "graph capture failed on another rank of the process group"
-
-
-def check_process_group(group: object) -> None:
-    """Refuse anything but a ``torch.distributed`` process group of an initialised job."""
-    if not dist.is_available():
-        raise ValueError(
-            "process_group is set but this torch build has no torch.distributed; leave "
-            "process_group=None"
-        )
-    if not dist.is_initialized():
-        raise ValueError(
-            "process_group is set but torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group(...) before building the RolloutConfig"
-        )
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"process_group must be a torch.distributed.ProcessGroup (e.g. "
-            f"torch.distributed.new_group(...) or the default group), got {type(group).__name__}"
-        )
 
 
 @dataclass(frozen=True)

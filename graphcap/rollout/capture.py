@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from graphcap.backend import Backend
-from graphcap.errors import GraphUnsupportedError
-from graphcap.rollout.step import Snapshot
+from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedError
 
 
-class CaptureFallbackWarning(RuntimeWarning):
-    """A graph capture failed; the call finished eagerly and the engine stays eager."""
+@dataclass
+class Snapshot:
+    """Copies of every small mutable buffer, to undo a warm-up or a failed capture."""
+
+    saved: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def take(cls, tensors: list[torch.Tensor]) -> Snapshot:
+        return cls([(t, t.clone()) for t in tensors])
+
+    def restore(self) -> None:
+        for live, copy in self.saved:
+            live.copy_(copy)
 
 
 def capture_step(

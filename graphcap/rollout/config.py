@@ -12,6 +12,8 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import GenerationConfig
@@ -233,8 +235,6 @@ class RolloutConfig:
         self._check_continuous()
         self._check_per_position()
         if self.process_group is not None:
-            from graphcap.rollout.agreement import check_process_group
-
             check_process_group(self.process_group)
 
     def _check_per_position(self) -> None:
@@ -271,6 +271,25 @@ class RolloutConfig:
                     f"replays on fixed addresses; drop {name} or set enable_graph_capture=False "
                     "(the eager continuous loop supports it)"
                 )
+
+
+def check_process_group(group: object) -> None:
+    """Refuse anything but a ``torch.distributed`` process group of an initialised job."""
+    if not dist.is_available():
+        raise ValueError(
+            "process_group is set but this torch build has no torch.distributed; leave "
+            "process_group=None"
+        )
+    if not dist.is_initialized():
+        raise ValueError(
+            "process_group is set but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(...) before building the RolloutConfig"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup (e.g. "
+            f"torch.distributed.new_group(...) or the default group), got {type(group).__name__}"
+        )
 
 
 def _buckets(name: str, sizes: Any) -> tuple[int, ...] | None:

@@ -20,6 +20,7 @@ import torch
 from graphcap.rollout.agreement import PEER_RECAPTURE
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.masks import MaskBuffers
+from graphcap.rollout.results import RolloutResult, RolloutStats
 from graphcap.rollout.signature import GraphSignature, model_dtype
 from graphcap.rollout.slots import (
     ContinuousStep,
@@ -31,7 +32,7 @@ from graphcap.rollout.slots import (
 
 if TYPE_CHECKING:
     from graphcap.rollout.config import SamplingParams
-    from graphcap.rollout.engine import RolloutEngine, RolloutResult, RolloutStats
+    from graphcap.rollout.engine import RolloutEngine
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,6 @@ class ContinuousRunner:
         start: float,
     ) -> RolloutResult:
         """Run the call's rows (x samples) through the slots; results in request order."""
-        from graphcap.rollout.engine import RolloutStats
-
         engine, config = self.engine, self.engine.config
         stats = RolloutStats(path="continuous_eager")
         slots = int(config.continuous_batch_size)
@@ -403,8 +402,6 @@ class ContinuousRunner:
         stats: RolloutStats,
         slots: int,
     ) -> RolloutResult:
-        from graphcap.rollout.engine import RolloutResult
-
         lengths = out_resp.sum(-1)
         eos = torch.zeros(out_seq.shape[0], dtype=torch.bool, device=out_seq.device)
         last = (lengths - 1).clamp(min=0)

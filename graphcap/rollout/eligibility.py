@@ -12,17 +12,13 @@ from __future__ import annotations
 import torch
 
 from graphcap.backend import Backend
-from graphcap.errors import GraphcapError
+from graphcap.errors import GraphUnsupportedModelError
 from graphcap.rollout.masks import unsupported_layer_types
 from graphcap.rollout.signature import attention_implementation, autocast_state
 
 #: Attention implementations whose kernels read host values per call (varlen lengths, block
 #: tables) or build masks with host logic; a graph would freeze them.
 UNSAFE_ATTENTION_MARKERS: tuple[str, ...] = ("flash_attention", "flex_attention", "paged")
-
-
-class GraphUnsupportedModelError(GraphcapError):
-    """Graph capture was requested for a model configuration graphs cannot serve."""
 
 
 def check_attention(model: torch.nn.Module) -> None:

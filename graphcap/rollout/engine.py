@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,8 +25,15 @@ from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.continuous import ContinuousRunner
 from graphcap.rollout.eligibility import check_attention, graph_refusal
+from graphcap.rollout.inputs import (
+    check_generator,
+    check_prompts,
+    check_vocab_ids,
+    resolve_sampling,
+)
 from graphcap.rollout.masks import MaskBuffers, layer_windows
 from graphcap.rollout.per_position import PositionGraphs, PositionRunner, pinned_refusal
+from graphcap.rollout.results import RolloutResult, RolloutStats
 from graphcap.rollout.sampling import SamplerSettings
 from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
 from graphcap.rollout.step import DecodeState, DecodeStep, accepts_logits_to_keep, cache_keyword
@@ -35,48 +42,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RolloutStats:
-    """What one ``generate`` call did.
-
-    ``captures`` counts the graphs this engine has captured so far (all calls); ``replays`` and
-    ``steps`` count this call's graph replays and decode steps (the prefill token excluded).
-    ``first_call_s`` is the whole call's time when this call captured, else ``None``.
-    ``batch_size`` / ``total_len`` are the sizes the buffers had (after bucket padding).
-    ``slots_refilled`` / ``occupancy`` (share of slot-steps that produced a token) are set by the
-    continuous path only (docs/continuous.md).
-    """
-
-    path: str
-    batch_size: int = 0
-    total_len: int = 0
-    captures: int = 0
-    captured: bool = False
-    replays: int = 0
-    steps: int = 0
-    prefill_s: float = 0.0
-    capture_s: float = 0.0
-    decode_s: float = 0.0
-    total_s: float = 0.0
-    first_call_s: float | None = None
-    fallback_reason: str | None = None
-    recapture_reason: list[str] = field(default_factory=list)
-    slots_refilled: int = 0
-    occupancy: float | None = None
-
-
-@dataclass
-class RolloutResult:
-    """Prompt + response per row, in generate()'s row order (samples of a prompt adjacent)."""
-
-    sequences: torch.Tensor
-    response_mask: torch.Tensor
-    response_lengths: torch.Tensor
-    finish_reasons: list[str]
-    logprobs: torch.Tensor | None
-    stats: RolloutStats
 
 
 @dataclass
@@ -135,14 +100,12 @@ class RolloutEngine:
         if self._closed:
             raise RuntimeError("this RolloutEngine was shut down; create a new one")
         start = time.perf_counter()
-        params = self._resolve_sampling(sampling)
-        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
-        if generator is not None and generator.device.type != self.backend.device.type:
-            raise ValueError(
-                f"generator is on {generator.device} but the backend samples on "
-                f"{self.backend.device}; pass torch.Generator(device={str(self.backend.device)!r})"
-            )
-        self._check_vocab_ids(params)
+        params = resolve_sampling(self.model, sampling)
+        input_ids, attention_mask = check_prompts(
+            self.model, self.backend.device, input_ids, attention_mask
+        )
+        check_generator(generator, self.backend.device)
+        check_vocab_ids(self.model, params)
         rows, width = input_ids.shape
         repeats = params.num_return_sequences
         batch, total = rows * repeats, width + params.max_new_tokens
@@ -302,67 +265,6 @@ class RolloutEngine:
         return None if self._res is None else self._res.cache
 
     # ---- steps of a call ------------------------------------------------------------------
-    def _resolve_sampling(
-        self, sampling: SamplingParams | GenerationConfig | None
-    ) -> SamplingParams:
-        if sampling is None:
-            sampling = SamplingParams()
-        elif isinstance(sampling, GenerationConfig):
-            sampling = SamplingParams.from_generation_config(sampling)
-        elif not isinstance(sampling, SamplingParams):
-            raise TypeError(
-                f"sampling must be SamplingParams or transformers.GenerationConfig, "
-                f"got {type(sampling).__name__}"
-            )
-        gen_config = getattr(self.model, "generation_config", None)
-        eos = getattr(gen_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.model.config, "eos_token_id", None)
-        return sampling.resolved(eos, getattr(gen_config, "pad_token_id", None))
-
-    def _check_inputs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError("input_ids must be a 2-D tensor (batch, prompt_width)")
-        if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
-        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids "
-                f"shape {tuple(input_ids.shape)}"
-            )
-        mask = attention_mask.to(torch.long)
-        if ((mask != 0) & (mask != 1)).any():
-            raise ValueError("attention_mask must contain only 0 and 1")
-        if (mask.sum(-1) == 0).any():
-            raise ValueError("a prompt row has no tokens (attention_mask all zero)")
-        if (mask[:, 1:] < mask[:, :-1]).any():
-            raise ValueError(
-                "attention_mask is right-padded (a 0 after a 1); the rollout engine needs left "
-                "padding: set tokenizer.padding_side = 'left'"
-            )
-        device = self.backend.device
-        model_device = next(self.model.parameters()).device
-        if model_device != device:
-            raise ValueError(
-                f"model is on {model_device} but the backend runs on {device}; move the model "
-                "there first"
-            )
-        return input_ids.to(device=device, dtype=torch.long), mask.to(device)
-
-    def _check_vocab_ids(self, params: SamplingParams) -> None:
-        head = self.model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else self.model.config.vocab_size
-        checks = (("eos_token_id", params.eos_ids), ("pad_token_id", (params.pad_token_id,)))
-        for name, ids in checks:
-            for token in ids:
-                if not 0 <= int(token) < vocab:
-                    raise ValueError(f"{name} {token} is outside the vocabulary [0, {vocab})")
 
     def _prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor

@@ -13,7 +13,7 @@ its K/V there and advances ``write_pos``.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import torch
@@ -87,24 +87,6 @@ class DecodeState:
         if active is not None:
             self.finished[active:] = True
         self.all_finished.zero_()
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass
-class Snapshot:
-    """Copies of every small mutable buffer, to undo a warm-up or a failed capture."""
-
-    saved: list[tuple[torch.Tensor, torch.Tensor]]
-
-    @classmethod
-    def take(cls, tensors: list[torch.Tensor]) -> Snapshot:
-        return cls([(t, t.clone()) for t in tensors])
-
-    def restore(self) -> None:
-        for live, copy in self.saved:
-            live.copy_(copy)
 
 
 class DecodeStep:

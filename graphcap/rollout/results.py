@@ -1,0 +1,49 @@
+"""What a rollout returns: the rows generated and the statistics of the call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutStats:
+    """What one ``generate`` call did.
+
+    ``captures`` counts the graphs this engine has captured so far (all calls); ``replays`` and
+    ``steps`` count this call's graph replays and decode steps (the prefill token excluded).
+    ``first_call_s`` is the whole call's time when this call captured, else ``None``.
+    ``batch_size`` / ``total_len`` are the sizes the buffers had (after bucket padding).
+    ``slots_refilled`` / ``occupancy`` (share of slot-steps that produced a token) are set by the
+    continuous path only (docs/continuous.md).
+    """
+
+    path: str
+    batch_size: int = 0
+    total_len: int = 0
+    captures: int = 0
+    captured: bool = False
+    replays: int = 0
+    steps: int = 0
+    prefill_s: float = 0.0
+    capture_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    first_call_s: float | None = None
+    fallback_reason: str | None = None
+    recapture_reason: list[str] = field(default_factory=list)
+    slots_refilled: int = 0
+    occupancy: float | None = None
+
+
+@dataclass
+class RolloutResult:
+    """Prompt + response per row, in generate()'s row order (samples of a prompt adjacent)."""
+
+    sequences: torch.Tensor
+    response_mask: torch.Tensor
+    response_lengths: torch.Tensor
+    finish_reasons: list[str]
+    logprobs: torch.Tensor | None
+    stats: RolloutStats
