@@ -40,6 +40,9 @@ class Capabilities:
     ``graph_capture`` is derived from ``create_graph()``; the others are declared by the backend.
     ``mask_form`` is the attention-mask form its graph-safe attention wants: ``"additive"``
     (float, 0 / -inf, SDPA's float convention) or ``"bool"`` (True = attend).
+    ``graph_attention`` names the attention implementation (one the plugin offers through
+    ``graphcap_attention_implementations``) that the engine selects by default for captured
+    decode steps on this backend; ``None`` keeps the model's own.
     """
 
     graph_capture: bool
@@ -47,6 +50,7 @@ class Capabilities:
     collectives_in_graph: bool
     capture_needs_side_stream: bool
     mask_form: MaskForm
+    graph_attention: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +73,8 @@ class Backend:
     collectives_in_graph: ClassVar[bool] = False
     capture_needs_side_stream: ClassVar[bool] = False
     attention_mask_form: ClassVar[MaskForm] = "additive"
+    #: Attention implementation the engine selects for captured steps (see Capabilities).
+    graph_attention: ClassVar[str | None] = None
     #: Distribution that provided the backend; filled in by the registry.
     distribution: str = ""
     distribution_version: str = ""
@@ -148,6 +154,7 @@ class Backend:
             collectives_in_graph=capture and self.collectives_in_graph,
             capture_needs_side_stream=self.capture_needs_side_stream,
             mask_form=self.attention_mask_form,
+            graph_attention=self.graph_attention if capture else None,
         )
 
     # ---- device plumbing (defaults on torch.get_device_module / torch.accelerator) --------
