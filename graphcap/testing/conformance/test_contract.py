@@ -9,6 +9,7 @@ import torch
 
 from graphcap.backend import Availability, Backend, Capabilities
 from graphcap.errors import GraphUnsupportedError
+from graphcap.registry import attention_implementations
 
 
 def test_identity(gc_backend: Backend) -> None:
@@ -44,6 +45,12 @@ def test_create_graph_consistent_with_capabilities(gc_backend: Backend) -> None:
         value = getattr(capabilities, flag.name)
         if flag.name == "mask_form":
             assert value in ("additive", "bool"), f"unknown mask_form {value!r}"
+        elif flag.name == "graph_attention":
+            offered = attention_implementations(gc_backend)
+            assert value is None or value in offered, (
+                f"graph_attention {value!r} is not among the attention implementations the "
+                f"plugin offers ({sorted(offered)})"
+            )
         else:
             assert isinstance(value, bool), f"capability {flag.name} must be a bool, not {value!r}"
 
