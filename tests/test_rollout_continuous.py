@@ -124,12 +124,12 @@ def test_retired_slots_are_cleared_and_idle_rows_stay_in_bounds():
     )
     assert result.stats.path == "continuous_graph"
     assert result.response_lengths.tolist() == LIMITS
-    runner = engine._continuous
+    step = engine.step
     # every slot was retired at the end; nothing but the sink column may hold data
-    for layer in runner.cache.layers:
+    for layer in step.cache.layers:
         assert not layer.keys[:, :, :-1].any() and not layer.values[:, :, :-1].any()
-    assert not runner.step.masks.valid[:, :-1].any()
-    assert (runner.step.state.positions == 0).all()
+    assert not step.masks.valid[:, :-1].any()
+    assert (step.state.positions == 0).all()
 
 
 def test_reuse_across_prompt_sets_weight_update_and_recapture_on_capacity_and_width():
@@ -201,11 +201,10 @@ def test_eager_layout_modes_match_plain_eager(modes):
         request_max_new_tokens=LIMITS,
     )
     assert moved.stats.path == "continuous_eager"
-    runner = engine._continuous
-    assert runner.moved_columns > 0  # the layout really moved
-    assert runner.mean_span < moved.stats.total_len  # and attention read fewer columns
+    assert moved.stats.moved_columns > 0  # the layout really moved
+    assert moved.stats.mean_span < moved.stats.total_len  # and attention read fewer columns
     if "trim_cache" in modes:
-        assert runner.mean_span < plain.stats.total_len
+        assert moved.stats.mean_span < plain.stats.total_len
     assert torch.equal(moved.sequences, plain.sequences)
     assert torch.equal(moved.response_mask, plain.response_mask)
     assert moved.finish_reasons == plain.finish_reasons

@@ -15,8 +15,8 @@ from transformers.generation.logits_process import (
 
 from graphcap.rollout import load_weights_in_place
 from graphcap.rollout.cache import LayerSpec, StaticKVCache
-from graphcap.rollout.eligibility import non_resident_reason
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
+from graphcap.rollout.plan import non_resident_reason
 from graphcap.rollout.sampling import (
     block_eos,
     repetition_penalty,

@@ -19,6 +19,9 @@ class CPUBackend(Backend):
     priority: ClassVar[int] = 0
     device_type: ClassVar[str] = "cpu"
     rng_in_graph: ClassVar[bool] = True
+    #: A collective is an aten operation like any other: recorded, and issued again on replay
+    #: (each rank replays its own graph, so the collectives pair up as in eager steps).
+    collectives_in_graph: ClassVar[bool] = True
 
     @classmethod
     def availability(cls) -> Availability:

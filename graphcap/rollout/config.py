@@ -193,6 +193,10 @@ class RolloutConfig:
     ``process_group``: the tensor-parallel group this rank decodes with; the graph decision and
     the periodic "finished" checks are then all-reduced over it so ranks never diverge in
     collectives (docs/rollout.md, "Tensor parallelism"). ``None``: no communication.
+    ``graph_attention``: the attention implementation captured decode steps run. ``"auto"``
+    takes the backend's graph-safe attention (``Capabilities.graph_attention``) where it offers
+    one, else the model's own; ``None`` always keeps the model's own; a name selects that
+    registered implementation. Eager calls and the prefill always use the model's own.
     """
 
     enable_graph_capture: bool | None = None
@@ -205,6 +209,7 @@ class RolloutConfig:
     trim_cache: bool = False
     per_position_graphs: bool = False
     process_group: ProcessGroup | None = None
+    graph_attention: str | None = "auto"
     enable_cuda_graph: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

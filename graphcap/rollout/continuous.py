@@ -11,52 +11,18 @@ Graph and eager loops share this schedule, so they produce the same tokens bit f
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from graphcap.rollout.agreement import PEER_RECAPTURE
-from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.masks import MaskBuffers
+from graphcap.rollout.config import RolloutConfig, SamplingParams
+from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.plan import plan_call
+from graphcap.rollout.prefill import Prefill, run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats
-from graphcap.rollout.signature import GraphSignature, model_dtype
-from graphcap.rollout.slots import (
-    ContinuousStep,
-    SlotTable,
-    allocate_state,
-    clear_slots,
-    shift_row,
-)
-
-if TYPE_CHECKING:
-    from graphcap.rollout.config import SamplingParams
-    from graphcap.rollout.engine import RolloutEngine
-
-
-@dataclass(frozen=True)
-class ContinuousSignature:
-    """The static path's signature (``batch_size`` = slot capacity) plus the prompt width."""
-
-    graph: GraphSignature
-    prompt_width: int
-
-    def differences(self, other: ContinuousSignature) -> list[str]:
-        names = self.graph.differences(other.graph)
-        return names + (["prompt_width"] if self.prompt_width != other.prompt_width else [])
-
-
-@dataclass
-class _Held:
-    """Buffers and graph of one continuous signature (dropped together)."""
-
-    signature: ContinuousSignature
-    cache: StaticKVCache
-    masks: MaskBuffers
-    step: ContinuousStep
-    generator: torch.Generator | None
-    graph: object | None = None
+from graphcap.rollout.runners import Runner, start_runner
+from graphcap.rollout.slots import ContinuousStep, SlotTable, clear_slots, shift_row
 
 
 @dataclass
@@ -79,29 +45,13 @@ class _Queue:
         return self.next >= len(self.limits)
 
 
-def graph_eligibility(params: SamplingParams) -> str | None:
-    """Why this request must use the eager continuous loop, or ``None``."""
-    if params.do_sample:
-        return "continuous graph path is greedy only (do_sample=True runs the eager loop)"
-    if params.num_return_sequences != 1:
-        return "continuous graph path serves one sample per prompt"
-    return None
+class ContinuousRollout:
+    """The continuous path of one engine: a scheduler on the engine's holder and runners."""
 
+    def __init__(self, model: torch.nn.Module, config: RolloutConfig, holder: GraphHolder):
+        self.model, self.config, self.holder = model, config, holder
 
-class ContinuousRunner:
-    """The continuous path of one :class:`RolloutEngine`; keeps its graph across calls."""
-
-    def __init__(self, engine: RolloutEngine):
-        self.engine = engine
-        self._held: _Held | None = None
-        #: cache columns moved by aligned fronts / trimming in the last call (0 on the graph path)
-        self.moved_columns = 0
-        #: cache columns the last call's steps attended over, on average (the buffer length
-        #: unless a layout mode narrowed the span)
-        self.mean_span = 0.0
-
-    # ---- public ---------------------------------------------------------------------------
-    def generate(
+    def run(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
@@ -111,8 +61,7 @@ class ContinuousRunner:
         start: float,
     ) -> RolloutResult:
         """Run the call's rows (x samples) through the slots; results in request order."""
-        engine, config = self.engine, self.engine.config
-        stats = RolloutStats(path="continuous_eager")
+        config, holder = self.config, self.holder
         slots = int(config.continuous_batch_size)
         repeats = params.num_return_sequences
         ids = input_ids.repeat_interleave(repeats, dim=0)
@@ -122,130 +71,66 @@ class ContinuousRunner:
         align, trim = config.align_decode_fronts, config.trim_cache
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
-
-        reason, windows, base = engine._graph_plan(
-            params, generator, slots, total, refusal=graph_eligibility(params)
+        plan = plan_call(
+            self.model,
+            holder.backend,
+            config,
+            params,
+            generator,
+            batch_size=slots,
+            total_len=total,
+            prompt_width=width,
+            disabled_reason=holder.disabled_reason,
         )
-        stats.fallback_reason = reason
-        use_graph = bool(config.enable_graph_capture) and reason is None
-        signature = ContinuousSignature(base, width)
-        if self._held is not None and self._held.signature != signature:
-            stats.recapture_reason = self._held.signature.differences(signature)
-            self.drop()
+        stats = RolloutStats(path="continuous_eager")
         stats.batch_size, stats.total_len = slots, total
+        stats.fallback_reason = plan.reason
+        stats.recapture_reason = holder.release_stale(plan.signature)
 
         queue = _Queue(ids, mask, limits, (width - mask.sum(-1)).tolist())
         rows = len(limits)
-        device = engine.backend.device
+        device = holder.backend.device
         out_seq = torch.full((rows, width + max_new), int(params.pad_token_id), device=device)
         out_resp = torch.zeros((rows, max_new), dtype=torch.bool, device=device)
         out_logp = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
         table = SlotTable.empty(slots)
-        with torch.no_grad():
-            first = queue.take(slots)
-            prefill, logits, next_pos = engine._prefill(ids[first], mask[first])
-            held = self._resources(signature, prefill, logits.shape[-1], params, windows, generator)
-            step = held.step
-            clear_slots(step, torch.arange(slots, device=device))
-            self._fill(step, table, queue, first, (prefill, logits, next_pos))
-            stats.prefill_s = time.perf_counter() - start
+        first = queue.take(slots)
+        prefill = run_prefill(self.model, ids[first], mask[first])
+        vocab = prefill.logits.shape[-1]
+        step = holder.step_for(
+            plan.signature,
+            prefill.specs,
+            lambda: ContinuousStep.build(self.model, prefill.specs, plan, vocab, params, generator),
+        )
+        assert isinstance(step, ContinuousStep)
+        clear_slots(step, torch.arange(slots, device=device))
+        self._fill(step, table, queue, first, prefill)
+        stats.prefill_s = time.perf_counter() - start
 
-            runner = step
-            if config.enable_graph_capture and params.max_new_tokens > 1:
-                verdict = engine.agreement.decide(use_graph, held.graph is None)
-                if verdict.eager_reason is not None:
-                    use_graph, stats.fallback_reason = False, verdict.eager_reason
-                if verdict.recapture:
-                    stats.recapture_reason.append(PEER_RECAPTURE)
-                    held.graph = None
-            if use_graph and params.max_new_tokens > 1:
-                if held.graph is None:
-                    t_capture = time.perf_counter()
-                    stats.captured = self._capture(held)
-                    stats.capture_s = time.perf_counter() - t_capture
-                    if not stats.captured:
-                        stats.fallback_reason = engine._graphs_off_reason
-                if held.graph is not None:
-                    stats.path = "continuous_graph"
-                    runner = self._replayer(held.graph, stats)
-
-            t_decode = time.perf_counter()
-            interval = config.eos_check_interval
-            narrow = runner is step and (align or trim)
-            attended = 0
-            while table.occupied():
-                if narrow:
-                    step.span = self._span(table, queue, total)
-                attended += step.span[1] - step.span[0] if narrow else total
-                runner()
-                stats.steps += 1
-                for slot in table.occupied():
-                    table.column[slot] = min(table.column[slot] + 1, total - 2)
-                if stats.steps % interval == 0:
-                    self._service(step, table, queue, (out_seq, out_resp, out_logp), align, trim)
-            engine.backend.synchronize()
-            stats.decode_s = time.perf_counter() - t_decode
-            step.span = None
+        runner: Runner = step
+        if config.enable_graph_capture and max_new > 1:
+            runner = start_runner(holder, plan, step, stats, max_new - 1)
+        t_decode = time.perf_counter()
+        interval = config.eos_check_interval
+        narrow = runner is step and (align or trim)
+        attended = 0
+        while table.occupied():
+            if narrow:
+                step.span = self._span(table, queue, total)
+            attended += step.span[1] - step.span[0] if narrow else total
+            runner()
+            stats.steps += 1
+            for slot in table.occupied():
+                table.column[slot] = min(table.column[slot] + 1, total - 2)
+            if stats.steps % interval == 0:
+                self._service(step, table, queue, (out_seq, out_resp, out_logp), align, trim)
+        holder.backend.synchronize()
+        stats.decode_s = time.perf_counter() - t_decode
+        step.span = None
         stats.slots_refilled = table.refilled
-        self.moved_columns = table.moved_columns
-        self.mean_span = attended / stats.steps if stats.steps else float(total)
-        result = self._result(out_seq, out_resp, out_logp, width, params, stats, slots)
-        stats.total_s = time.perf_counter() - start
-        if stats.captured:
-            stats.first_call_s = stats.total_s
-        return result
-
-    def drop(self) -> None:
-        """Release the graph and every buffer of the held signature."""
-        held, self._held = self._held, None
-        if held is not None:
-            held.graph = None
-            held.cache.release()
-            self.engine.backend.empty_cache()
-
-    @property
-    def cache(self) -> StaticKVCache | None:
-        return None if self._held is None else self._held.cache
-
-    @property
-    def step(self) -> ContinuousStep | None:
-        return None if self._held is None else self._held.step
-
-    # ---- pieces ---------------------------------------------------------------------------
-    def _resources(
-        self,
-        signature: ContinuousSignature,
-        prefill: object,
-        vocab: int,
-        params: SamplingParams,
-        windows: dict[str, int | None],
-        generator: torch.Generator | None,
-    ) -> _Held:
-        specs = StaticKVCache.specs_of(prefill)
-        if self._held is not None:
-            if self._held.cache.layer_specs() == specs:
-                return self._held
-            self.drop()
-        model, device = self.engine.model, self.engine.backend.device
-        slots, total = signature.graph.batch_size, signature.graph.total_len
-        cache = StaticKVCache(specs, slots, total)
-        masks = MaskBuffers.for_model(
-            model.config,
-            slots,
-            total,
-            model_dtype(model),
-            device,
-            windows,
-            signature.graph.mask_form,
-        )
-        state = allocate_state(
-            slots, total, vocab, params.eos_ids, int(params.pad_token_id), device
-        )
-        step = ContinuousStep(
-            model, cache, masks, state, signature.graph.sampler, params.return_logprobs, generator
-        )
-        self._held = _Held(signature, cache, masks, step, generator)
-        return self._held
+        stats.moved_columns = table.moved_columns
+        stats.mean_span = attended / stats.steps if stats.steps else float(total)
+        return _result(out_seq, out_resp, out_logp, width, params, stats, slots)
 
     def _fill(
         self,
@@ -253,24 +138,23 @@ class ContinuousRunner:
         table: SlotTable,
         queue: _Queue,
         requests: list[int],
-        prefilled: tuple | None = None,
+        prefill: Prefill | None = None,
         front: int | None = None,
     ) -> None:
         """Prefill ``requests`` (one batch) and put them into free slots, first token chosen."""
         if not requests:
             return
-        if prefilled is None:
-            prefilled = self.engine._prefill(queue.ids[requests], queue.mask[requests])
-        prefill, logits, next_pos = prefilled
+        if prefill is None:
+            prefill = run_prefill(self.model, queue.ids[requests], queue.mask[requests])
         free = table.free()[: len(requests)]
         device = step.state.finished.device
         rows = torch.tensor(free, dtype=torch.long, device=device)
         width = queue.ids.shape[1]
         s = step.state
-        step.cache.load_prefill(prefill, rows=rows)
+        step.cache.load_prefill(prefill.cache, rows=rows)
         step.masks.reset(queue.mask[requests], rows=rows)
         s.sequences[rows, :width] = queue.ids[requests]
-        s.positions[rows] = next_pos.view(-1, 1)
+        s.positions[rows] = prefill.next_positions.view(-1, 1)
         s.finished[rows] = False
         s.generated[rows] = 0
         step.limits[rows] = torch.tensor(
@@ -282,7 +166,7 @@ class ContinuousRunner:
             table.column[slot] = width
             if front is not None:
                 _shift(step, table, slot, front - width)
-        step.commit_rows(logits, rows)
+        step.commit_rows(prefill.logits, rows)
 
     def _service(
         self,
@@ -296,7 +180,7 @@ class ContinuousRunner:
         """The refill check: retire finished slots, then refill them from the queue."""
         # the one device read of the check; agreed over a process group (a row retires once it
         # is finished on every rank, so on the same step everywhere)
-        finished = self.engine.agreement.finished_rows(step.state.finished)
+        finished = self.holder.agreement.finished_rows(step.state.finished)
         done = [i for i in table.occupied() if finished[i]]
         if done:
             self._retire(step, table, done, outputs, queue)
@@ -374,51 +258,32 @@ class ContinuousRunner:
             _shift(step, table, slot, front - table.column[slot])
         return front
 
-    def _capture(self, held: _Held) -> bool:
-        """Capture the continuous step, leaving every buffer as it was; False on failure.
 
-        K/V need no snapshot: warm-up writes each slot's current column, which the first replay
-        rewrites with the same values (idle slots write only their sink column).
-        """
-        held.graph = self.engine._capture_agreed(held.step, held.generator)
-        return held.graph is not None
-
-    def _replayer(self, graph: object, stats: RolloutStats) -> Callable[[], None]:
-        backend = self.engine.backend
-
-        def replay() -> None:
-            backend.replay_graph(graph)
-            stats.replays += 1
-
-        return replay
-
-    def _result(
-        self,
-        out_seq: torch.Tensor,
-        out_resp: torch.Tensor,
-        out_logp: torch.Tensor,
-        width: int,
-        params: SamplingParams,
-        stats: RolloutStats,
-        slots: int,
-    ) -> RolloutResult:
-        lengths = out_resp.sum(-1)
-        eos = torch.zeros(out_seq.shape[0], dtype=torch.bool, device=out_seq.device)
-        last = (lengths - 1).clamp(min=0)
-        last_token = out_seq[:, width:].gather(1, last[:, None]).squeeze(1)
-        for token in params.eos_ids:
-            eos |= last_token == token
-        useful = int((lengths - 1).clamp(min=0).sum())
-        stats.occupancy = useful / (slots * stats.steps) if stats.steps else 1.0
-        stats.captures = self.engine.captures
-        return RolloutResult(
-            sequences=out_seq,
-            response_mask=out_resp.to(torch.long),
-            response_lengths=lengths,
-            finish_reasons=["eos" if e else "length" for e in eos.tolist()],
-            logprobs=out_logp if params.return_logprobs else None,
-            stats=stats,
-        )
+def _result(
+    out_seq: torch.Tensor,
+    out_resp: torch.Tensor,
+    out_logp: torch.Tensor,
+    width: int,
+    params: SamplingParams,
+    stats: RolloutStats,
+    slots: int,
+) -> RolloutResult:
+    lengths = out_resp.sum(-1)
+    eos = torch.zeros(out_seq.shape[0], dtype=torch.bool, device=out_seq.device)
+    last = (lengths - 1).clamp(min=0)
+    last_token = out_seq[:, width:].gather(1, last[:, None]).squeeze(1)
+    for token in params.eos_ids:
+        eos |= last_token == token
+    useful = int((lengths - 1).clamp(min=0).sum())
+    stats.occupancy = useful / (slots * stats.steps) if stats.steps else 1.0
+    return RolloutResult(
+        sequences=out_seq,
+        response_mask=out_resp.to(torch.long),
+        response_lengths=lengths,
+        finish_reasons=["eos" if e else "length" for e in eos.tolist()],
+        logprobs=out_logp if params.return_logprobs else None,
+        stats=stats,
+    )
 
 
 def _limits(

@@ -16,7 +16,9 @@ class RolloutStats:
     ``first_call_s`` is the whole call's time when this call captured, else ``None``.
     ``batch_size`` / ``total_len`` are the sizes the buffers had (after bucket padding).
     ``slots_refilled`` / ``occupancy`` (share of slot-steps that produced a token) are set by the
-    continuous path only (docs/continuous.md).
+    continuous path only, and so are ``moved_columns`` (cache columns the eager layout modes
+    moved) and ``mean_span`` (cache columns a step attended over, on average) (docs/continuous.md).
+    ``attention``: the attention implementation the decode steps ran.
     """
 
     path: str
@@ -35,6 +37,9 @@ class RolloutStats:
     recapture_reason: list[str] = field(default_factory=list)
     slots_refilled: int = 0
     occupancy: float | None = None
+    moved_columns: int = 0
+    mean_span: float | None = None
+    attention: str | None = None
 
 
 @dataclass

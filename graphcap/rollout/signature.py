@@ -59,6 +59,10 @@ class GraphSignature:
     mask_form: str
     windows: tuple[tuple[str, int | None], ...]
     generator_id: int | None
+    #: the continuous and per-position paths bake the prompt width into their graphs
+    prompt_width: int | None = None
+    #: per-position graphs: one graph per decode step
+    decode_steps: int | None = None
 
     def differences(self, other: GraphSignature) -> list[str]:
         """Names of the members that differ (for stats and logs)."""
@@ -82,6 +86,9 @@ def signature_of(
     mask_form: str,
     windows: dict[str, int | None],
     generator: torch.Generator | None,
+    attention: str,
+    prompt_width: int | None = None,
+    decode_steps: int | None = None,
 ) -> GraphSignature:
     """The signature a decode step for this request would have."""
     return GraphSignature(
@@ -94,7 +101,7 @@ def signature_of(
         autocast=autocast_state(device.type),
         # buffers made under inference mode cannot be written outside it (and vice versa)
         inference_mode=torch.is_inference_mode_enabled(),
-        attn_implementation=attention_implementation(model),
+        attn_implementation=attention,
         sampler=sampler,
         eos_ids=eos_ids,
         pad_id=pad_id,
@@ -102,6 +109,8 @@ def signature_of(
         mask_form=mask_form,
         windows=tuple(sorted(windows.items())),
         generator_id=None if generator is None else id(generator),
+        prompt_width=prompt_width,
+        decode_steps=decode_steps,
     )
 
 

@@ -50,6 +50,8 @@ class ContinuousStep(DecodeStep):
         self.limits = torch.zeros(slots, dtype=torch.long, device=device)
         self.sink = torch.full((), self.cache.max_len - 1, dtype=torch.long, device=device)
 
+    allocate_state = staticmethod(allocate_state)
+
     def mutable_tensors(self) -> list[torch.Tensor]:
         return [*super().mutable_tensors(), self.limits]
 

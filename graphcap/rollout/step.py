@@ -12,16 +12,22 @@ its K/V there and advances ``write_pos``.
 
 from __future__ import annotations
 
-import inspect
+import copy
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from transformers.cache_utils import Cache
 
-from graphcap.rollout.cache import SpanView, StaticKVCache
+from graphcap.rollout.cache import LayerSpec, SpanView, StaticKVCache
 from graphcap.rollout.masks import MaskBuffers
+from graphcap.rollout.prefill import accepts_logits_to_keep, cache_keyword
 from graphcap.rollout.sampling import SamplerSettings, choose, process_scores, sanitise
+from graphcap.rollout.signature import model_dtype
+
+if TYPE_CHECKING:
+    from graphcap.rollout.config import SamplingParams
+    from graphcap.rollout.plan import Plan
 
 MaskInput: TypeAlias = "torch.Tensor | dict[str, torch.Tensor]"
 
@@ -117,6 +123,30 @@ class DecodeStep:
         self._extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         self._cache_keyword = cache_keyword(model)
 
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        specs: tuple[LayerSpec, ...],
+        plan: Plan,
+        vocab_size: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DecodeStep:
+        """A step with fresh buffers for ``plan``'s signature, sized from ``specs`` (the K/V
+        shapes the prefill produced)."""
+        sig = plan.signature
+        device, batch, total = sig.device, sig.batch_size, sig.total_len
+        cache = StaticKVCache(specs, batch, total)
+        masks = MaskBuffers.for_model(
+            model.config, batch, total, model_dtype(model), device, plan.windows, sig.mask_form
+        )
+        eos, pad = params.eos_ids, int(params.pad_token_id)
+        state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
+        return cls(model, cache, masks, state, sig.sampler, params.return_logprobs, generator)
+
+    allocate_state = staticmethod(DecodeState.allocate)
+
     def mutable_tensors(self) -> list[torch.Tensor]:
         """Everything a step writes except the K/V buffers."""
         s = self.state
@@ -172,6 +202,12 @@ class DecodeStep:
         self.advance()
         self.commit(out.logits[:, -1, :])
 
+    def with_span(self, span: tuple[int, int]) -> DecodeStep:
+        """This step (the same buffers) attending over cache columns ``span`` only."""
+        narrowed = copy.copy(self)
+        narrowed.span = span
+        return narrowed
+
     def _view(self, mask: MaskInput) -> tuple[MaskInput, Cache]:
         """The mask and cache the model sees: everything, or only the columns of ``span``."""
         if self.span is None or self.masks.form == "padding":
@@ -190,14 +226,3 @@ class DecodeStep:
         """
         self.cache.advance(1)
         self.state.positions.add_(1)
-
-
-def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The forward argument that takes the KV cache: ``cache`` from transformers 5.24 on
-    (``past_key_values`` is deprecated there and goes in 5.40), ``past_key_values`` before."""
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"

@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from graphcap.backend import Backend
 from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.step import cache_keyword
+from graphcap.rollout.prefill import cache_keyword
 from graphcap.testing.graphs import capture, replay, warm_up
 
 BATCH, PROMPT, TOTAL, STEPS, VOCAB = 2, 5, 16, 4, 96

@@ -1,0 +1,146 @@
+"""The graph holder: the buffers and graphs of one signature, kept across calls.
+
+One holder per engine. It drops what it holds when a call's signature differs (before the
+replacement is allocated), captures through the one capture routine
+(:func:`~graphcap.rollout.capture.capture_step`) with the process group's agreement, and keeps
+graphs off for the engine after a failed capture. The static path holds one graph (key
+``None``); per-position graphs are keyed by position and share one memory pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcap.backend import Backend
+from graphcap.rollout.agreement import PEER_RECAPTURE, RankAgreement
+from graphcap.rollout.cache import LayerSpec
+from graphcap.rollout.capture import capture_step, fallback_reason
+from graphcap.rollout.results import RolloutStats
+from graphcap.rollout.signature import GraphSignature, attention_implementation
+from graphcap.rollout.step import DecodeStep
+
+
+@dataclass
+class Held:
+    """What one signature owns: its decode step (with cache, masks and state) and graphs."""
+
+    signature: GraphSignature
+    step: DecodeStep
+    graphs: dict[int | None, object] = field(default_factory=dict)
+    pool: object | None = None
+
+
+class GraphHolder:
+    """Hold, drop and capture; ``captures`` counts every graph this engine captured."""
+
+    def __init__(self, backend: Backend, agreement: RankAgreement):
+        self.backend = backend
+        self.agreement = agreement
+        self.held: Held | None = None
+        self.captures = 0
+        #: why graphs are off for this engine (a failed capture here or on another rank)
+        self.disabled_reason: str | None = None
+
+    def release_stale(self, signature: GraphSignature) -> list[str]:
+        """Drop what was held for another signature; the names of the members that changed."""
+        if self.held is None or self.held.signature == signature:
+            return []
+        changed = self.held.signature.differences(signature)
+        self.drop()
+        return changed
+
+    def step_for(
+        self,
+        signature: GraphSignature,
+        specs: tuple[LayerSpec, ...],
+        build: Callable[[], DecodeStep],
+    ) -> DecodeStep:
+        """The held step for ``signature``, or a new one from ``build`` (sized from ``specs``,
+        the K/V shapes the prefill produced)."""
+        if self.held is not None and self.held.step.cache.layer_specs() != specs:
+            self.drop()
+        if self.held is None:
+            self.held = Held(signature, build())
+        return self.held.step
+
+    def graph(self, key: int | None = None) -> object | None:
+        return None if self.held is None else self.held.graphs.get(key)
+
+    @property
+    def graph_count(self) -> int:
+        return 0 if self.held is None else len(self.held.graphs)
+
+    def agree(self, use_graph: bool, capture: bool, stats: RolloutStats) -> bool:
+        """The process group's graph decision for this call (local without a group): whether
+        to use graphs. A rank recapturing makes every rank recapture."""
+        verdict = self.agreement.decide(use_graph, capture)
+        if verdict.eager_reason is not None:
+            stats.fallback_reason = verdict.eager_reason
+            return False
+        if verdict.recapture:
+            stats.recapture_reason.append(PEER_RECAPTURE)
+            self.drop_graphs()
+        return use_graph
+
+    def capture(self, step: DecodeStep, attention: str, key: int | None = None) -> object | None:
+        """Capture ``step`` as graph ``key`` and agree on the outcome with the group; ``None``
+        when this or another rank's capture failed (graphs then stay off for this engine).
+
+        ``attention``: the implementation the captured step runs (the model's own is restored
+        after capture, so eager steps never see it).
+        """
+        assert self.held is not None, "step_for() comes first"
+        pool = None
+        if key is not None:  # a set of graphs shares one pool
+            pool = self.held.pool = self.held.pool or self.backend.graph_pool_handle()
+        try:
+            with _attention(step.model, attention):
+                graph = capture_step(
+                    self.backend, step, step.mutable_tensors(), step.generator, pool=pool
+                )
+        except Exception as exc:  # any capture failure: rolled back; the call goes on eagerly
+            self.disabled_reason = fallback_reason(exc)
+            self.agreement.peer_capture_failure(captured=False)
+            self.drop_graphs()
+            return None
+        self.captures += 1
+        peer_failure = self.agreement.peer_capture_failure(captured=True)
+        if peer_failure is not None:
+            self.disabled_reason = peer_failure
+            self.drop_graphs()
+            return None
+        self.held.graphs[key] = graph
+        return graph
+
+    def drop_graphs(self) -> None:
+        """Forget the graphs (and their pool); the buffers stay."""
+        if self.held is not None and self.held.graphs:
+            self.held.graphs.clear()
+            self.held.pool = None
+            self.backend.empty_cache()
+
+    def drop(self) -> None:
+        """Release the graphs and every buffer of the held signature."""
+        held, self.held = self.held, None
+        if held is not None:
+            held.graphs.clear()
+            held.step.cache.release()
+            self.backend.empty_cache()
+
+
+@contextlib.contextmanager
+def _attention(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Run with attention implementation ``name``, then restore the model's own."""
+    own = attention_implementation(model)
+    if name == own:
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)

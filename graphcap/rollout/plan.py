@@ -1,0 +1,215 @@
+"""The plan of one call: which path serves it, the graph signature, and why not a graph.
+
+Every refusal lives here, in one pure function of the model, the backend, the settings and the
+request (DESIGN.md, "One request, one path"). Two kinds: what graphs cannot serve sends the call
+to the eager loop with the reason recorded in the stats (a backend without graphs or without a
+declared capability the call needs, a stateful model, parameters gathered inside forward,
+chunked attention, autocast's weight cache, nothing to decode); what the user explicitly asked
+for that graphs cannot do raises :class:`~graphcap.errors.GraphUnsupportedModelError` (an
+attention implementation that reads host values per call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcap.backend import Backend
+from graphcap.errors import GraphUnsupportedModelError
+from graphcap.rollout.config import RolloutConfig, SamplingParams
+from graphcap.rollout.masks import layer_windows, unsupported_layer_types
+from graphcap.rollout.sampling import SamplerSettings
+from graphcap.rollout.signature import (
+    GraphSignature,
+    attention_implementation,
+    autocast_state,
+    signature_of,
+)
+
+#: Attention implementations whose kernels read host values per call (varlen lengths, block
+#: tables) or build masks with host logic; a graph would freeze them.
+UNSAFE_ATTENTION_MARKERS: tuple[str, ...] = ("flash_attention", "flex_attention", "paged")
+
+
+def check_attention(model: torch.nn.Module) -> None:
+    """Raise if the model's attention implementation is known not to be graph-safe."""
+    name = attention_implementation(model)
+    if any(marker in name for marker in UNSAFE_ATTENTION_MARKERS):
+        raise GraphUnsupportedModelError(
+            f"attention implementation {name!r} is not graph-safe (it reads host values per "
+            "call); load the model with attn_implementation='sdpa' or 'eager', or set "
+            "RolloutConfig(enable_graph_capture=False)"
+        )
+
+
+def non_resident_reason(model: torch.nn.Module) -> str | None:
+    """Why the model's parameters are not plain resident tensors, or ``None`` if they are.
+
+    Graph replay reads fixed addresses; parameters gathered in forward hooks (ZeRO-3, FSDP,
+    DTensor shards) or zero-size placeholders live at addresses the signature cannot see.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        DTensor = ()  # type: ignore[assignment]
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            return f"parameter {name!r} is a DTensor (sharded; gathered during forward)"
+        if hasattr(param, "ds_id") or hasattr(param, "ds_status"):
+            return f"parameter {name!r} is managed by DeepSpeed ZeRO-3 (gathered during forward)"
+        if param.numel() == 0:
+            return f"parameter {name!r} is a zero-size placeholder (not resident)"
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
+            return f"module {name or '<root>'!r} is FSDP-managed ({kind})"
+    return None
+
+
+def graph_refusal(model: torch.nn.Module, backend: Backend) -> str | None:
+    """Why this call must run eagerly although graphs were requested, or ``None``."""
+    if not backend.supports_graph_capture:
+        return f"backend {backend.name!r} cannot capture graphs (create_graph() returned None)"
+    if getattr(model, "_is_stateful", False):
+        return f"{type(model).__name__} is stateful (_is_stateful); its state is not in the cache"
+    reason = non_resident_reason(model)
+    if reason:
+        return reason
+    unsupported = unsupported_layer_types(getattr(model, "config", None))
+    if unsupported:
+        return (
+            f"layer types {unsupported} need masks beyond full/sliding-window attention; only "
+            "full_attention and sliding_attention layers are supported on the graph path"
+        )
+    enabled, _, cache_enabled = autocast_state(backend.device.type)
+    if enabled and cache_enabled:
+        return (
+            "autocast with its weight cache enabled would freeze cast copies of the weights in "
+            "the graph; use torch.autocast(..., cache_enabled=False)"
+        )
+    return None
+
+
+def capability_refusal(
+    backend: Backend, params: SamplingParams, config: RolloutConfig
+) -> str | None:
+    """Why the backend's declared capabilities rule graphs out for this call, or ``None``."""
+    caps = backend.capabilities
+    if params.do_sample and not caps.rng_in_graph:
+        return (
+            f"backend {backend.name!r} declares rng_in_graph=False (every replay would draw the "
+            "same numbers): sampled calls run eagerly"
+        )
+    if config.process_group is not None and not caps.collectives_in_graph:
+        return (
+            f"backend {backend.name!r} declares collectives_in_graph=False: tensor-parallel "
+            "steps (process_group set) run eagerly"
+        )
+    return None
+
+
+def request_refusal(params: SamplingParams, continuous: bool) -> str | None:
+    """Why this request has nothing a graph path can serve, or ``None``."""
+    if params.max_new_tokens == 1:
+        return "max_new_tokens=1: the prefill chooses the only token, there is no step to replay"
+    if continuous and params.do_sample:
+        return "continuous graph path is greedy only (do_sample=True runs the eager loop)"
+    if continuous and params.num_return_sequences != 1:
+        return "continuous graph path serves one sample per prompt"
+    return None
+
+
+def pinned_refusal(params: SamplingParams) -> str | None:
+    """Why this call cannot use per-position graphs (lengths not pinned), or ``None``."""
+    if params.min_new_tokens == params.max_new_tokens:
+        return None
+    return (
+        "per_position_graphs needs pinned lengths (min_new_tokens == max_new_tokens, got "
+        f"{params.min_new_tokens} and {params.max_new_tokens}): EOS could end rows early, so the "
+        "positions are not known in advance; this call used the static graph path"
+    )
+
+
+def selected_attention(model: torch.nn.Module, backend: Backend, config: RolloutConfig) -> str:
+    """The attention implementation captured steps run: the config's choice, else the
+    backend's graph-safe one ("auto"), else the model's own."""
+    choice = config.graph_attention
+    if choice == "auto":
+        choice = backend.capabilities.graph_attention
+    return choice or attention_implementation(model)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs.
+
+    ``path``: the path graphs take (``static_graph``, ``per_position_graph``,
+    ``continuous_graph``) or the eager one (``eager``, ``continuous_eager``). ``reason``: why the
+    call does not take the path the config asked for (eager instead of a graph, or the static
+    graph instead of per-position graphs); ``None`` when it does.
+    """
+
+    path: str
+    reason: str | None
+    signature: GraphSignature
+    windows: dict[str, int | None]
+    attention: str
+
+    @property
+    def graph(self) -> bool:
+        return self.path.endswith("_graph")
+
+
+def plan_call(
+    model: torch.nn.Module,
+    backend: Backend,
+    config: RolloutConfig,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    *,
+    batch_size: int,
+    total_len: int,
+    prompt_width: int,
+    disabled_reason: str | None,
+) -> Plan:
+    """The plan of one call (pure: reads the model and settings, changes nothing).
+
+    ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
+    """
+    continuous = config.continuous_batch_size is not None
+    path = "continuous_eager" if continuous else "eager"
+    reason = None
+    attention = attention_implementation(model)
+    if config.enable_graph_capture:
+        check_attention(model)
+        reason = (
+            disabled_reason
+            or graph_refusal(model, backend)
+            or capability_refusal(backend, params, config)
+            or request_refusal(params, continuous)
+        )
+    if config.enable_graph_capture and reason is None:
+        attention = selected_attention(model, backend, config)
+        path = "continuous_graph" if continuous else "static_graph"
+        if config.per_position_graphs:
+            reason = pinned_refusal(params)
+            path = "static_graph" if reason else "per_position_graph"
+    windows = layer_windows(model.config)
+    signature = signature_of(
+        model,
+        batch_size=batch_size,
+        total_len=total_len,
+        device=backend.device,
+        sampler=SamplerSettings.from_params(params),
+        eos_ids=params.eos_ids,
+        pad_id=int(params.pad_token_id),
+        return_logprobs=params.return_logprobs,
+        mask_form=backend.capabilities.mask_form,
+        windows=windows,
+        generator=generator,
+        attention=attention,
+        prompt_width=None if path in ("eager", "static_graph") else prompt_width,
+        decode_steps=params.max_new_tokens - 1 if path == "per_position_graph" else None,
+    )
+    return Plan(path, reason, signature, windows, attention)

@@ -1,0 +1,129 @@
+"""The static path: every row decodes in lock-step over one set of buffers (DESIGN.md, paths
+1, 2 and 4). Plan, prefill, buffers from the holder, runner, decode, collect."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from graphcap.rollout.agreement import RankAgreement
+from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
+from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.plan import plan_call
+from graphcap.rollout.prefill import run_prefill
+from graphcap.rollout.results import RolloutResult, RolloutStats
+from graphcap.rollout.runners import Runner, start_runner
+from graphcap.rollout.step import DecodeState, DecodeStep
+
+
+class StaticRollout:
+    """Runs calls on the static, per-position or eager path of one engine."""
+
+    def __init__(self, model: torch.nn.Module, config: RolloutConfig, holder: GraphHolder):
+        self.model, self.config, self.holder = model, config, holder
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        request_max_new_tokens: Sequence[int] | None,
+        start: float,
+    ) -> RolloutResult:
+        if request_max_new_tokens is not None:
+            raise ValueError(
+                "request_max_new_tokens needs the continuous path: set "
+                "RolloutConfig(continuous_batch_size=N)"
+            )
+        rows, width = input_ids.shape
+        repeats = params.num_return_sequences
+        batch, total = rows * repeats, width + params.max_new_tokens
+        padded_batch = bucket_size(batch, self.config.batch_buckets)
+        padded_total = bucket_size(total, self.config.length_buckets)
+        plan = plan_call(
+            self.model,
+            self.holder.backend,
+            self.config,
+            params,
+            generator,
+            batch_size=padded_batch,
+            total_len=padded_total,
+            prompt_width=width,
+            disabled_reason=self.holder.disabled_reason,
+        )
+        stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
+        stats.fallback_reason = plan.reason
+        stats.recapture_reason = self.holder.release_stale(plan.signature)
+
+        prefill = run_prefill(self.model, input_ids, attention_mask)
+        # prefill row of each batch row: samples of a prompt, then bucket padding rows
+        sources = torch.arange(rows, device=input_ids.device).repeat_interleave(repeats)
+        sources = torch.cat([sources, sources[-1:].expand(padded_batch - batch)])
+        logits = prefill.logits.index_select(0, sources)
+        step = self.holder.step_for(
+            plan.signature,
+            prefill.specs,
+            lambda: DecodeStep.build(
+                self.model, prefill.specs, plan, logits.shape[-1], params, generator
+            ),
+        )
+        step.cache.reset()
+        step.cache.load_prefill(prefill.cache, source_rows=sources)
+        step.masks.reset(attention_mask.index_select(0, sources))
+        step.state.reset(
+            input_ids.index_select(0, sources),
+            prefill.next_positions.index_select(0, sources),
+            batch,
+        )
+        step.commit(logits)
+        stats.prefill_s = time.perf_counter() - start
+
+        steps = params.max_new_tokens - 1
+        runner: Runner = step
+        if self.config.enable_graph_capture and steps > 0:
+            runner = start_runner(self.holder, plan, step, stats, steps)
+        t_decode = time.perf_counter()
+        stats.steps = decode(
+            runner, steps, step.state, self.config.eos_check_interval, self.holder.agreement
+        )
+        self.holder.backend.synchronize()
+        stats.decode_s = time.perf_counter() - t_decode
+        if plan.path == "per_position_graph":  # its captures happen inside the decode loop
+            stats.decode_s -= stats.capture_s
+        return collect(step.state, batch, width, total, params.return_logprobs, stats)
+
+
+def decode(
+    runner: Runner, max_steps: int, state: DecodeState, interval: int, agreement: RankAgreement
+) -> int:
+    """Run up to ``max_steps`` steps; stop early when the device says all rows finished (read
+    every ``interval`` steps, agreed over the process group)."""
+    for step in range(1, max_steps + 1):
+        runner()
+        if step % interval == 0 and step < max_steps and agreement.all_finished(state.all_finished):
+            return step
+    return max_steps
+
+
+def collect(
+    state: DecodeState,
+    batch: int,
+    width: int,
+    total: int,
+    return_logprobs: bool,
+    stats: RolloutStats,
+) -> RolloutResult:
+    """The caller's rows and columns (bucket padding cut off), copied out of the buffers."""
+    response = state.response[:batch, width:total].to(torch.long)
+    finished = state.finished[:batch].tolist()
+    return RolloutResult(
+        sequences=state.sequences[:batch, :total].clone(),
+        response_mask=response,
+        response_lengths=response.sum(-1),
+        finish_reasons=["eos" if done else "length" for done in finished],
+        logprobs=state.logprobs[:batch, width:total].clone() if return_logprobs else None,
+        stats=stats,
+    )
