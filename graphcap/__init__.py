@@ -4,6 +4,8 @@ The core defines the Backend contract and selects a backend; ``graphcap.rollout`
 Face decoder models with the whole decode step captured as a device graph.
 """
 
+from importlib import metadata
+
 from graphcap.backend import Availability, Backend, Capabilities
 from graphcap.errors import (
     BackendSelectionError,
@@ -14,7 +16,10 @@ from graphcap.errors import (
 from graphcap.hookspecs import PLUGIN_API_VERSION, hookimpl
 from graphcap.registry import discover, get_backend
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version (pyproject.toml is the one place it is written)
+    __version__ = metadata.version("graphcap")
+except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "unknown"
 
 __all__ = [
     "PLUGIN_API_VERSION",

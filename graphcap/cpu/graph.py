@@ -373,10 +373,6 @@ class CPUGraph:
         """The replayed operations in order, e.g. ``"aten.mm.default"``; for debugging."""
         return self._op_names
 
-    @property
-    def is_captured(self) -> bool:
-        return self._state == "captured"
-
     def __repr__(self) -> str:
         return f"<CPUGraph {self._state} ops={self.num_ops}>"
 
