@@ -1,0 +1,152 @@
+"""The plan honours what a backend declares and what a call asks, and the engine records why."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from fakes import NoCollectivesGraphBackend, NoRngGraphBackend
+from rollout_models import EOS, generate_padded, prompts, run, tiny_model
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from graphcap.cpu import CPUBackend
+from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+NEW = 6
+NO_EOS = {"eos_token_id": []}
+
+
+def test_backend_without_rng_in_graph_runs_sampled_calls_eagerly_and_greedy_on_graphs():
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    sampled = {"do_sample": True, "top_k": 8, "max_new_tokens": NEW, "seed": 3, **NO_EOS}
+    result = run(model, ids, mask, True, backend=NoRngGraphBackend(), **sampled)
+    assert result.stats.path == "eager" and result.stats.captures == 0
+    assert "rng_in_graph=False" in result.stats.fallback_reason
+    assert torch.equal(result.sequences, run(model, ids, mask, False, **sampled).sequences)
+    greedy = run(model, ids, mask, True, backend=NoRngGraphBackend(), max_new_tokens=NEW)
+    assert greedy.stats.path == "static_graph"
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend_class", [NoCollectivesGraphBackend, CPUBackend])
+def test_collectives_in_graph_decides_tensor_parallel_graphs(one_rank_group, backend_class):
+    model = tiny_model("gpt2")
+    ids, mask = prompts(2)
+    config = RolloutConfig(
+        enable_graph_capture=True, backend=backend_class(), process_group=one_rank_group
+    )
+    engine = RolloutEngine(model, config)
+    result = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
+    if backend_class.collectives_in_graph:
+        assert result.stats.path == "static_graph"
+    else:
+        assert result.stats.path == "eager"
+        assert "collectives_in_graph=False" in result.stats.fallback_reason
+    assert torch.equal(
+        result.sequences, run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS).sequences
+    )
+
+
+def test_one_new_token_has_no_step_and_says_so():
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    result = run(model, ids, mask, True, max_new_tokens=1)
+    assert result.stats.path == "eager" and result.stats.captures == 0
+    assert "max_new_tokens=1" in result.stats.fallback_reason
+    total = ids.shape[1] + 1
+    assert torch.equal(result.sequences, generate_padded(model, ids, mask, total, max_new_tokens=1))
+
+
+CALLS: list[str] = []
+
+
+def _noting_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """SDPA that notes each call (Python runs at warm-up and capture only, never on replay)."""
+    CALLS.append("graph-attention")
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("graphcap_test_graph_attention", _noting_sdpa)
+
+
+class GraphAttentionBackend(CPUBackend):
+    graph_attention = "graphcap_test_graph_attention"
+
+
+@pytest.mark.parametrize("choice", ["auto", None])
+def test_backend_graph_attention_runs_in_captured_steps_only(choice):
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(3)
+    config = RolloutConfig(
+        enable_graph_capture=True, backend=GraphAttentionBackend(), graph_attention=choice
+    )
+    engine = RolloutEngine(model, config)
+    CALLS.clear()
+    result = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
+    layers = model.config.num_hidden_layers
+    if choice == "auto":
+        assert result.stats.attention == "graphcap_test_graph_attention"
+        assert ["graph-attention"] * (2 * layers) == CALLS  # warm-up and capture
+    else:
+        assert result.stats.attention == "sdpa" and CALLS == []
+    assert model.config._attn_implementation == "sdpa"  # the model's own is restored
+    eager = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
+    assert eager.stats.attention == "sdpa"
+    assert torch.equal(result.sequences, eager.sequences)
+    CALLS.clear()
+    engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
+    assert CALLS == []  # replays only
+
+
+def test_gradient_checkpointing_in_train_mode_rolls_out_like_generate_in_eval():
+    """Right after a training step: checkpointing on, model in train(). (generate() itself
+    drops its cache in that state on transformers 5.17 and continues from the last token alone,
+    so the reference is generate() before training mode.)"""
+    model = tiny_model("llama", fresh=True)  # no dropout: train() changes no value
+    ids, mask = prompts(3)
+    total = ids.shape[1] + NEW
+    expected = generate_padded(model, ids, mask, total, max_new_tokens=NEW, eos_token_id=EOS)
+    model.gradient_checkpointing_enable()
+    model.train()
+    for graph in (False, True):
+        result = run(model, ids, mask, graph, max_new_tokens=NEW)
+        assert torch.equal(result.sequences, expected), graph
+    assert model.training and model.is_gradient_checkpointing
+
+
+def test_concurrent_calls_on_one_engine_are_serialised():
+    model = tiny_model("gpt2")
+    engine = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=CPUBackend()))
+    inputs = [prompts(2 + i, seed=i) for i in range(3)]
+    expected = [run(model, ids, mask, False, max_new_tokens=NEW).sequences for ids, mask in inputs]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            for _ in range(3):
+                ids, mask = inputs[i]
+                results[i] = engine.generate(
+                    ids, mask, SamplingParams(max_new_tokens=NEW)
+                ).sequences
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(3):
+        assert torch.equal(results[i], expected[i])
