@@ -135,14 +135,20 @@ def generate_padded(model, ids, mask, total: int, **kwargs) -> torch.Tensor:
     return torch.cat([out, pad], dim=1)
 
 
+def make_engine(model, graph: bool = True, backend=None, **config):
+    """The tests' one engine factory: CPU reference backend unless ``backend`` is given."""
+    from graphcap.cpu import CPUBackend
+    from graphcap.rollout import RolloutConfig, RolloutEngine
+
+    config = RolloutConfig(enable_graph_capture=graph, backend=backend or CPUBackend(), **config)
+    return RolloutEngine(model, config)
+
+
 def run(model, ids, mask, graph: bool, backend=None, generator=None, **sampling):
     """One ``generate`` call on a fresh engine (CPU reference backend unless given)."""
-    from graphcap.cpu import CPUBackend
-    from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+    from graphcap.rollout import SamplingParams
 
-    engine = RolloutEngine(
-        model, RolloutConfig(enable_graph_capture=graph, backend=backend or CPUBackend())
-    )
+    engine = make_engine(model, graph, backend)
     result = engine.generate(ids, mask, SamplingParams(**sampling), generator=generator)
     engine.shutdown()
     return result

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_models import PAD, generate_padded, prompts, run, tiny_model
+from rollout_models import PAD, generate_padded, make_engine, prompts, run, tiny_model
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import (
     CaptureFallbackWarning,
     GraphUnsupportedModelError,
     RolloutConfig,
-    RolloutEngine,
     SamplingParams,
     load_weights_in_place,
 )
@@ -27,15 +26,8 @@ LIMITS = [3, 7, 10, 2, 9, 5, 10, 4, 8, 6, 1, 7]
 
 
 def engine_for(model, graph: bool, slots: int = SLOTS, interval: int = 2, **config):
-    return RolloutEngine(
-        model,
-        RolloutConfig(
-            enable_graph_capture=graph,
-            backend=CPUBackend(),
-            continuous_batch_size=slots,
-            eos_check_interval=interval,
-            **config,
-        ),
+    return make_engine(
+        model, graph, continuous_batch_size=slots, eos_check_interval=interval, **config
     )
 
 
@@ -230,7 +222,7 @@ def test_graph_unsafe_attention_and_bad_input_are_refused():
     ids, mask = prompts(4)
     with pytest.raises(GraphUnsupportedModelError, match="flash_attention_2"):
         engine_for(model, graph=True).generate(ids, mask, SamplingParams(max_new_tokens=3))
-    plain = RolloutEngine(tiny_model("llama"), RolloutConfig(backend=CPUBackend()))
+    plain = make_engine(tiny_model("llama"), False)
     with pytest.raises(ValueError, match="continuous_batch_size"):
         plain.generate(ids, mask, request_max_new_tokens=[2, 2, 2, 2])
     engine = engine_for(tiny_model("llama"), graph=False)
@@ -270,10 +262,7 @@ def test_capture_failure_finishes_eagerly_with_equal_tokens():
             output[0].sum().item()  # a host sync: the CPU graph refuses it mid-capture
 
     handle = model.model.layers[0].register_forward_hook(host_read_during_capture)
-    engine = RolloutEngine(
-        model,
-        RolloutConfig(enable_graph_capture=True, backend=backend, continuous_batch_size=SLOTS),
-    )
+    engine = make_engine(model, backend=backend, continuous_batch_size=SLOTS)
     ids, mask = prompts(REQUESTS, seed=7)
     params = SamplingParams(max_new_tokens=NEW, eos_token_id=[])
     with pytest.warns(CaptureFallbackWarning, match="capture failed"):

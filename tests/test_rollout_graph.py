@@ -6,15 +6,14 @@ import warnings
 
 import pytest
 import torch
-from rollout_models import PAD, distinct_tokens_per_row, prompts, run, tiny_model
+from fakes import NoGraphBackend, SideStreamBackend
+from rollout_models import PAD, distinct_tokens_per_row, make_engine, prompts, run, tiny_model
 
-from graphcap.backend import Backend
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import (
     CaptureFallbackWarning,
     GraphUnsupportedModelError,
     RolloutConfig,
-    RolloutEngine,
     SamplingParams,
     load_weights_in_place,
 )
@@ -24,12 +23,6 @@ pytestmark = pytest.mark.filterwarnings("error::graphcap.rollout.CaptureFallback
 
 NEW = 8
 NO_EOS = {"eos_token_id": []}
-
-
-def graph_engine(model, **config) -> RolloutEngine:
-    return RolloutEngine(
-        model, RolloutConfig(enable_graph_capture=True, backend=CPUBackend(), **config)
-    )
 
 
 def test_eos_on_third_token_stops_early_with_equal_output():
@@ -49,16 +42,16 @@ def test_eos_on_third_token_stops_early_with_equal_output():
     assert (graph.sequences[:, width + 3 :] == PAD).all()
     # the host saw "all finished" at the first check (step 16) instead of running 19 steps
     assert graph.stats.replays == 16 < new - 1
-    short = RolloutEngine(
-        model, RolloutConfig(enable_graph_capture=True, backend=CPUBackend(), eos_check_interval=4)
-    ).generate(ids, mask, SamplingParams(max_new_tokens=new, eos_token_id=eos))
+    short = make_engine(model, eos_check_interval=4).generate(
+        ids, mask, SamplingParams(max_new_tokens=new, eos_token_id=eos)
+    )
     assert short.stats.replays == 4 and short.stats.steps == 4
     assert torch.equal(short.sequences, graph.sequences)
 
 
 def test_reuse_weights_width_and_recapture_on_total_length():
     model = tiny_model("llama", fresh=True)
-    engine = graph_engine(model)
+    engine = make_engine(model)
     ids, mask = prompts(3, width=6)
     sampling = SamplingParams(max_new_tokens=NEW, **NO_EOS)
     first = engine.generate(ids, mask, sampling)
@@ -136,7 +129,7 @@ SIGNATURE_CHANGES = {
 def test_each_signature_member_change_recaptures(change):
     member, overrides, mutate = SIGNATURE_CHANGES[change]
     model = tiny_model("llama", fresh=True)
-    engine = graph_engine(model)
+    engine = make_engine(model)
     ids, mask = prompts(3)
     base = {"max_new_tokens": NEW, "do_sample": True, "top_k": 0, "seed": 3, **NO_EOS}
     if change == "do_sample":
@@ -165,7 +158,7 @@ def test_each_signature_member_change_recaptures(change):
 
 def test_same_settings_never_recapture():
     model = tiny_model("gpt2")
-    engine = graph_engine(model)
+    engine = make_engine(model)
     ids, mask = prompts(3)
     params = SamplingParams(do_sample=True, top_k=10, max_new_tokens=NEW, seed=1)
     counts = [engine.generate(ids, mask, params).stats.captures for _ in range(3)]
@@ -174,7 +167,7 @@ def test_same_settings_never_recapture():
 
 def test_greedy_ignores_warper_settings_and_reuses_the_graph():
     model = tiny_model("llama")
-    engine = graph_engine(model)
+    engine = make_engine(model)
     ids, mask = prompts(3)
     first = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
     warped = SamplingParams(max_new_tokens=NEW, temperature=0.3, top_p=0.5, top_k=4, **NO_EOS)
@@ -192,7 +185,7 @@ def test_capture_failure_rolls_back_and_stays_eager_with_one_warning():
             output[0].sum().item()  # a host sync: the CPU graph refuses it mid-capture
 
     handle = model.model.layers[1].register_forward_hook(host_read_during_capture)
-    engine = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=backend))
+    engine = make_engine(model, backend=backend)
     ids, mask = prompts(3)
     params = SamplingParams(do_sample=True, top_k=10, max_new_tokens=NEW, seed=4, **NO_EOS)
     with warnings.catch_warnings(record=True) as caught:
@@ -211,12 +204,6 @@ def test_capture_failure_rolls_back_and_stays_eager_with_one_warning():
     assert later.stats.path == "eager" and later.stats.captures == 0
     assert "capture failed" in later.stats.fallback_reason
     assert torch.equal(later.sequences, pure.sequences)
-
-
-class NoGraphBackend(Backend):
-    """A backend that cannot capture: create_graph() returns None."""
-
-    name = "nograph"
 
 
 def test_backend_without_graphs_runs_eagerly_with_reason():
@@ -267,7 +254,7 @@ def test_autocast_weight_cache_runs_eagerly_with_reason():
 def test_graph_unsafe_attention_is_refused_by_name():
     model = tiny_model("llama", fresh=True)
     model.config._attn_implementation = "flash_attention_2"
-    engine = graph_engine(model)
+    engine = make_engine(model)
     ids, mask = prompts(2)
     with pytest.raises(GraphUnsupportedModelError, match="flash_attention_2"):
         engine.generate(ids, mask, SamplingParams(max_new_tokens=4))
@@ -279,12 +266,6 @@ def test_single_new_token_needs_no_graph():
     result = run(model, ids, mask, True, max_new_tokens=1)
     assert result.stats.captures == 0 and result.stats.replays == 0
     assert torch.equal(result.sequences, run(model, ids, mask, False, max_new_tokens=1).sequences)
-
-
-class SideStreamBackend(CPUBackend):
-    """The CPU reference backend declaring that capture needs a side stream (as CUDA does)."""
-
-    capture_needs_side_stream = True
 
 
 def test_side_stream_warm_up_and_capture_match_eager():
@@ -308,9 +289,7 @@ def test_recaptures_reuse_one_capture_stream():
 
     model = tiny_model("llama")
     ids, mask = prompts(3)
-    engine = RolloutEngine(
-        model, RolloutConfig(enable_graph_capture=True, backend=CountingBackend())
-    )
+    engine = make_engine(model, backend=CountingBackend())
     captures = [
         engine.generate(ids, mask, SamplingParams(max_new_tokens=n, **NO_EOS)).stats.captures
         for n in (4, 5, 6)
@@ -322,8 +301,8 @@ def test_recaptures_reuse_one_capture_stream():
 def test_buckets_let_varying_requests_share_one_graph():
     model = tiny_model("llama")
     buckets = {"batch_buckets": (4, 8), "length_buckets": (16, 32)}
-    engine = graph_engine(model, **buckets)
-    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend(), **buckets))
+    engine = make_engine(model, **buckets)
+    eager = make_engine(model, False, **buckets)
     requests = [(3, 6, NEW), (4, 7, NEW), (2, 5, NEW + 3)]  # (rows, width, max_new_tokens)
     for rows, width, new in requests:
         ids, mask = prompts(rows, width=width, seed=rows)
@@ -354,7 +333,7 @@ def test_bucket_sizes_are_validated():
 
 def test_inference_mode_and_generator_are_signature_members():
     model = tiny_model("gpt2")
-    engine = graph_engine(model)
+    engine = make_engine(model)
     ids, mask = prompts(2)
     params = SamplingParams(do_sample=True, top_k=10, max_new_tokens=NEW, seed=6, **NO_EOS)
     with torch.inference_mode():

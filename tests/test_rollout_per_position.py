@@ -8,11 +8,18 @@ import warnings
 
 import pytest
 import torch
-from rollout_models import distinct_tokens_per_row, generate_padded, prompts, run, tiny_model
+from fakes import FailingCaptureBackend
+from rollout_models import (
+    distinct_tokens_per_row,
+    generate_padded,
+    make_engine,
+    prompts,
+    run,
+    tiny_model,
+)
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from graphcap.cpu import CPUBackend
 from graphcap.rollout import CaptureFallbackWarning, RolloutConfig, RolloutEngine, SamplingParams
 
 NEW = 7
@@ -20,13 +27,7 @@ PINNED = {"max_new_tokens": NEW, "min_new_tokens": NEW}
 
 
 def per_position_engine(model, backend=None, **config) -> RolloutEngine:
-    config = RolloutConfig(
-        enable_graph_capture=True,
-        per_position_graphs=True,
-        backend=backend or CPUBackend(),
-        **config,
-    )
-    return RolloutEngine(model, config)
+    return make_engine(model, True, backend, per_position_graphs=True, **config)
 
 
 def per_position_run(model, ids, mask, **sampling):
@@ -167,20 +168,6 @@ def test_each_position_attends_over_written_columns_only():
     engine.generate(ids, mask, SamplingParams(**PINNED))
     assert [width] * layers == KEY_LENGTHS  # replays run no Python: only the prefill noted
     engine.shutdown()
-
-
-class FailingCaptureBackend(CPUBackend):
-    """Captures fail from the ``fail_at``-th capture on (counting from 1)."""
-
-    def __init__(self, fail_at: int):
-        super().__init__()
-        self.fail_at, self.seen = fail_at, 0
-
-    def capture_to_graph(self, graph, pool=None, stream=None, capture_error_mode=None):
-        self.seen += 1
-        if self.seen >= self.fail_at:
-            raise RuntimeError("planted capture failure")
-        return super().capture_to_graph(graph, pool, stream, capture_error_mode)
 
 
 def test_failed_capture_mid_set_finishes_eagerly_and_stays_eager():

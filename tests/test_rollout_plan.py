@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from fakes import NoCollectivesGraphBackend, NoRngGraphBackend
-from rollout_models import EOS, generate_padded, prompts, run, tiny_model
+from rollout_models import EOS, generate_padded, make_engine, prompts, run, tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from graphcap.cpu import CPUBackend
-from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.rollout import SamplingParams
 
 NEW = 6
 NO_EOS = {"eos_token_id": []}
@@ -42,10 +42,7 @@ def one_rank_group(tmp_path):
 def test_collectives_in_graph_decides_tensor_parallel_graphs(one_rank_group, backend_class):
     model = tiny_model("gpt2")
     ids, mask = prompts(2)
-    config = RolloutConfig(
-        enable_graph_capture=True, backend=backend_class(), process_group=one_rank_group
-    )
-    engine = RolloutEngine(model, config)
+    engine = make_engine(model, backend=backend_class(), process_group=one_rank_group)
     result = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
     if backend_class.collectives_in_graph:
         assert result.stats.path == "static_graph"
@@ -87,10 +84,7 @@ class GraphAttentionBackend(CPUBackend):
 def test_backend_graph_attention_runs_in_captured_steps_only(choice):
     model = tiny_model("llama", fresh=True)
     ids, mask = prompts(3)
-    config = RolloutConfig(
-        enable_graph_capture=True, backend=GraphAttentionBackend(), graph_attention=choice
-    )
-    engine = RolloutEngine(model, config)
+    engine = make_engine(model, backend=GraphAttentionBackend(), graph_attention=choice)
     CALLS.clear()
     result = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
     layers = model.config.num_hidden_layers
@@ -126,7 +120,7 @@ def test_gradient_checkpointing_in_train_mode_rolls_out_like_generate_in_eval():
 
 def test_concurrent_calls_on_one_engine_are_serialised():
     model = tiny_model("gpt2")
-    engine = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=CPUBackend()))
+    engine = make_engine(model)
     inputs = [prompts(2 + i, seed=i) for i in range(3)]
     expected = [run(model, ids, mask, False, max_new_tokens=NEW).sequences for ids, mask in inputs]
     results: dict[int, torch.Tensor] = {}
