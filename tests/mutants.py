@@ -1,0 +1,154 @@
+"""Plant known bugs one at a time and check that the tests meant to catch each one fail.
+
+    python tests/mutants.py            # every plant (a few minutes on 2 cores)
+    python tests/mutants.py NAME ...   # only these
+
+Each plant replaces one exact snippet of the source (the run fails loudly if the snippet is gone,
+so the list cannot rot silently), runs the tests named for it, and restores the file. A plant
+whose tests still pass is a hole in the suite. Not part of CI (each plant is a pytest run);
+docs/testing.md lists the plants and when to run this.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Plant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+PLANTS = (
+    Plant(
+        "mask not cleared on reuse",
+        "graphcap/rollout/masks.py",
+        "            self.valid.zero_()\n",
+        "            pass\n",
+        ("tests/test_rollout_graph.py",),
+    ),
+    Plant(
+        "prefill K/V copied to the first sample row only",
+        "graphcap/rollout/static.py",
+        "step.cache.load_prefill(prefill.cache, source_rows=sources)",
+        "step.cache.load_prefill(prefill.cache, source_rows=sources[:1].expand_as(sources))",
+        (
+            "tests/test_rollout_equivalence.py::test_num_return_sequences_shares_prefill_and_matches_generate",
+        ),
+    ),
+    Plant(
+        "position ids frozen by the graph",
+        "graphcap/rollout/step.py",
+        "        self.state.positions.add_(1)\n",
+        "        self.state.positions.copy_(self.state.positions + 0)\n",
+        ("tests/test_rollout_equivalence.py::test_greedy_graph_equals_eager_equals_generate",),
+    ),
+    Plant(
+        "write column read as a host int",
+        "graphcap/rollout/step.py",
+        "        column = self.cache.write_pos[:, None]\n",
+        "        column = torch.full_like(self.cache.write_pos, int(self.cache.write_pos[0]))"
+        "[:, None]\n",
+        ("tests/test_rollout_equivalence.py::test_greedy_graph_equals_eager_equals_generate",),
+    ),
+    Plant(
+        "warm-up leaves its trace (no rollback before capture)",
+        "graphcap/rollout/capture.py",
+        "        backend.synchronize()\n        rollback()\n",
+        "        backend.synchronize()\n",
+        ("tests/test_rollout_equivalence.py",),
+    ),
+    Plant(
+        "retired slot's mask row kept",
+        "graphcap/rollout/slots.py",
+        "    step.masks.valid[rows] = False\n",
+        "",
+        ("tests/test_rollout_continuous.py",),
+    ),
+    Plant(
+        "finished continuous rows keep advancing",
+        "graphcap/rollout/slots.py",
+        "        wp.copy_(torch.where(s.finished, self.sink, wp + 1))\n",
+        "        wp.copy_((wp + 1).clamp(max=self.cache.max_len - 1))\n",
+        ("tests/test_rollout_continuous.py",),
+    ),
+    Plant(
+        "one attention span for every per-position graph",
+        "graphcap/rollout/runners.py",
+        "step = self.eager.with_span((0, self.width + position + 1))",
+        "step = self.eager.with_span((0, self.width + 1))",
+        ("tests/test_rollout_per_position.py",),
+    ),
+    Plant(
+        "strides left out of the signature",
+        "graphcap/rollout/signature.py",
+        "tuple(t.shape), tuple(t.stride()), t.dtype",
+        "tuple(t.shape), (), t.dtype",
+        ("tests/test_rollout_stale_state.py",),
+    ),
+    Plant(
+        "model's own attention not restored after capture",
+        "graphcap/rollout/holder.py",
+        "        model.set_attn_implementation(own)\n",
+        "        pass\n",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "rng_in_graph=False ignored",
+        "graphcap/rollout/plan.py",
+        "    if params.do_sample and not caps.rng_in_graph:",
+        "    if False:",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "concurrent calls not serialised",
+        "graphcap/rollout/engine.py",
+        "        self._lock = threading.Lock()\n",
+        "        self._lock = __import__('contextlib').nullcontext()\n",
+        ("tests/test_rollout_plan.py::test_concurrent_calls_on_one_engine_are_serialised",),
+    ),
+)
+
+
+def caught(plant: Plant) -> bool:
+    """Whether the plant's tests fail with the plant in place."""
+    path = ROOT / plant.path
+    source = path.read_text()
+    if source.count(plant.old) != 1:
+        raise SystemExit(f"{plant.name}: the snippet to replace is not in {plant.path} once")
+    path.write_text(source.replace(plant.old, plant.new))
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *plant.tests],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        path.write_text(source)
+    return run.returncode != 0
+
+
+def main(names: list[str]) -> int:
+    plants = [p for p in PLANTS if not names or p.name in names]
+    holes = []
+    for plant in plants:
+        ok = caught(plant)
+        print(f"{'caught' if ok else 'MISSED':7} {plant.name}", flush=True)
+        if not ok:
+            holes.append(plant.name)
+    print(f"{len(plants) - len(holes)} of {len(plants)} plants caught")
+    return 1 if holes else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
