@@ -156,6 +156,7 @@ class Registry:
             backend = _guarded(f"{record.cls.__name__}()", record.cls)
             backend.distribution = record.distribution
             backend.distribution_version = record.version
+            _guarded(f"{record.cls.__name__}.device", lambda: backend.device)
             _guarded(f"{record.cls.__name__}.create_graph()", lambda: backend.capabilities)
         except _PluginFault as fault:
             failure = self.report_broken(record.entry_point, str(fault))
@@ -300,6 +301,12 @@ def _register(
 def _load_entry_points(registry: Registry, entry_points: Iterable[metadata.EntryPoint]) -> None:
     for ep in entry_points:
         distribution, version = _distribution_of(ep)
+        if ep.name in registry.sources:  # pluggy knows a plugin by this name only once
+            first = registry.sources[ep.name][0]
+            error = f"entry point name {ep.name!r} is already used by {first}; uninstall one"
+            registry.failures.append(PluginFailure(ep.name, distribution, error))
+            warnings.warn(f"graphcap plugin from {distribution} was skipped: {error}", stacklevel=2)
+            continue
         try:
             plugin = ep.load()
         except BaseException as exc:  # a plugin may even call exit() on import

@@ -42,6 +42,9 @@ class BadBackend(Backend):
     def create_graph(self):
         {create_graph}
 
+    def current_device_index(self):
+        {current_device_index}
+
 @hookimpl
 def graphcap_api_version():
     return 1
@@ -61,12 +64,16 @@ FAULTS = {
     "availability returns a bool": dict(availability="return True"),
     "constructor raises": dict(init="raise OSError('driver failed to initialise')"),
     "create_graph raises": dict(create_graph="raise RuntimeError('no graph for you')"),
+    "device index raises": dict(
+        device="xpu", current_device_index="raise RuntimeError('no device context')"
+    ),
 }
 REASONS = {
     "availability raises": r"BadBackend\.availability\(\) raised RuntimeError: probe exploded",
     "availability returns a bool": r"availability\(\) returned bool True, not graphcap\.Avail",
     "constructor raises": r"BadBackend\(\) raised OSError: driver failed to initialise",
     "create_graph raises": r"create_graph\(\) raised RuntimeError: no graph for you",
+    "device index raises": r"BadBackend\.device raised RuntimeError: no device context",
 }
 
 
@@ -75,6 +82,7 @@ def faulty_source(device: str = "cpu", backends: str = "[BadBackend]", **body: s
         "availability": "return Availability(True, 'ok')",
         "init": "pass",
         "create_graph": "return None",
+        "current_device_index": "return 0",
         "attention": "return {}",
         **body,
     }
@@ -211,3 +219,12 @@ def test_unknown_backend_name_suggests_the_close_match(plugin_dir, monkeypatch):
     assert "Did you mean 'fakeaccel'?" in message
     assert "- cpu (graphcap): available" in message
     assert "- fakeaccel (fake-accel): available" in message
+
+
+def test_second_plugin_with_a_taken_entry_point_name_is_skipped(plugin_dir):
+    install_plugin(plugin_dir, "fake-one", "fake_one", backend_source("one", 1), ep_name="same")
+    install_plugin(plugin_dir, "fake-two", "fake_two", backend_source("two", 1), ep_name="same")
+    with pytest.warns(UserWarning, match="entry point name 'same' is already used by fake-"):
+        reg = registry.discover(refresh=True)
+    assert len([n for n in ("one", "two") if n in reg.backends]) == 1
+    assert reg.plugin_manager.get_plugin("same") is not None
