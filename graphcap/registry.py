@@ -28,10 +28,12 @@ logger = logging.getLogger("graphcap")
 
 ENV_VAR = "GRAPHCAP_BACKEND"
 
-#: Where to get a plugin for a device torch can see; used when none is installed.
+#: Where to get a plugin for a device torch can see; used when none is installed. The plugins
+#: are on no package index: the command runs in the graphcap repository (graphcap, being
+#: installed, satisfies the plugin's requirement).
 PLUGIN_HINTS: dict[str, str] = {
-    "cuda": "graphcap-cuda (from a graphcap source checkout: pip install ./backends/cuda)",
-    "npu": "graphcap-npu (from a graphcap source checkout: pip install ./backends/npu)",
+    "cuda": "graphcap-cuda (in the graphcap repository root: pip install ./backends/cuda)",
+    "npu": "graphcap-npu (in the graphcap repository root: pip install ./backends/npu)",
 }
 
 

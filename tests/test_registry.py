@@ -76,6 +76,15 @@ def test_missing_known_plugin_says_how_to_install(plugin_dir):
         graphcap.get_backend("cuda")
 
 
+@pytest.mark.parametrize("device", sorted(registry.PLUGIN_HINTS))
+def test_install_hint_names_a_plugin_directory_of_this_repository(device):
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    hint = registry.PLUGIN_HINTS[device]
+    distribution, command = hint.split(" ", 1)[0], hint.split("pip install ", 1)[1].rstrip(")")
+    project = Path(graphcap.__file__).parents[1] / command / "pyproject.toml"
+    assert tomllib.loads(project.read_text())["project"]["name"] == distribution
+
+
 @pytest.mark.parametrize(
     "body, error",
     [
