@@ -8,26 +8,25 @@ import logging
 import sys
 from typing import Any
 
-from graphcap.backend import Backend
 from graphcap.errors import BackendSelectionError
 from graphcap.registry import discover, get_backend, unclaimed_accelerator
 
 
 def backend_table() -> dict[str, Any]:
-    """Every installed backend and broken plugin, with availability and capabilities."""
+    """Every installed backend and broken plugin, with availability and capabilities.
+
+    A plugin found broken while selecting or describing (a probe, constructor or
+    ``create_graph()`` that raised) is listed under ``broken_plugins`` with the reason.
+    """
     registry = discover()
     try:
         selected: str | None = get_backend().name
         selection_error = None
     except BackendSelectionError as exc:
         selected, selection_error = None, str(exc)
-    rows = []
-    for record in sorted(registry.backends.values(), key=lambda r: (-r.cls.priority, r.name)):
-        backend: Backend = record.cls()
-        backend.distribution, backend.distribution_version = record.distribution, record.version
-        row = backend.describe()
-        row["selected"] = record.name == selected
-        rows.append(row)
+    rows = registry.describe_backends()
+    for row in rows:
+        row["selected"] = row["name"] == selected
     return {
         "backends": rows,
         "broken_plugins": [vars(f) for f in registry.failures],
@@ -55,6 +54,9 @@ def _format_table(info: dict[str, Any]) -> str:
                 ", ".join(flags) or "-",
             )
         )
+    for failure in info["broken_plugins"]:
+        offered = ", ".join(failure["backends"]) or f"({failure['entry_point']})"
+        lines.append(("", offered, failure["distribution"], "broken (below)", "-", "-"))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     out = [
         "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()

@@ -11,6 +11,10 @@ class BackendSelectionError(GraphcapError):
     """The requested backend is unknown, not installed, broken or unavailable."""
 
 
+class PluginError(GraphcapError):
+    """The plugin of the backend in use broke its contract (a hook raised or returned garbage)."""
+
+
 class GraphCaptureError(GraphcapError):
     """Work issued during a capture cannot be recorded into a graph (a host sync, say)."""
 

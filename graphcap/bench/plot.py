@@ -24,7 +24,7 @@ def _pyplot() -> Any:
     except ImportError:
         raise PlotUnavailableError(
             "--plot needs matplotlib, which is not installed; install it with "
-            "pip install 'graphcap[plot]' (or pip install matplotlib), or drop --plot "
+            "pip install matplotlib, or drop --plot "
             "(the JSON report holds the same figures)"
         ) from None
     matplotlib.use("Agg")  # files only; never needs a display
