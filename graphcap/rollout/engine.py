@@ -30,11 +30,12 @@ from graphcap.rollout.inputs import (
     check_prompts,
     check_vocab_ids,
     resolve_sampling,
+    row_settings,
 )
 from graphcap.rollout.masks import MaskBuffers, layer_windows
 from graphcap.rollout.per_position import PositionGraphs, PositionRunner, pinned_refusal
-from graphcap.rollout.results import RolloutResult, RolloutStats
-from graphcap.rollout.sampling import SamplerSettings
+from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
+from graphcap.rollout.sampling import RowPlan, SamplerShape, generator_kept
 from graphcap.rollout.signature import GraphSignature, model_dtype, signature_of
 from graphcap.rollout.step import DecodeState, DecodeStep, accepts_logits_to_keep, cache_keyword
 
@@ -75,6 +76,8 @@ class RolloutEngine:
         # Attention offered by the backend's plugin becomes a valid attn_implementation name.
         register_attention_implementations(self.backend)
         self.captures = 0
+        #: the sampler's graph shape; only grows (docs/rollout.md, "One graph for any setting")
+        self._sampler = SamplerShape()
         self._graphs_off_reason: str | None = None
         #: the tensor-parallel agreement (no-ops without a process group)
         self.agreement = RankAgreement(self.config.process_group, self.backend.device)
@@ -88,7 +91,7 @@ class RolloutEngine:
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        sampling: SamplingParams | GenerationConfig | None = None,
+        sampling: SamplingParams | GenerationConfig | Sequence[SamplingParams] | None = None,
         generator: torch.Generator | None = None,
         *,
         request_max_new_tokens: Sequence[int] | None = None,
@@ -111,11 +114,6 @@ class RolloutEngine:
         batch, total = rows * repeats, width + params.max_new_tokens
         padded_batch = bucket_size(batch, self.config.batch_buckets)
         padded_total = bucket_size(total, self.config.length_buckets)
-        if params.seed is not None:
-            if generator is not None:
-                generator.manual_seed(params.seed)
-            else:
-                self.backend.manual_seed(params.seed)
         if self.config.continuous_batch_size is not None:
             if self._continuous is None:
                 self._continuous = ContinuousRunner(self)
@@ -128,6 +126,7 @@ class RolloutEngine:
                 "RolloutConfig(continuous_batch_size=N)"
             )
 
+        plan = RowPlan.build(row_settings(self.model, sampling, rows), repeats, padded_batch)
         stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
         stats.fallback_reason, windows, signature = self._graph_plan(
             params, generator, padded_batch, padded_total
@@ -138,7 +137,7 @@ class RolloutEngine:
             logger.info("graph signature changed (%s); dropping", stats.recapture_reason)
             self._drop()
 
-        with torch.no_grad():
+        with torch.no_grad(), generator_kept(self.backend, generator, keep=not plan.draws):
             prefill, logits, next_positions = self._prefill(input_ids, attention_mask)
             # prefill row of each batch row: samples of a prompt, then bucket padding rows
             sources = torch.arange(rows, device=input_ids.device).repeat_interleave(repeats)
@@ -149,7 +148,7 @@ class RolloutEngine:
             res.cache.load_prefill(prefill, source_rows=sources)
             res.masks.reset(attention_mask.index_select(0, sources))
             res.state.reset(
-                input_ids.index_select(0, sources), next_positions.index_select(0, sources), batch
+                input_ids.index_select(0, sources), next_positions.index_select(0, sources), plan
             )
             res.step.commit(logits)
             stats.prefill_s = time.perf_counter() - start
@@ -185,7 +184,7 @@ class RolloutEngine:
             stats.decode_s = time.perf_counter() - t_decode
             if per_position is not None:
                 self._settle_positions(res, per_position, stats)
-            result = self._collect(res.state, batch, width, total, params.return_logprobs, stats)
+            result = self._collect(res.state, batch, width, total, params, stats)
         stats.captures = self.captures
         stats.total_s = time.perf_counter() - start
         if stats.captured:
@@ -237,15 +236,15 @@ class RolloutEngine:
             check_attention(self.model)
             reason = self._graphs_off_reason or graph_refusal(self.model, self.backend) or refusal
         windows = layer_windows(self.model.config)
+        self._sampler = self._sampler.widen(params)
         signature = signature_of(
             self.model,
             batch_size=batch_size,
             total_len=total_len,
             device=self.backend.device,
-            sampler=SamplerSettings.from_params(params),
+            sampler=self._sampler,
             eos_ids=params.eos_ids,
             pad_id=int(params.pad_token_id),
-            return_logprobs=params.return_logprobs,
             mask_form=self.backend.capabilities.mask_form,
             windows=windows,
             generator=generator,
@@ -318,7 +317,7 @@ class RolloutEngine:
             masks,
             state,
             signature.sampler,
-            params.return_logprobs,
+            signature.sampler.logprobs,
             generator,
         )
         self._res = _Resources(signature, cache, masks, state, step, generator)
@@ -405,19 +404,22 @@ class RolloutEngine:
         batch: int,
         width: int,
         total: int,
-        return_logprobs: bool,
+        params: SamplingParams,
         stats: RolloutStats,
     ) -> RolloutResult:
         """The caller's rows and columns (bucket padding cut off), copied out of the buffers."""
         response = state.response[:batch, width:total].to(torch.long)
+        sequences = state.sequences[:batch, :total].clone()
         finished = state.finished[:batch].tolist()
+        reasons, stops = finish_details(sequences, response, finished, params.eos_ids)
         return RolloutResult(
-            sequences=state.sequences[:batch, :total].clone(),
+            sequences=sequences,
             response_mask=response,
             response_lengths=response.sum(-1),
-            finish_reasons=["eos" if done else "length" for done in finished],
-            logprobs=state.logprobs[:batch, width:total].clone() if return_logprobs else None,
+            finish_reasons=reasons,
+            logprobs=state.logprobs[:batch, width:total].clone() if params.return_logprobs else None,
             stats=stats,
+            stop_token_ids=stops,
         )
 
     def _drop(self) -> None:
