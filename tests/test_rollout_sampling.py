@@ -75,7 +75,9 @@ def check_mixed_batch_matches_rows_alone(model, backend) -> None:
     batch = engine.generate(ids, mask, params)
     assert batch.stats.path == "static_graph" and batch.stats.captures == 1
     for row, row_params in enumerate(params):
-        alone = engine_on(model, backend).generate(ids[row : row + 1], mask[row : row + 1], row_params)
+        alone = engine_on(model, backend).generate(
+            ids[row : row + 1], mask[row : row + 1], row_params
+        )
         assert torch.equal(batch.sequences[row], alone.sequences[0]), f"row {row}"
     again = engine.generate(ids, mask, params)
     assert again.stats.captures == 1 and torch.equal(again.sequences, batch.sequences)
@@ -88,7 +90,9 @@ def check_logprob_modes_match_recomputation(model, backend, atol: float) -> None
     sampled = {"do_sample": True, "temperature": 0.7, "top_k": 8, "top_p": 0.9, "seed": 3}
     modes = ["sampling", "temperature", "raw"]
     params = [
-        SamplingParams(max_new_tokens=NEW, return_logprobs=True, logprobs_mode=mode, **sampled, **NO_EOS)
+        SamplingParams(
+            max_new_tokens=NEW, return_logprobs=True, logprobs_mode=mode, **sampled, **NO_EOS
+        )
         for mode in modes
     ]
     engine = engine_on(model, backend)
@@ -218,7 +222,9 @@ def test_seeded_row_does_not_depend_on_its_batch_companions():
         SamplingParams(do_sample=True, max_new_tokens=NEW, seed=s, **NO_EOS) for s in (1, 2, 3)
     ]
     a = engine_on(model).generate(ids, mask, [row, *companions])
-    b = engine_on(model).generate(ids[[1, 0, 2, 3]], mask[[1, 0, 2, 3]], [companions[0], row, *companions[1:]])
+    b = engine_on(model).generate(
+        ids[[1, 0, 2, 3]], mask[[1, 0, 2, 3]], [companions[0], row, *companions[1:]]
+    )
     # row 0 of a is the prompt of row 1 of b: same prompt, same seed
     assert torch.equal(a.sequences[0], b.sequences[1])
 

@@ -17,9 +17,9 @@ from transformers.generation.logits_process import (
 
 from graphcap.rollout import load_weights_in_place
 from graphcap.rollout.cache import LayerSpec, StaticKVCache
+from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.eligibility import non_resident_reason
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
-from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.sampling import (
     RowSettings,
     block_stops,
@@ -172,7 +172,9 @@ def test_per_row_warpers_match_transformers(case):
     warped = warp(scores, rows)
     assert torch.equal(warped[0], _transformers_warp(scores[:1], case)[0])
     assert torch.equal(warped[3], _transformers_warp(scores[3:], case)[0])
-    assert torch.equal(warped[1], _transformers_warp(scores[1:2], {"top_k": 3, "temperature": 0.5})[0])
+    assert torch.equal(
+        warped[1], _transformers_warp(scores[1:2], {"top_k": 3, "temperature": 0.5})[0]
+    )
     assert torch.equal(warped[2], scores[2])
 
 

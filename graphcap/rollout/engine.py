@@ -412,12 +412,13 @@ class RolloutEngine:
         sequences = state.sequences[:batch, :total].clone()
         finished = state.finished[:batch].tolist()
         reasons, stops = finish_details(sequences, response, finished, params.eos_ids)
+        logprobs = state.logprobs[:batch, width:total].clone() if params.return_logprobs else None
         return RolloutResult(
             sequences=sequences,
             response_mask=response,
             response_lengths=response.sum(-1),
             finish_reasons=reasons,
-            logprobs=state.logprobs[:batch, width:total].clone() if params.return_logprobs else None,
+            logprobs=logprobs,
             stats=stats,
             stop_token_ids=stops,
         )

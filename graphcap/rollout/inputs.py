@@ -44,7 +44,9 @@ def resolve_sampling(model: PreTrainedModel, sampling: Sampling) -> SamplingPara
         if not rows:
             raise ValueError("sampling is an empty list; give one SamplingParams per prompt row")
         for name in CALL_FIELDS:
-            differing = [i for i, r in enumerate(rows) if getattr(r, name) != getattr(rows[0], name)]
+            differing = [
+                i for i, r in enumerate(rows) if getattr(r, name) != getattr(rows[0], name)
+            ]
             if differing:
                 raise ValueError(
                     f"sampling rows {differing} differ from row 0 in {name}, which applies to the "

@@ -63,9 +63,7 @@ class RowPlan:
     active: int  # rows from here on are bucket padding
 
     @classmethod
-    def build(
-        cls, per_prompt: Sequence[SamplingParams], repeats: int, batch_size: int
-    ) -> RowPlan:
+    def build(cls, per_prompt: Sequence[SamplingParams], repeats: int, batch_size: int) -> RowPlan:
         """Expand per-prompt settings to ``repeats`` samples each, then pad to ``batch_size``
         with copies of the last row (padding rows start finished and only ever emit pad)."""
         params = [p for p in per_prompt for _ in range(repeats)]
@@ -174,7 +172,10 @@ class RowSettings:
         values = {
             "sample": [p.do_sample for p in params],
             "seeded": [p.do_sample and p.seed is not None for p in params],
-            "key": [0 if p.seed is None else row_key(p.seed, j) for p, j in zip(params, samples)],
+            "key": [
+                0 if p.seed is None else row_key(p.seed, j)
+                for p, j in zip(params, samples, strict=True)
+            ],
             "temperature": [p.temperature if p.do_sample else 1.0 for p in params],
             "top_k": [p.effective_top_k for p in params],
             "top_p_floor": [1.0 - p.top_p if p.do_sample else 0.0 for p in params],
