@@ -71,9 +71,9 @@ def test_generation_config_maps_allowed_fields_and_generate_default_top_k():
     assert greedy.effective_top_k == 0 and not greedy.do_sample
 
 
-@pytest.mark.parametrize("field", ["num_beams", "no_repeat_ngram_size", "min_p"])
+@pytest.mark.parametrize("field", ["num_beams", "no_repeat_ngram_size", "typical_p"])
 def test_generation_config_refuses_unsupported_field_by_name(field):
-    value = {"num_beams": 2, "no_repeat_ngram_size": 2, "min_p": 0.1}[field]
+    value = {"num_beams": 2, "no_repeat_ngram_size": 2, "typical_p": 0.9}[field]
     config = GenerationConfig(max_new_tokens=4, **{field: value})
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_generation_config(config)

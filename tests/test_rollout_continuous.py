@@ -202,18 +202,33 @@ def test_eager_layout_modes_match_plain_eager(modes):
     assert moved.finish_reasons == plain.finish_reasons
 
 
-def test_requests_outside_the_graph_path_run_the_eager_loop_with_reason():
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"seed": None, "top_k": 20},  # the shared generator, as generate draws
+        {"seed": 3, "top_p": 0.8, "num_return_sequences": 2},  # per-row streams, n samples
+    ],
+    ids=["shared-generator", "seeded-rows-n2"],
+)
+def test_sampling_on_the_continuous_graph_equals_its_eager_loop(settings):
     model = tiny_model("llama")
     ids, mask = prompts(5, seed=5)
-    sampled = SamplingParams(do_sample=True, top_k=20, max_new_tokens=6, seed=3)
-    graph_engine = engine_for(model, graph=True)
-    first = graph_engine.generate(ids, mask, sampled)
-    assert first.stats.path == "continuous_eager" and "greedy" in first.stats.fallback_reason
-    again = engine_for(model, graph=False).generate(ids, mask, sampled)
-    assert torch.equal(first.sequences, again.sequences)  # same seed, same schedule
-    two = SamplingParams(do_sample=True, num_return_sequences=2, max_new_tokens=4, seed=1)
-    multi = graph_engine.generate(ids, mask, two)
-    assert multi.sequences.shape[0] == 10 and multi.stats.path == "continuous_eager"
+    params = SamplingParams(do_sample=True, max_new_tokens=6, eos_token_id=[], **settings)
+    outs = {}
+    for graph in (True, False):
+        engine = engine_for(model, graph=graph)
+        torch.manual_seed(11)  # only the shared-generator case draws from it
+        outs[graph] = engine.generate(ids, mask, params, request_max_new_tokens=[6, 3, 5, 6, 2])
+    assert outs[True].stats.path == "continuous_graph", outs[True].stats.fallback_reason
+    assert outs[True].stats.captures == 1
+    assert torch.equal(outs[True].sequences, outs[False].sequences)
+    assert torch.equal(outs[True].response_mask, outs[False].response_mask)
+    repeats = settings.get("num_return_sequences", 1)
+    assert outs[True].sequences.shape[0] == 5 * repeats
+    if repeats > 1:  # a prompt's samples share its prompt and differ in what they draw
+        first, second = outs[True].sequences[0::2], outs[True].sequences[1::2]
+        assert torch.equal(first[:, : ids.shape[1]], second[:, : ids.shape[1]])
+        assert not torch.equal(first, second)
 
 
 def test_graph_unsafe_attention_and_bad_input_are_refused():

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rollout_models import EOS, prompts, run, tiny_model
+from rollout_models import prompts, run, tiny_model
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -96,7 +96,7 @@ def _early(rank: int) -> dict:
 
 
 def _recapture(rank: int) -> dict:
-    """(c) the second call changes a signature member (the EOS ids) on rank 1 only."""
+    """(c) the second call changes a signature member (the pad id) on rank 1 only."""
     model = tiny_model("llama")
     ids, mask = prompts(3)
     out = {}
@@ -106,7 +106,7 @@ def _recapture(rank: int) -> dict:
     ):
         engine = _engine(model, **config)
         same = SamplingParams(max_new_tokens=new, min_new_tokens=new, **NO_EOS)
-        changed = SamplingParams(max_new_tokens=new, min_new_tokens=new, eos_token_id=[EOS])
+        changed = SamplingParams(max_new_tokens=new, min_new_tokens=new, pad_token_id=3, **NO_EOS)
         first = engine.generate(ids, mask, same)
         second = engine.generate(ids, mask, changed if rank == 1 else same)
         out[name] = {
@@ -254,7 +254,7 @@ def test_one_rank_recapturing_makes_every_rank_recapture(ranks, path):
     assert first["captures"] == second["captures"] == 2 * per_call
     assert first["captured"] and second["captured"]
     assert first["reason"] == ["another rank recaptures"]
-    assert second["reason"] == ["eos_ids"]
+    assert second["reason"] == ["pad_id"]
     assert first["path"] == second["path"] == f"{path}_graph"
     assert first["equal"]  # the fresh graph replays the same tokens
 

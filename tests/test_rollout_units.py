@@ -8,21 +8,24 @@ import torch
 from rollout_models import prompts, tiny_model
 from transformers import DynamicCache
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
 from graphcap.rollout import load_weights_in_place
 from graphcap.rollout.cache import LayerSpec, StaticKVCache
+from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.plan import non_resident_reason
 from graphcap.rollout.sampling import (
-    block_eos,
+    RowSettings,
+    block_stops,
     repetition_penalty,
     sanitise,
-    top_k_filter,
-    top_p_filter,
+    warp,
 )
 
 
@@ -112,28 +115,67 @@ def test_layer_windows_from_configs():
 
 
 # ---- sampling ---------------------------------------------------------------------------------
+def _rows(*params: SamplingParams, vocab: int = 19) -> RowSettings:
+    rows = RowSettings.allocate(len(params), vocab, torch.device("cpu"))
+    rows.write(params, [0] * len(params))
+    return rows
+
+
 def test_repetition_penalty_matches_transformers_and_skips_unwritten_slots():
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(3, 20, generator=gen)
     tokens = torch.randint(0, 20, (3, 7), generator=gen)
     written = torch.ones(3, 7, dtype=torch.bool)
+    penalty = torch.full((3,), 1.7)
     expected = RepetitionPenaltyLogitsProcessor(1.7)(tokens, scores.clone())
-    assert torch.equal(repetition_penalty(scores, tokens, written, 1.7), expected)
+    assert torch.equal(repetition_penalty(scores, tokens, written, penalty), expected)
     written[:, 4:] = False  # unwritten slots hold stale ids: they must not be penalised
     expected = RepetitionPenaltyLogitsProcessor(1.7)(tokens[:, :4], scores.clone())
-    assert torch.equal(repetition_penalty(scores, tokens, written, 1.7), expected)
+    assert torch.equal(repetition_penalty(scores, tokens, written, penalty), expected)
+    penalty[1] = 1.0  # a neutral row is left exactly as it was
+    assert torch.equal(repetition_penalty(scores, tokens, written, penalty)[1], scores[1])
 
 
-@pytest.mark.parametrize("k", [1, 5, 19])
-def test_top_k_matches_transformers(k):
-    scores = torch.randn(4, 19, generator=torch.Generator().manual_seed(k))
-    assert torch.equal(top_k_filter(scores, k), TopKLogitsWarper(k)(None, scores))
+WARPER_CASES = [
+    {"top_k": 1},
+    {"top_k": 5},
+    {"top_k": 19},
+    {"top_p": 0.1},
+    {"top_p": 0.5},
+    {"top_p": 0.95},
+    {"temperature": 0.7, "top_k": 6, "top_p": 0.8},
+    {"min_p": 0.2},
+    {"temperature": 1.3, "top_k": 12, "top_p": 0.9, "min_p": 0.05},
+]
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.95])
-def test_top_p_matches_transformers(p):
-    scores = torch.randn(4, 19, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(top_p_filter(scores, p), TopPLogitsWarper(p)(None, scores))
+def _transformers_warp(scores: torch.Tensor, case: dict) -> torch.Tensor:
+    if case.get("temperature", 1.0) != 1.0:
+        scores = TemperatureLogitsWarper(case["temperature"])(None, scores)
+    if case.get("top_k"):
+        scores = TopKLogitsWarper(case["top_k"])(None, scores)
+    if case.get("top_p", 1.0) < 1.0:
+        scores = TopPLogitsWarper(case["top_p"])(None, scores)
+    if case.get("min_p"):
+        scores = MinPLogitsWarper(case["min_p"])(None, scores)
+    return scores
+
+
+@pytest.mark.parametrize("case", WARPER_CASES, ids=str)
+def test_per_row_warpers_match_transformers(case):
+    """Each row of one batch warped with its own settings equals transformers' warpers for
+    that setting, bitwise; a greedy row in the same batch is left untouched."""
+    scores = torch.randn(4, 19, generator=torch.Generator().manual_seed(len(str(case))))
+    sampled = SamplingParams(do_sample=True, **case)
+    other = SamplingParams(do_sample=True, top_k=3, temperature=0.5)
+    rows = _rows(sampled, other, SamplingParams(), sampled)
+    warped = warp(scores, rows)
+    assert torch.equal(warped[0], _transformers_warp(scores[:1], case)[0])
+    assert torch.equal(warped[3], _transformers_warp(scores[3:], case)[0])
+    assert torch.equal(
+        warped[1], _transformers_warp(scores[1:2], {"top_k": 3, "temperature": 0.5})[0]
+    )
+    assert torch.equal(warped[2], scores[2])
 
 
 def test_sanitise_flattens_finished_and_broken_rows_only():
@@ -149,12 +191,15 @@ def test_sanitise_flattens_finished_and_broken_rows_only():
     torch.multinomial(probs, 1)  # would raise on NaN / all-zero rows
 
 
-def test_block_eos_uses_a_device_counter():
+def test_block_stops_uses_a_device_counter_and_per_row_minimums():
     scores = torch.zeros(2, 5)
-    eos_vocab = torch.tensor([False, True, False, False, True])
-    blocked = block_eos(scores, eos_vocab, torch.tensor(1), min_new_tokens=2)
+    stop_vocab = torch.tensor([False, True, False, False, True])
+    min_new = torch.tensor([2, 2])
+    blocked = block_stops(scores, stop_vocab, torch.tensor(1), min_new)
     assert torch.isneginf(blocked[:, [1, 4]]).all() and not blocked[:, [0, 2, 3]].any()
-    assert torch.equal(block_eos(scores, eos_vocab, torch.tensor(2), min_new_tokens=2), scores)
+    assert torch.equal(block_stops(scores, stop_vocab, torch.tensor(2), min_new), scores)
+    per_row = block_stops(scores, stop_vocab, torch.tensor([[1], [3]]), torch.tensor([2, 2]))
+    assert torch.isneginf(per_row[0, [1, 4]]).all() and not per_row[1].any()
 
 
 # ---- eligibility ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ field outside the list that differs from its default is refused with its name.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field, replace
@@ -32,9 +33,42 @@ GENERATION_CONFIG_FIELDS: tuple[str, ...] = (
     "max_new_tokens",
     "min_new_tokens",
     "num_return_sequences",
+    "min_p",
 )
 #: Fields accepted and ignored because they cannot change a decoder-only continuation.
 GENERATION_CONFIG_IGNORED: tuple[str, ...] = ("bos_token_id", "use_cache", "transformers_version")
+#: What ``SamplingParams.logprobs`` / ``return_logprobs`` report (docs/rollout.md, "Log-probs"):
+#: the distribution the token was drawn from, log_softmax(logits / T), or log_softmax(logits).
+LOGPROBS_MODES: tuple[str, ...] = ("sampling", "temperature", "raw")
+#: vLLM SamplingParams names accepted by the constructor: the same meaning under another name.
+VLLM_ALIASES: dict[str, str] = {
+    "n": "num_return_sequences",
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "logprobs": "return_logprobs",
+}
+#: vLLM SamplingParams names with no counterpart here: refused by name, never ignored.
+VLLM_UNSUPPORTED: tuple[str, ...] = (
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "best_of",
+    "ignore_eos",
+    "prompt_logprobs",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "detokenize",
+    "logits_processors",
+    "truncate_prompt_tokens",
+    "guided_decoding",
+    "structured_outputs",
+    "output_kind",
+    "extra_args",
+)
 #: transformers' generate() applies top_k=50 when sampling and top_k is unset; mirrored here.
 GENERATE_DEFAULT_TOP_K = 50
 
@@ -61,6 +95,9 @@ class SamplingParams:
     num_return_sequences: int = 1
     return_logprobs: bool = False
     seed: int | None = None
+    min_p: float = 0.0
+    logprobs_mode: str = "sampling"
+    stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -73,18 +110,45 @@ class SamplingParams:
         if self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be positive and finite, got {self.temperature}")
+            raise ValueError(
+                f"temperature must be positive and finite, got {self.temperature} (for greedy "
+                "decoding set do_sample=False; SamplingParams.from_vllm maps vLLM's 0)"
+            )
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self._check_sampling_extras()
         if self.num_return_sequences > 1 and not self.do_sample:
             raise ValueError(
                 "num_return_sequences > 1 with greedy decoding would return identical copies; "
                 "set do_sample=True"
             )
+
+    def _check_sampling_extras(self) -> None:
+        """Checks of the fields added for RL sampling (min_p, log-prob mode, stop ids, seed)."""
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if isinstance(ids, int) or not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise ValueError(
+                    f"stop_token_ids must be a list of non-negative token ids, got {ids!r}"
+                )
+            object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a row: the EOS ids, then ``stop_token_ids``."""
+        return self.eos_ids + tuple(i for i in self.stop_token_ids or () if i not in self.eos_ids)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -99,6 +163,18 @@ class SamplingParams:
     def effective_top_k(self) -> int:
         """The top-k the sampler applies (0 = disabled); greedy ignores warpers, as generate."""
         return (self.top_k or 0) if self.do_sample else 0
+
+    @classmethod
+    def from_vllm(cls, **kwargs: Any) -> SamplingParams:
+        """Build from vLLM ``SamplingParams`` keywords with vLLM's meaning: sampling unless
+        ``temperature`` is 0 (vLLM's greedy), ``top_k`` of -1 or 0 disables top-k. Other names
+        as the constructor (aliases translated, unsupported vLLM names refused)."""
+        temperature = float(kwargs.pop("temperature", 1.0))
+        top_k = kwargs.pop("top_k", None)
+        kwargs.setdefault("do_sample", temperature > 0)
+        kwargs["temperature"] = temperature if temperature > 0 else 1.0
+        kwargs["top_k"] = None if top_k in (None, -1, 0) else top_k
+        return cls(**kwargs)
 
     @classmethod
     def from_generation_config(
@@ -143,6 +219,7 @@ class SamplingParams:
             "max_new_tokens": int(config.max_new_tokens),
             "min_new_tokens": int(config.min_new_tokens or 0),
             "num_return_sequences": int(config.num_return_sequences or 1),
+            "min_p": 0.0 if config.min_p is None else float(config.min_p),
             "return_logprobs": return_logprobs,
             "seed": seed,
         }
@@ -161,6 +238,47 @@ class SamplingParams:
                 "is used as pad like generate does) or model.generation_config.pad_token_id"
             )
         return replace(params, pad_token_id=int(pad))
+
+
+def _vllm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Constructor keywords with vLLM's one-to-one names translated, the rest of vLLM's refused."""
+    refused = sorted(k for k in kwargs if k in VLLM_UNSUPPORTED)
+    if refused:
+        raise ValueError(
+            f"SamplingParams does not support vLLM's {refused}; remove them (vLLM names it "
+            f"accepts: {sorted(VLLM_ALIASES)}, stop_token_ids, seed, min_p and the shared "
+            "sampling fields)"
+        )
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        name = VLLM_ALIASES.get(key, key)
+        if name in out:
+            raise ValueError(f"both {name!r} and its vLLM alias were given; set only one")
+        out[name] = _logprobs_flag(value) if key == "logprobs" else value
+    return out
+
+
+def _logprobs_flag(value: Any) -> bool:
+    """vLLM's ``logprobs``: ``None`` = off, ``0`` = the chosen token's log-prob only."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if value == 0:
+        return True
+    raise ValueError(
+        f"logprobs={value!r} asks for the top {value} alternatives per token, which graphcap does "
+        "not return; use logprobs=0 (or return_logprobs=True) for the chosen token's log-prob"
+    )
+
+
+def _accepting_vllm_names(init: Any) -> Any:
+    @functools.wraps(init)
+    def __init__(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **_vllm_keywords(kwargs))
+
+    return __init__
+
+
+SamplingParams.__init__ = _accepting_vllm_names(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 def _is_default(name: str, value: Any) -> bool:

@@ -18,22 +18,29 @@ import torch
 
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.inputs import Call
 from graphcap.rollout.plan import plan_call
 from graphcap.rollout.prefill import Prefill, run_prefill
-from graphcap.rollout.results import RolloutResult, RolloutStats
+from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
 from graphcap.rollout.runners import Runner, start_runner
+from graphcap.rollout.sampling import RowPlan
 from graphcap.rollout.slots import ContinuousStep, SlotTable, clear_slots, shift_row
 
 
 @dataclass
 class _Queue:
-    """The requests of one call, in request order."""
+    """The requests of one call, in request order: request ``r`` is sample ``r % repeats`` of
+    prompt ``r // repeats``."""
 
-    ids: torch.Tensor  # (R, W)
-    mask: torch.Tensor  # (R, W)
-    limits: list[int]
-    pads: list[int]  # left-pad columns per request (host copy, taken before decoding)
+    ids: torch.Tensor  # (P, W) prompts
+    mask: torch.Tensor  # (P, W)
+    repeats: int
+    limits: list[int]  # per request
+    pads: list[int]  # left-pad columns per prompt (host copy, taken before decoding)
     next: int = 0
+
+    def prompt(self, request: int) -> int:
+        return request // self.repeats
 
     def take(self, count: int) -> list[int]:
         taken = list(range(self.next, min(self.next + count, len(self.limits))))
@@ -51,23 +58,15 @@ class ContinuousRollout:
     def __init__(self, model: torch.nn.Module, config: RolloutConfig, holder: GraphHolder):
         self.model, self.config, self.holder = model, config, holder
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        request_max_new_tokens: Sequence[int] | None,
-        start: float,
-    ) -> RolloutResult:
+    def run(self, call: Call, start: float) -> RolloutResult:
         """Run the call's rows (x samples) through the slots; results in request order."""
         config, holder = self.config, self.holder
+        params, generator = call.params, call.generator
         slots = int(config.continuous_batch_size)
         repeats = params.num_return_sequences
-        ids = input_ids.repeat_interleave(repeats, dim=0)
-        mask = attention_mask.repeat_interleave(repeats, dim=0)
-        limits = _limits(request_max_new_tokens, input_ids.shape[0], repeats, params)
-        width, max_new = ids.shape[1], params.max_new_tokens
+        prompts, width = call.input_ids.shape
+        limits = _limits(call.request_max_new_tokens, prompts, repeats, params)
+        max_new = params.max_new_tokens
         align, trim = config.align_decode_fronts, config.trim_cache
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
@@ -80,6 +79,7 @@ class ContinuousRollout:
             batch_size=slots,
             total_len=total,
             prompt_width=width,
+            sampler=holder.sampler_for(params),
             disabled_reason=holder.disabled_reason,
         )
         stats = RolloutStats(path="continuous_eager")
@@ -87,7 +87,9 @@ class ContinuousRollout:
         stats.fallback_reason = plan.reason
         stats.recapture_reason = holder.release_stale(plan.signature)
 
-        queue = _Queue(ids, mask, limits, (width - mask.sum(-1)).tolist())
+        mask = call.attention_mask
+        queue = _Queue(call.input_ids, mask, repeats, limits, (width - mask.sum(-1)).tolist())
+        self._rows = RowPlan.build(call.per_prompt, repeats, len(limits))
         rows = len(limits)
         device = holder.backend.device
         out_seq = torch.full((rows, width + max_new), int(params.pad_token_id), device=device)
@@ -95,7 +97,7 @@ class ContinuousRollout:
         out_logp = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
         table = SlotTable.empty(slots)
         first = queue.take(slots)
-        prefill = run_prefill(self.model, ids[first], mask[first])
+        prefill = self._prefill(queue, first)
         vocab = prefill.logits.shape[-1]
         step = holder.step_for(
             plan.signature,
@@ -103,6 +105,7 @@ class ContinuousRollout:
             lambda: ContinuousStep.build(self.model, prefill.specs, plan, vocab, params, generator),
         )
         assert isinstance(step, ContinuousStep)
+        step.state.set_stop_ids(params.stop_ids)
         clear_slots(step, torch.arange(slots, device=device))
         self._fill(step, table, queue, first, prefill)
         stats.prefill_s = time.perf_counter() - start
@@ -141,20 +144,25 @@ class ContinuousRollout:
         prefill: Prefill | None = None,
         front: int | None = None,
     ) -> None:
-        """Prefill ``requests`` (one batch) and put them into free slots, first token chosen."""
+        """Put ``requests`` into free slots (prefilled together, first token chosen)."""
         if not requests:
             return
         if prefill is None:
-            prefill = run_prefill(self.model, queue.ids[requests], queue.mask[requests])
+            prefill = self._prefill(queue, requests)
         free = table.free()[: len(requests)]
         device = step.state.finished.device
         rows = torch.tensor(free, dtype=torch.long, device=device)
+        prompts = [queue.prompt(r) for r in requests]
+        # each slot copies its prompt's prefill row (a prompt's samples share one prefill)
+        sources = torch.tensor(
+            [list(dict.fromkeys(prompts)).index(p) for p in prompts], device=device
+        )
         width = queue.ids.shape[1]
         s = step.state
-        step.cache.load_prefill(prefill.cache, rows=rows)
-        step.masks.reset(queue.mask[requests], rows=rows)
-        s.sequences[rows, :width] = queue.ids[requests]
-        s.positions[rows] = prefill.next_positions.view(-1, 1)
+        step.cache.load_prefill(prefill.cache, rows=rows, source_rows=sources)
+        step.masks.reset(queue.mask[prompts], rows=rows)
+        s.sequences[rows, :width] = queue.ids[prompts]
+        s.positions[rows] = prefill.next_positions[sources].view(-1, 1)
         s.finished[rows] = False
         s.generated[rows] = 0
         step.limits[rows] = torch.tensor(
@@ -166,7 +174,16 @@ class ContinuousRollout:
             table.column[slot] = width
             if front is not None:
                 _shift(step, table, slot, front - width)
-        step.commit_rows(prefill.logits, rows)
+        plan = self._rows
+        step.configure_rows(
+            rows, [plan.params[r] for r in requests], [plan.samples[r] for r in requests]
+        )
+        step.commit_rows(prefill.logits[sources], rows)
+
+    def _prefill(self, queue: _Queue, requests: list[int]) -> Prefill:
+        """One prefill row per distinct prompt among ``requests``, in first-seen order."""
+        prompts = list(dict.fromkeys(queue.prompt(r) for r in requests))
+        return run_prefill(self.model, queue.ids[prompts], queue.mask[prompts])
 
     def _service(
         self,
@@ -208,7 +225,7 @@ class ContinuousRollout:
             request = table.request[slot]
             first = table.start[slot] + width  # the first response column (start may be < 0
             # once trimming dropped left padding; the prompt comes from the queue)
-            out_seq[request, :width] = queue.ids[request]
+            out_seq[request, :width] = queue.ids[queue.prompt(request)]
             out_seq[request, width:] = s.sequences[slot, first : first + max_new]
             out_resp[request] = s.response[slot, first : first + max_new]
             out_logp[request] = s.logprobs[slot, first : first + max_new]
@@ -221,7 +238,7 @@ class ContinuousRollout:
         """Columns any busy slot may attend to: from the first real prompt token to the
         furthest write column (host bookkeeping, no device read)."""
         busy = table.occupied()
-        lo = min(table.start[i] + queue.pads[table.request[i]] for i in busy)
+        lo = min(table.start[i] + queue.pads[queue.prompt(table.request[i])] for i in busy)
         hi = max(table.column[i] for i in busy) + 1
         return max(lo, 0), min(hi, total - 1)
 
@@ -232,7 +249,7 @@ class ContinuousRollout:
         busy = table.occupied()
         if not busy:
             return
-        lead = min(table.start[i] + queue.pads[table.request[i]] for i in busy)
+        lead = min(table.start[i] + queue.pads[queue.prompt(table.request[i])] for i in busy)
         for slot in busy:
             _shift(step, table, slot, -lead)
 
@@ -269,20 +286,21 @@ def _result(
     slots: int,
 ) -> RolloutResult:
     lengths = out_resp.sum(-1)
-    eos = torch.zeros(out_seq.shape[0], dtype=torch.bool, device=out_seq.device)
     last = (lengths - 1).clamp(min=0)
     last_token = out_seq[:, width:].gather(1, last[:, None]).squeeze(1)
-    for token in params.eos_ids:
-        eos |= last_token == token
+    stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=out_seq.device)
+    stopped = ((last_token[:, None] == stop_ids).any(-1) & (lengths > 0)).tolist()
+    reasons, stops = finish_details(out_seq, out_resp.to(torch.long), stopped, params.eos_ids)
     useful = int((lengths - 1).clamp(min=0).sum())
     stats.occupancy = useful / (slots * stats.steps) if stats.steps else 1.0
     return RolloutResult(
         sequences=out_seq,
         response_mask=out_resp.to(torch.long),
         response_lengths=lengths,
-        finish_reasons=["eos" if e else "length" for e in eos.tolist()],
+        finish_reasons=reasons,
         logprobs=out_logp if params.return_logprobs else None,
         stats=stats,
+        stop_token_ids=stops,
     )
 
 

@@ -24,13 +24,16 @@ from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.continuous import ContinuousRollout
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.inputs import (
+    Call,
     check_generator,
     check_prompts,
     check_vocab_ids,
     resolve_sampling,
+    row_settings,
 )
 from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult
+from graphcap.rollout.sampling import generator_kept
 from graphcap.rollout.signature import attention_implementation
 from graphcap.rollout.static import StaticRollout
 from graphcap.rollout.step import DecodeStep
@@ -70,7 +73,7 @@ class RolloutEngine:
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        sampling: SamplingParams | GenerationConfig | None = None,
+        sampling: SamplingParams | GenerationConfig | Sequence[SamplingParams] | None = None,
         generator: torch.Generator | None = None,
         *,
         request_max_new_tokens: Sequence[int] | None = None,
@@ -88,15 +91,16 @@ class RolloutEngine:
             input_ids, attention_mask = check_prompts(self.model, device, input_ids, attention_mask)
             check_generator(generator, device)
             check_vocab_ids(self.model, params)
-            if params.seed is not None:
-                if generator is not None:
-                    generator.manual_seed(params.seed)
-                else:
-                    self.backend.manual_seed(params.seed)
-            with torch.no_grad(), without_checkpointing(self.model):
-                result = self._path.run(
-                    input_ids, attention_mask, params, generator, request_max_new_tokens, start
-                )
+            per_prompt = row_settings(self.model, sampling, input_ids.shape[0])
+            call = Call(
+                input_ids, attention_mask, params, per_prompt, generator, request_max_new_tokens
+            )
+            with (
+                torch.no_grad(),
+                without_checkpointing(self.model),
+                generator_kept(self.backend, generator, keep=not call.draws),
+            ):
+                result = self._path.run(call, start)
             stats = result.stats
             stats.captures = self._holder.captures
             stats.attention = stats.attention or attention_implementation(self.model)

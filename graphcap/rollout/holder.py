@@ -19,7 +19,9 @@ from graphcap.backend import Backend
 from graphcap.rollout.agreement import PEER_RECAPTURE, RankAgreement
 from graphcap.rollout.cache import LayerSpec
 from graphcap.rollout.capture import capture_step, fallback_reason
+from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.results import RolloutStats
+from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.signature import GraphSignature, attention_implementation
 from graphcap.rollout.step import DecodeStep
 
@@ -44,6 +46,14 @@ class GraphHolder:
         self.captures = 0
         #: why graphs are off for this engine (a failed capture here or on another rank)
         self.disabled_reason: str | None = None
+        #: the sampler's graph shape: it only grows, so alternating greedy and sampled calls
+        #: replay one graph (docs/rollout.md, "One graph for any setting")
+        self.sampler = SamplerShape()
+
+    def sampler_for(self, params: SamplingParams) -> SamplerShape:
+        """The sampler shape serving this call and every earlier one."""
+        self.sampler = self.sampler.widen(params)
+        return self.sampler
 
     def release_stale(self, signature: GraphSignature) -> list[str]:
         """Drop what was held for another signature; the names of the members that changed."""

@@ -7,29 +7,94 @@ model's generation config).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from transformers import GenerationConfig
 
 from graphcap.rollout.config import SamplingParams
+from graphcap.rollout.sampling import per_prompt_params
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def resolve_sampling(
+Sampling: TypeAlias = "SamplingParams | GenerationConfig | Sequence[SamplingParams] | None"
+#: Fields that shape the whole call: a per-row list must agree on them.
+CALL_FIELDS: tuple[str, ...] = (
+    "max_new_tokens",
+    "num_return_sequences",
+    "eos_token_id",
+    "pad_token_id",
+    "return_logprobs",
+    "stop_token_ids",
+)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One generate() call after its checks: what a path's ``run`` takes."""
+
+    input_ids: torch.Tensor  # (R, W) long, on the backend's device
+    attention_mask: torch.Tensor  # (R, W) 0/1 long
+    params: SamplingParams  # the call's summary (whole-call fields; do_sample = any row)
+    per_prompt: list[SamplingParams]  # one per prompt row
+    generator: torch.Generator | None
+    request_max_new_tokens: Sequence[int] | None  # continuous path only
+
+    @property
+    def draws(self) -> bool:
+        """Whether any row samples from the shared generator (sampled, no seed of its own)."""
+        return any(p.do_sample and p.seed is None for p in self.per_prompt)
+
+
+def resolve_sampling(model: PreTrainedModel, sampling: Sampling) -> SamplingParams:
+    """The call's settings, EOS and pad filled from the model's generation config.
+
+    For a per-row list: the rows must agree on :data:`CALL_FIELDS`; the call's summary is the
+    first row with ``do_sample`` = any row samples and ``min_new_tokens`` = the smallest.
+    """
+    if isinstance(sampling, (list, tuple)):
+        rows = [_resolve_one(model, s) for s in sampling]
+        if not rows:
+            raise ValueError("sampling is an empty list; give one SamplingParams per prompt row")
+        for name in CALL_FIELDS:
+            differing = [
+                i for i, r in enumerate(rows) if getattr(r, name) != getattr(rows[0], name)
+            ]
+            if differing:
+                raise ValueError(
+                    f"sampling rows {differing} differ from row 0 in {name}, which applies to the "
+                    "whole call; give every row the same value"
+                )
+        return replace(
+            rows[0],
+            do_sample=any(r.do_sample for r in rows),
+            min_new_tokens=min(r.min_new_tokens for r in rows),
+        )
+    return _resolve_one(model, sampling)
+
+
+def row_settings(model: PreTrainedModel, sampling: Sampling, rows: int) -> list[SamplingParams]:
+    """One resolved :class:`SamplingParams` per prompt row (see ``per_prompt_params``)."""
+    if isinstance(sampling, (list, tuple)):
+        return per_prompt_params([_resolve_one(model, s) for s in sampling], rows)
+    return per_prompt_params(_resolve_one(model, sampling), rows)
+
+
+def _resolve_one(
     model: PreTrainedModel, sampling: SamplingParams | GenerationConfig | None
 ) -> SamplingParams:
-    """The call's settings, EOS and pad filled from the model's generation config."""
     if sampling is None:
         sampling = SamplingParams()
     elif isinstance(sampling, GenerationConfig):
         sampling = SamplingParams.from_generation_config(sampling)
     elif not isinstance(sampling, SamplingParams):
         raise TypeError(
-            f"sampling must be SamplingParams or transformers.GenerationConfig, "
-            f"got {type(sampling).__name__}"
+            f"sampling must be SamplingParams, transformers.GenerationConfig or a list of "
+            f"SamplingParams (one per prompt row), got {type(sampling).__name__}"
         )
     gen_config = getattr(model, "generation_config", None)
     eos = getattr(gen_config, "eos_token_id", None)
@@ -90,7 +155,11 @@ def check_vocab_ids(model: PreTrainedModel, params: SamplingParams) -> None:
     """EOS and pad ids must index the vocabulary (they index device tables in the step)."""
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
-    checks = (("eos_token_id", params.eos_ids), ("pad_token_id", (params.pad_token_id,)))
+    checks = (
+        ("eos_token_id", params.eos_ids),
+        ("pad_token_id", (params.pad_token_id,)),
+        ("stop_token_ids", params.stop_token_ids or ()),
+    )
     for name, ids in checks:
         for token in ids:
             if not 0 <= int(token) < vocab:

@@ -19,7 +19,7 @@ from graphcap.backend import Backend
 from graphcap.errors import GraphUnsupportedModelError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.masks import layer_windows, unsupported_layer_types
-from graphcap.rollout.sampling import SamplerSettings
+from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.signature import (
     GraphSignature,
     attention_implementation,
@@ -109,14 +109,10 @@ def capability_refusal(
     return None
 
 
-def request_refusal(params: SamplingParams, continuous: bool) -> str | None:
+def request_refusal(params: SamplingParams) -> str | None:
     """Why this request has nothing a graph path can serve, or ``None``."""
     if params.max_new_tokens == 1:
         return "max_new_tokens=1: the prefill chooses the only token, there is no step to replay"
-    if continuous and params.do_sample:
-        return "continuous graph path is greedy only (do_sample=True runs the eager loop)"
-    if continuous and params.num_return_sequences != 1:
-        return "continuous graph path serves one sample per prompt"
     return None
 
 
@@ -171,10 +167,12 @@ def plan_call(
     batch_size: int,
     total_len: int,
     prompt_width: int,
+    sampler: SamplerShape,
     disabled_reason: str | None,
 ) -> Plan:
     """The plan of one call (pure: reads the model and settings, changes nothing).
 
+    ``sampler``: the sampler shape the step needs (the holder's, widened by this call);
     ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
     """
     continuous = config.continuous_batch_size is not None
@@ -187,7 +185,7 @@ def plan_call(
             disabled_reason
             or graph_refusal(model, backend)
             or capability_refusal(backend, params, config)
-            or request_refusal(params, continuous)
+            or request_refusal(params)
         )
     if config.enable_graph_capture and reason is None:
         attention = selected_attention(model, backend, config)
@@ -201,10 +199,8 @@ def plan_call(
         batch_size=batch_size,
         total_len=total_len,
         device=backend.device,
-        sampler=SamplerSettings.from_params(params),
-        eos_ids=params.eos_ids,
+        sampler=sampler,
         pad_id=int(params.pad_token_id),
-        return_logprobs=params.return_logprobs,
         mask_form=backend.capabilities.mask_form,
         windows=windows,
         generator=generator,

@@ -44,7 +44,12 @@ class RolloutStats:
 
 @dataclass
 class RolloutResult:
-    """Prompt + response per row, in generate()'s row order (samples of a prompt adjacent)."""
+    """Prompt + response per row, in generate()'s row order (samples of a prompt adjacent).
+
+    ``finish_reasons``: "eos" (an EOS id ended the row), "stop" (one of ``stop_token_ids``) or
+    "length". ``stop_token_ids``: the id that ended each row, ``None`` for "length" rows (vLLM's
+    ``stop_reason``, EOS included).
+    """
 
     sequences: torch.Tensor
     response_mask: torch.Tensor
@@ -52,3 +57,20 @@ class RolloutResult:
     finish_reasons: list[str]
     logprobs: torch.Tensor | None
     stats: RolloutStats
+    stop_token_ids: list[int | None] | None = None
+
+
+def finish_details(
+    sequences: torch.Tensor,
+    response_mask: torch.Tensor,
+    finished: list[bool],
+    eos_ids: tuple[int, ...],
+) -> tuple[list[str], list[int | None]]:
+    """``finish_reasons`` and ``stop_token_ids`` of rows of prompt + response ``sequences``
+    (B, W + N) with ``response_mask`` (B, N): a finished row's last response token stopped it."""
+    width = sequences.shape[1] - response_mask.shape[1]
+    last = (width + response_mask.sum(-1) - 1).clamp(min=width)
+    tokens = sequences.gather(1, last[:, None]).squeeze(1).tolist()
+    stops = [token if done else None for token, done in zip(tokens, finished, strict=True)]
+    reasons = ["length" if t is None else "eos" if t in eos_ids else "stop" for t in stops]
+    return reasons, stops

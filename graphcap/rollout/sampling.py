@@ -1,83 +1,261 @@
-"""Token selection with transformers' generate() math, written to run inside a graph.
+"""Token selection with transformers' generate() math, per row, written to run inside a graph.
 
-Every function takes and returns device tensors and reads no device value on the host, so the
-same code serves the eager loop and the captured step. The order and the arithmetic follow
-``generate`` (repetition penalty, min_new_tokens, temperature, top-k, top-p, then
-``multinomial(softmax(scores.float()), 1)`` or argmax), which is what makes graph samples equal
-to generate's for a fixed seed. One deliberate difference: the repetition penalty looks only at
-written positions (prompt tokens and generated ones), never at left-pad slots.
+Every sampling setting (greedy or sample, temperature, top-k, top-p, min-p, repetition penalty,
+min_new_tokens, seed, log-prob mode) is a per-row device tensor of :class:`RowSettings`, written
+before each call, so one captured step serves any mix of settings, also within one batch. Only
+two facts shape the graph (:class:`SamplerShape`): whether it can sample at all (the vocabulary
+sort, the draws) and whether it computes log-probs.
+
+The order and the arithmetic follow ``generate`` (repetition penalty, min_new_tokens,
+temperature, top-k, top-p, min-p, then ``multinomial(softmax(scores), 1)`` or argmax), which is
+what makes samples equal to generate's for a fixed seed of the shared generator. Rows with their
+own ``seed`` draw instead from a counter-based hash of (seed, sample index, token index, token
+id) with Gumbel-max selection: reproducible, independent of the other rows of the batch, and
+never touching a torch generator. One deliberate difference from generate: the repetition
+penalty looks only at written positions (prompt and generated tokens), never at left-pad slots.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from graphcap.rollout.config import SamplingParams
+from graphcap.rollout.config import LOGPROBS_MODES, SamplingParams
+
+if TYPE_CHECKING:
+    from graphcap.backend import Backend
+
+MASK32 = 0xFFFFFFFF
+GOLDEN32 = 0x9E3779B9
 
 
 @dataclass(frozen=True)
-class SamplerSettings:
-    """The host constants the sampler reads; all of them are part of the graph signature."""
+class SamplerShape:
+    """What the sampler adds to the graph signature: two facts that only ever grow per engine.
 
-    do_sample: bool
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    min_new_tokens: int
+    ``samples``: the step contains the sampling branch (one vocabulary sort per step for top-k /
+    top-p, the shared generator's draw, the hash draw). A greedy-only engine never pays for it;
+    the first call with a sampled row captures once more, and from then on every call, greedy
+    or not, replays that graph. ``logprobs``: the step computes log-probs (likewise).
+    """
 
-    @classmethod
-    def from_params(cls, params: SamplingParams) -> SamplerSettings:
-        """Greedy ignores the warpers, so they are normalised away: changing them between two
-        greedy calls must not change the graph signature (and force a recapture)."""
-        sample = params.do_sample
-        return cls(
-            do_sample=sample,
-            temperature=params.temperature if sample else 1.0,
-            top_k=params.effective_top_k,
-            top_p=params.top_p if sample else 1.0,
-            repetition_penalty=params.repetition_penalty,
-            min_new_tokens=params.min_new_tokens,
+    samples: bool = False
+    logprobs: bool = False
+
+    def widen(self, params: SamplingParams) -> SamplerShape:
+        """The shape that serves both what this one served and ``params`` (the call summary)."""
+        return SamplerShape(
+            samples=self.samples or params.do_sample,
+            logprobs=self.logprobs or params.return_logprobs,
         )
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """The settings of each batch row of one call (host side), and the call's stop ids."""
+
+    params: tuple[SamplingParams, ...]  # one per batch row (samples of a prompt adjacent)
+    samples: tuple[int, ...]  # each row's sample index within its prompt
+    active: int  # rows from here on are bucket padding
+
+    @classmethod
+    def build(cls, per_prompt: Sequence[SamplingParams], repeats: int, batch_size: int) -> RowPlan:
+        """Expand per-prompt settings to ``repeats`` samples each, then pad to ``batch_size``
+        with copies of the last row (padding rows start finished and only ever emit pad)."""
+        params = [p for p in per_prompt for _ in range(repeats)]
+        samples = [j for _ in per_prompt for j in range(repeats)]
+        active = len(params)
+        params += [params[-1]] * (batch_size - active)
+        samples += [0] * (batch_size - active)
+        return cls(tuple(params), tuple(samples), active)
+
+    @property
+    def draws(self) -> bool:
+        """Whether any real row samples from the shared generator (sampled, no seed)."""
+        return any(p.do_sample and p.seed is None for p in self.params[: self.active])
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.params[0].stop_ids
+
+
+def per_prompt_params(call: SamplingParams | Sequence[SamplingParams], rows: int) -> list:
+    """One :class:`SamplingParams` per prompt row: a list as given, or the call's settings
+    repeated, where a call ``seed`` ``s`` gives prompt row ``i`` the seed ``s + i`` (distinct
+    streams per prompt; run a row alone with ``seed=s + i`` to reproduce it)."""
+    if isinstance(call, SamplingParams):
+        if call.seed is None:
+            return [call] * rows
+        return [replace(call, seed=(call.seed + i) % 2**64) for i in range(rows)]
+    if len(call) != rows:
+        raise ValueError(
+            f"sampling has {len(call)} SamplingParams but input_ids has {rows} prompt rows; give "
+            "one per prompt row (or a single SamplingParams for all)"
+        )
+    return list(call)
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in ``[0, 2**32)``.
+
+    Products are split into 16-bit halves so no intermediate exceeds 2**49: well defined on
+    every backend (no reliance on wrapping signed overflow).
+    """
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def row_key(seed: int, sample: int) -> int:
+    """The 32-bit key of a seeded row's stream: a hash of its seed and sample index."""
+    words = torch.tensor([seed & MASK32, seed >> 32, (sample + GOLDEN32) & MASK32])
+    h = hash32(words)
+    return int(hash32(hash32(h[0:1] ^ h[1:2]) ^ h[2:3]))
+
+
+@dataclass
+class RowSettings:
+    """Per-row device inputs of the sampler, shape ``(B,)``; written per call, read by replays."""
+
+    sample: torch.Tensor  # bool: sampled (else greedy)
+    seeded: torch.Tensor  # bool: draws from its hash stream (else the shared generator)
+    key: torch.Tensor  # long: 32-bit hash key of (seed, sample index)
+    temperature: torch.Tensor  # float32: warper temperature (1 for greedy rows)
+    top_k: torch.Tensor  # long: 0 = off
+    top_p_floor: torch.Tensor  # float32: 1 - top_p, computed in double as generate does
+    min_p: torch.Tensor  # float32: 0 = off
+    penalty: torch.Tensor  # float32: repetition penalty (1 = off)
+    min_new: torch.Tensor  # long: min_new_tokens
+    logprobs_mode: torch.Tensor  # long: index into LOGPROBS_MODES
+    logprob_temperature: torch.Tensor  # float32: the row's temperature, greedy rows too
+    token_mix: torch.Tensor  # (V,) long: hash32 of each token id (fixed)
+
+    @classmethod
+    def allocate(cls, batch_size: int, vocab_size: int, device: torch.device) -> RowSettings:
+        def full(value: float | int | bool, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((batch_size,), value, dtype=dtype, device=device)
+
+        tokens = torch.arange(vocab_size, dtype=torch.long, device=device)
+        return cls(
+            sample=full(False, torch.bool),
+            seeded=full(False, torch.bool),
+            key=full(0, torch.long),
+            temperature=full(1.0, torch.float32),
+            top_k=full(0, torch.long),
+            top_p_floor=full(0.0, torch.float32),
+            min_p=full(0.0, torch.float32),
+            penalty=full(1.0, torch.float32),
+            min_new=full(0, torch.long),
+            logprobs_mode=full(0, torch.long),
+            logprob_temperature=full(1.0, torch.float32),
+            token_mix=hash32((tokens + GOLDEN32) & MASK32),
+        )
+
+    def write(
+        self,
+        params: Sequence[SamplingParams],
+        samples: Sequence[int],
+        rows: torch.Tensor | None = None,
+    ) -> None:
+        """Set rows ``rows`` (all when ``None``) to ``params`` / sample indices (host -> device
+        copies, outside any graph). Greedy rows get neutral warpers, as generate ignores them."""
+        values = {
+            "sample": [p.do_sample for p in params],
+            "seeded": [p.do_sample and p.seed is not None for p in params],
+            "key": [
+                0 if p.seed is None else row_key(p.seed, j)
+                for p, j in zip(params, samples, strict=True)
+            ],
+            "temperature": [p.temperature if p.do_sample else 1.0 for p in params],
+            "top_k": [p.effective_top_k for p in params],
+            "top_p_floor": [1.0 - p.top_p if p.do_sample else 0.0 for p in params],
+            "min_p": [p.min_p if p.do_sample else 0.0 for p in params],
+            "penalty": [p.repetition_penalty for p in params],
+            "min_new": [p.min_new_tokens for p in params],
+            "logprobs_mode": [LOGPROBS_MODES.index(p.logprobs_mode) for p in params],
+            "logprob_temperature": [p.temperature for p in params],
+        }
+        for name, column in values.items():
+            target = getattr(self, name)
+            source = torch.tensor(column, dtype=target.dtype).to(target.device)
+            if rows is None:
+                target.copy_(source)
+            else:
+                target[rows] = source
+
+
 def repetition_penalty(
-    scores: torch.Tensor, tokens: torch.Tensor, written: torch.Tensor, penalty: float
+    scores: torch.Tensor, tokens: torch.Tensor, written: torch.Tensor, penalty: torch.Tensor
 ) -> torch.Tensor:
-    """Penalise every token id present at a written position of ``tokens`` (B, L).
+    """Penalise every token id present at a written position of ``tokens`` (B, L), per row.
 
     Same per-element math as transformers (``score < 0 ? score * p : score / p``, once per
-    distinct token); presence is counted with ``scatter_add`` so unwritten or pad slots, which
-    hold arbitrary ids, cannot collide with written ones.
+    distinct token; a penalty of 1 is exact identity); presence is counted with ``scatter_add``
+    so unwritten or pad slots, which hold arbitrary ids, cannot collide with written ones.
     """
     counts = torch.zeros_like(scores).scatter_add_(1, tokens, written.to(scores.dtype))
-    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+    p = penalty[:, None]
+    penalised = torch.where(scores < 0, scores * p, scores / p)
     return torch.where(counts > 0, penalised, scores)
 
 
-def block_eos(
-    scores: torch.Tensor, eos_vocab: torch.Tensor, generated: torch.Tensor, min_new_tokens: int
+def block_stops(
+    scores: torch.Tensor, stop_vocab: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor
 ) -> torch.Tensor:
-    """Forbid EOS ids while fewer than ``min_new_tokens`` tokens were generated (device count)."""
-    blocked = eos_vocab[None, :] & (generated < min_new_tokens)
+    """Forbid stop ids in rows that generated fewer than their ``min_new`` tokens (``generated``
+    is the step counter: one for all rows, or one per row)."""
+    blocked = stop_vocab[None, :] & (generated.view(-1) < min_new)[:, None]
     return scores.masked_fill(blocked, -float("inf"))
 
 
-def top_k_filter(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    k = min(top_k, scores.shape[-1])
-    threshold = torch.topk(scores, k)[0][..., -1, None]
-    return scores.masked_fill(scores < threshold, -float("inf"))
+def process_scores(
+    logits: torch.Tensor,
+    rows: RowSettings,
+    tokens: torch.Tensor,
+    written: torch.Tensor,
+    stop_vocab: torch.Tensor,
+    generated: torch.Tensor,
+) -> torch.Tensor:
+    """generate()'s logits processors (penalty, min_new_tokens) on float32 scores: what greedy
+    rows take the argmax of."""
+    scores = repetition_penalty(logits.float(), tokens, written, rows.penalty)
+    return block_stops(scores, stop_vocab, generated, rows.min_new)
 
 
-def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_scores, sorted_ids = torch.sort(scores, descending=False)
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)
+def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p per row, each off where its setting is neutral.
+
+    One ascending sort serves top-k and top-p: the k-th largest value is ``sorted[V - k]``, and
+    the top-k-filtered scores sorted are the same sort with a prefix set to -inf, so top-p sees
+    exactly the values (in the same order) that generate's own sort gives it.
+    """
+    neg_inf = -float("inf")
+    vocab = scores.shape[-1]
+    scores = scores / rows.temperature[:, None]
+    ordered, order = torch.sort(scores, descending=False)
+    k = rows.top_k.clamp(max=vocab)
+    kth = ordered.gather(1, (vocab - k.clamp(min=1))[:, None])
+    use_k = (k > 0)[:, None]
+    scores = scores.masked_fill(use_k & (scores < kth), neg_inf)
+    ordered = ordered.masked_fill(use_k & (ordered < kth), neg_inf)
+    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= rows.top_p_floor[:, None]
     remove_sorted[..., -1:] = False
-    remove = remove_sorted.scatter(1, sorted_ids, remove_sorted)
-    return scores.masked_fill(remove, -float("inf"))
+    remove = remove_sorted.scatter(1, order, remove_sorted)
+    scores = scores.masked_fill(remove & (rows.top_p_floor > 0)[:, None], neg_inf)
+    probs = scores.softmax(dim=-1)
+    below = probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return scores.masked_fill(below, neg_inf)
 
 
 def sanitise(scores: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
@@ -91,35 +269,67 @@ def sanitise(scores: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(bad[:, None], 0.0)
 
 
-def process_scores(
-    logits: torch.Tensor,
-    settings: SamplerSettings,
-    tokens: torch.Tensor,
-    written: torch.Tensor,
-    eos_vocab: torch.Tensor,
+def gumbel(rows: RowSettings, generated: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise (B, V) from each row's hash stream at its token index ``generated``.
+
+    ``-log(E)`` with ``E = -log1p(-u)`` exponential: u near 0 (E small, the draws that decide a
+    winner) keeps full float32 precision.
+    """
+    counter = hash32((generated.view(-1) + GOLDEN32) & MASK32)
+    step_key = hash32(rows.key ^ counter)
+    bits = hash32(step_key[:, None] ^ rows.token_mix[None, :])
+    u = ((bits.float() + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
+    return -torch.log(-torch.log1p(-u))
+
+
+def select(
+    scores: torch.Tensor,
+    rows: RowSettings,
+    finished: torch.Tensor,
     generated: torch.Tensor,
-) -> torch.Tensor:
-    """generate()'s logits processors, in generate's order, on float32 scores."""
-    scores = logits.float()  # every step below is out of place: no copy needed
-    if settings.repetition_penalty != 1.0:
-        scores = repetition_penalty(scores, tokens, written, settings.repetition_penalty)
-    if settings.min_new_tokens > 0:
-        scores = block_eos(scores, eos_vocab, generated, settings.min_new_tokens)
-    if settings.do_sample:
-        if settings.temperature != 1.0:
-            scores = scores / settings.temperature
-        if settings.top_k:
-            scores = top_k_filter(scores, settings.top_k)
-        if settings.top_p < 1.0:
-            scores = top_p_filter(scores, settings.top_p)
-    return scores
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen token per row, and the scores of the distribution it was chosen from.
+
+    Greedy rows: argmax of ``scores`` (the processed scores, bitwise). Sampled rows: warped,
+    then one ``multinomial`` draw over all rows from the shared generator (as generate draws,
+    so it consumes the generator identically), replaced by the hash draw for seeded rows.
+    """
+    warped = sanitise(warp(scores, rows), finished)
+    drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    hashed = torch.argmax(warped + gumbel(rows, generated), dim=-1)
+    sampled = torch.where(rows.seeded, hashed, drawn)
+    chosen = torch.where(rows.sample, sampled, torch.argmax(scores, dim=-1))
+    return chosen, torch.where(rows.sample[:, None], warped, scores)
 
 
-def choose(
-    scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None
+def logprobs_of(
+    chosen: torch.Tensor, drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
 ) -> torch.Tensor:
-    """Argmax, or one multinomial draw per row over all rows (as generate draws)."""
-    if do_sample:
-        probs = torch.nn.functional.softmax(scores, dim=-1)
-        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
-    return torch.argmax(scores, dim=-1)
+    """Log-prob of each chosen token (B,) under the row's ``logprobs_mode``: the distribution
+    it was drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``."""
+    raw = logits.float()
+    mode = rows.logprobs_mode[:, None]
+    tempered = raw / rows.logprob_temperature[:, None]
+    source = torch.where(mode == 0, drawn_from, torch.where(mode == 1, tempered, raw))
+    return torch.log_softmax(source, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+
+
+@contextmanager
+def generator_kept(
+    backend: Backend, generator: torch.Generator | None, keep: bool
+) -> Iterator[None]:
+    """Put the shared generator (``generator``, else the backend's) back as it was after a call
+    in which no row drew from it: a sampling graph draws for every row, but greedy and seeded
+    calls must leave the training side's RNG untouched."""
+    if not keep:
+        yield
+        return
+    state = generator.get_state() if generator is not None else backend.get_rng_state()
+    try:
+        yield
+    finally:
+        if generator is not None:
+            generator.set_state(state)
+        else:
+            backend.set_rng_state(state)

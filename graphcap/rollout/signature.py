@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcap.rollout.sampling import SamplerSettings
+from graphcap.rollout.sampling import SamplerShape
 
 TensorFacts = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
@@ -52,10 +52,8 @@ class GraphSignature:
     autocast: tuple[bool, torch.dtype | None, bool]
     inference_mode: bool
     attn_implementation: str
-    sampler: SamplerSettings
-    eos_ids: tuple[int, ...]
+    sampler: SamplerShape  # settings are per-row device inputs; only the shape is here
     pad_id: int
-    return_logprobs: bool
     mask_form: str
     windows: tuple[tuple[str, int | None], ...]
     generator_id: int | None
@@ -79,10 +77,8 @@ def signature_of(
     batch_size: int,
     total_len: int,
     device: torch.device,
-    sampler: SamplerSettings,
-    eos_ids: tuple[int, ...],
+    sampler: SamplerShape,
     pad_id: int,
-    return_logprobs: bool,
     mask_form: str,
     windows: dict[str, int | None],
     generator: torch.Generator | None,
@@ -103,9 +99,7 @@ def signature_of(
         inference_mode=torch.is_inference_mode_enabled(),
         attn_implementation=attention,
         sampler=sampler,
-        eos_ids=eos_ids,
         pad_id=pad_id,
-        return_logprobs=return_logprobs,
         mask_form=mask_form,
         windows=tuple(sorted(windows.items())),
         generator_id=None if generator is None else id(generator),

@@ -11,11 +11,13 @@ never indexed out of range.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.step import DecodeState, DecodeStep
 
 
@@ -66,6 +68,15 @@ class ContinuousStep(DecodeStep):
         s = self.state
         s.finished.logical_or_(s.generated.view(-1) >= self.limits)
         s.all_finished.copy_(s.finished.all())
+
+    def configure_rows(
+        self, rows: torch.Tensor, params: Sequence[SamplingParams], samples: Sequence[int]
+    ) -> None:
+        """Sampling settings of the requests entering slots ``rows`` (call before
+        :meth:`commit_rows`): ``params[i]`` / sample index ``samples[i]`` for slot ``rows[i]``.
+        A seeded row's stream follows its own token count, so it draws what it would on the
+        static path; other slots keep their settings."""
+        self.state.rows.write(params, samples, rows)
 
     def commit_rows(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
         """Commit first tokens for the slots in ``rows`` (long), leaving every other slot as it

@@ -4,17 +4,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import torch
 
 from graphcap.rollout.agreement import RankAgreement
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.inputs import Call
 from graphcap.rollout.plan import plan_call
 from graphcap.rollout.prefill import run_prefill
-from graphcap.rollout.results import RolloutResult, RolloutStats
+from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
 from graphcap.rollout.runners import Runner, start_runner
+from graphcap.rollout.sampling import RowPlan
 from graphcap.rollout.step import DecodeState, DecodeStep
 
 
@@ -24,16 +25,10 @@ class StaticRollout:
     def __init__(self, model: torch.nn.Module, config: RolloutConfig, holder: GraphHolder):
         self.model, self.config, self.holder = model, config, holder
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        request_max_new_tokens: Sequence[int] | None,
-        start: float,
-    ) -> RolloutResult:
-        if request_max_new_tokens is not None:
+    def run(self, call: Call, start: float) -> RolloutResult:
+        input_ids, attention_mask, params = call.input_ids, call.attention_mask, call.params
+        generator = call.generator
+        if call.request_max_new_tokens is not None:
             raise ValueError(
                 "request_max_new_tokens needs the continuous path: set "
                 "RolloutConfig(continuous_batch_size=N)"
@@ -52,6 +47,7 @@ class StaticRollout:
             batch_size=padded_batch,
             total_len=padded_total,
             prompt_width=width,
+            sampler=self.holder.sampler_for(params),
             disabled_reason=self.holder.disabled_reason,
         )
         stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
@@ -76,7 +72,7 @@ class StaticRollout:
         step.state.reset(
             input_ids.index_select(0, sources),
             prefill.next_positions.index_select(0, sources),
-            batch,
+            RowPlan.build(call.per_prompt, repeats, padded_batch),
         )
         step.commit(logits)
         stats.prefill_s = time.perf_counter() - start
@@ -93,7 +89,7 @@ class StaticRollout:
         stats.decode_s = time.perf_counter() - t_decode
         if plan.path == "per_position_graph":  # its captures happen inside the decode loop
             stats.decode_s -= stats.capture_s
-        return collect(step.state, batch, width, total, params.return_logprobs, stats)
+        return collect(step.state, batch, width, total, params, stats)
 
 
 def decode(
@@ -113,17 +109,21 @@ def collect(
     batch: int,
     width: int,
     total: int,
-    return_logprobs: bool,
+    params: SamplingParams,
     stats: RolloutStats,
 ) -> RolloutResult:
     """The caller's rows and columns (bucket padding cut off), copied out of the buffers."""
     response = state.response[:batch, width:total].to(torch.long)
+    sequences = state.sequences[:batch, :total].clone()
     finished = state.finished[:batch].tolist()
+    reasons, stops = finish_details(sequences, response, finished, params.eos_ids)
+    logprobs = state.logprobs[:batch, width:total].clone() if params.return_logprobs else None
     return RolloutResult(
-        sequences=state.sequences[:batch, :total].clone(),
+        sequences=sequences,
         response_mask=response,
         response_lengths=response.sum(-1),
-        finish_reasons=["eos" if done else "length" for done in finished],
-        logprobs=state.logprobs[:batch, width:total].clone() if return_logprobs else None,
+        finish_reasons=reasons,
+        logprobs=logprobs,
         stats=stats,
+        stop_token_ids=stops,
     )

@@ -1,8 +1,9 @@
 """The decode step: one function that the eager loop calls and the graph path captures.
 
 All state the step reads or advances lives in :class:`DecodeState` device tensors (input token,
-position ids, step counter, finished flags, output buffers) plus the cache's write positions and
-the mask's valid columns. The step issues no host read, so a replay does exactly what a call
+position ids, step counter, finished flags, output buffers, the per-row sampling settings and the
+stop-id table, both written per call) plus the cache's write positions and the mask's valid
+columns. The step issues no host read, so a replay does exactly what a call
 does; the host looks only at ``all_finished``, every ``eos_check_interval`` steps.
 
 Columns: the cache column of a row's latest token is ``cache.write_pos``; a chosen token is
@@ -22,7 +23,14 @@ from transformers.cache_utils import Cache
 from graphcap.rollout.cache import LayerSpec, SpanView, StaticKVCache
 from graphcap.rollout.masks import MaskBuffers
 from graphcap.rollout.prefill import accepts_logits_to_keep, cache_keyword
-from graphcap.rollout.sampling import SamplerSettings, choose, process_scores, sanitise
+from graphcap.rollout.sampling import (
+    RowPlan,
+    RowSettings,
+    SamplerShape,
+    logprobs_of,
+    process_scores,
+    select,
+)
 from graphcap.rollout.signature import model_dtype
 
 if TYPE_CHECKING:
@@ -44,8 +52,9 @@ class DecodeState:
     generated: torch.Tensor  # () long: tokens chosen so far in this call
     finished: torch.Tensor  # (B,) bool
     all_finished: torch.Tensor  # () bool: the one value the host reads
-    eos_vocab: torch.Tensor  # (V,) bool: True at EOS ids
+    stop_vocab: torch.Tensor  # (V,) bool: True at the call's EOS and stop_token_ids
     pad: torch.Tensor  # () long
+    rows: RowSettings  # per-row sampling settings (written per call)
 
     @classmethod
     def allocate(
@@ -58,10 +67,7 @@ class DecodeState:
         device: torch.device,
     ) -> DecodeState:
         long = {"dtype": torch.long, "device": device}
-        eos_vocab = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        for eos in eos_ids:
-            eos_vocab[eos] = True
-        return cls(
+        state = cls(
             sequences=torch.zeros((batch_size, total_len), **long),
             response=torch.zeros((batch_size, total_len), dtype=torch.bool, device=device),
             logprobs=torch.zeros((batch_size, total_len), dtype=torch.float32, device=device),
@@ -70,17 +76,33 @@ class DecodeState:
             generated=torch.zeros((), **long),
             finished=torch.zeros(batch_size, dtype=torch.bool, device=device),
             all_finished=torch.zeros((), dtype=torch.bool, device=device),
-            eos_vocab=eos_vocab,
+            stop_vocab=torch.zeros(vocab_size, dtype=torch.bool, device=device),
             pad=torch.full((), pad_id, **long),
+            rows=RowSettings.allocate(batch_size, vocab_size, device),
         )
+        state.set_stop_ids(eos_ids)
+        return state
 
-    def reset(
-        self, prompt_ids: torch.Tensor, next_positions: torch.Tensor, active: int | None = None
-    ) -> None:
-        """Start a call: prompt in the first columns, pad after, counters and flags cleared.
+    def set_stop_ids(self, ids: tuple[int, ...]) -> None:
+        """The ids that end a row (EOS and ``stop_token_ids``); outside any graph."""
+        self.stop_vocab.zero_()
+        if ids:
+            index = torch.tensor(ids, dtype=torch.long).to(self.stop_vocab.device)
+            self.stop_vocab[index] = True
 
-        Rows from ``active`` on (bucket padding) start finished: they only ever emit pad.
+    def configure(self, plan: RowPlan, rows: torch.Tensor | None = None) -> None:
+        """Write ``plan``'s sampling settings into rows ``rows`` (all when ``None``; then
+        ``plan`` has one entry per row) and its stop ids; outside any graph."""
+        self.rows.write(plan.params, plan.samples, rows)
+        self.set_stop_ids(plan.stop_ids)
+
+    def reset(self, prompt_ids: torch.Tensor, next_positions: torch.Tensor, plan: RowPlan) -> None:
+        """Start a call: prompt in the first columns, pad after, counters and flags cleared,
+        each row's sampling settings from ``plan``.
+
+        Rows from ``plan.active`` on (bucket padding) start finished: they only ever emit pad.
         """
+        self.configure(plan)
         width = prompt_ids.shape[-1]
         self.sequences.copy_(self.pad.expand_as(self.sequences))
         self.sequences[:, :width].copy_(prompt_ids)
@@ -90,8 +112,7 @@ class DecodeState:
         self.tokens.zero_()
         self.generated.zero_()
         self.finished.zero_()
-        if active is not None:
-            self.finished[active:] = True
+        self.finished[plan.active :] = True
         self.all_finished.zero_()
 
 
@@ -109,15 +130,17 @@ class DecodeStep:
         cache: StaticKVCache,
         masks: MaskBuffers,
         state: DecodeState,
-        settings: SamplerSettings,
+        sampler: SamplerShape,
         return_logprobs: bool,
         generator: torch.Generator | None,
     ):
+        """``sampler`` shapes the step (sampling branch or not); ``return_logprobs``: whether
+        it writes log-probs (the engine passes ``sampler.logprobs``)."""
         self.model = model
         self.cache = cache
         self.masks = masks
         self.state = state
-        self.settings = settings
+        self.sampler = sampler
         self.return_logprobs = return_logprobs
         self.generator = generator
         self._extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
@@ -143,7 +166,7 @@ class DecodeStep:
         )
         eos, pad = params.eos_ids, int(params.pad_token_id)
         state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
-        return cls(model, cache, masks, state, sig.sampler, params.return_logprobs, generator)
+        return cls(model, cache, masks, state, sig.sampler, sig.sampler.logprobs, generator)
 
     allocate_state = staticmethod(DecodeState.allocate)
 
@@ -168,19 +191,20 @@ class DecodeStep:
         """Choose the next token from last-position ``logits`` (B, V) and record it."""
         s = self.state
         scores = process_scores(
-            logits, self.settings, s.sequences, self.masks.valid, s.eos_vocab, s.generated
+            logits, s.rows, s.sequences, self.masks.valid, s.stop_vocab, s.generated
         )
-        if self.settings.do_sample:  # only multinomial needs finite, non-empty rows
-            scores = sanitise(scores, s.finished)
-        chosen = choose(scores, self.settings.do_sample, self.generator)
+        if self.sampler.samples:
+            chosen, drawn_from = select(scores, s.rows, s.finished, s.generated, self.generator)
+        else:
+            chosen, drawn_from = torch.argmax(scores, dim=-1), scores
         token = torch.where(s.finished, s.pad, chosen)
         column = self.cache.write_pos[:, None]
         s.sequences.scatter_(1, column, token[:, None])
         s.response.scatter_(1, column, ~s.finished[:, None])
         if self.return_logprobs:
-            logp = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None])
+            logp = logprobs_of(chosen, drawn_from, logits, s.rows)[:, None]
             s.logprobs.scatter_(1, column, logp.masked_fill(s.finished[:, None], 0.0))
-        s.finished.logical_or_(s.eos_vocab[token])
+        s.finished.logical_or_(s.stop_vocab[token])
         s.tokens.copy_(token[:, None])
         s.generated.add_(1)
         s.all_finished.copy_(s.finished.all())
