@@ -8,10 +8,12 @@ field outside the list that differs from its default is refused with its name.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -72,8 +75,14 @@ class SamplingParams:
             )
         if self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be positive and finite, got {self.temperature}")
+        # greedy ignores temperature (generate accepts temperature=0 with do_sample=False)
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.do_sample and self.temperature == 0:
+            raise ValueError(
+                "temperature=0 with do_sample=True divides the scores by zero; use "
+                "do_sample=False for greedy decoding, or a temperature > 0"
+            )
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -208,6 +217,8 @@ class RolloutConfig:
     enable_cuda_graph: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        _check_backend(self.backend)
         if self.enable_cuda_graph is not None:
             warnings.warn(
                 "RolloutConfig.enable_cuda_graph is deprecated; use enable_graph_capture "
@@ -292,10 +303,20 @@ def check_process_group(group: object) -> None:
         )
 
 
-def _buckets(name: str, sizes: Any) -> tuple[int, ...] | None:
+def _check_backend(backend: object) -> None:
+    from graphcap.backend import Backend
+
+    if backend is not None and not isinstance(backend, (Backend, str)):
+        raise TypeError(
+            f"RolloutConfig.backend must be a graphcap.Backend, a backend name (str) or None, "
+            f"got {type(backend).__name__}"
+        )
+
+
+def _buckets(name: str, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
     if sizes is None:
         return None
-    values = tuple(sorted({int(s) for s in sizes}))
+    values = tuple(sorted(set(sizes)))
     if not values or values[0] < 1:
         raise ValueError(f"{name} must be a non-empty list of positive sizes, got {sizes!r}")
     return values
@@ -304,3 +325,77 @@ def _buckets(name: str, sizes: Any) -> tuple[int, ...] | None:
 def bucket_size(value: int, buckets: tuple[int, ...] | None) -> int:
     """The smallest bucket >= ``value``; ``value`` itself when no bucket fits or none is set."""
     return next((b for b in buckets or () if b >= value), value)
+
+
+# ---- field types ----------------------------------------------------------------------------
+# Each dataclass field is checked against its own annotation, so a new field is covered by
+# writing its type. Annotation parts outside this table (``Backend``, ``ProcessGroup``) are
+# left to the field's own check.
+_TYPE_NAMES = {
+    "None": "None",
+    "bool": "a bool",
+    "int": "an int",
+    "float": "a float",
+    "str": "a str",
+    "list[int]": "a list of ints",
+    "tuple[int, ...]": "a tuple of ints",
+}
+_NO_MATCH = object()
+
+
+def check_field_types(obj: Any) -> None:
+    """Refuse a dataclass field value of the wrong type, naming the field and the type wanted.
+
+    ``"no"`` is not a bool, ``8.5`` and ``"5"`` are not ints, ``"0.7"`` is not a float. What
+    ``generate`` accepts as a number passes and is normalised to the Python type: numpy scalars
+    and 0-d tensors (``eos_token_id=np.int64(1)``), ints for floats (``temperature=1``), and
+    1-d integer tensors / arrays for id lists.
+    """
+    for f in fields(obj):
+        parts = [p.strip() for p in str(f.type).split("|")]
+        if any(p not in _TYPE_NAMES for p in parts):
+            continue
+        value = getattr(obj, f.name)
+        for part in parts:
+            converted = _convert(part, value)
+            if converted is not _NO_MATCH:
+                break
+        else:
+            wanted = " or ".join(_TYPE_NAMES[p] for p in parts)
+            raise TypeError(
+                f"{type(obj).__name__}.{f.name} must be {wanted}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        if converted is not value:
+            object.__setattr__(obj, f.name, converted)
+
+
+def _convert(kind: str, value: Any) -> Any:
+    """``value`` as ``kind``, or ``_NO_MATCH``; never converts text or bools to numbers."""
+    if kind == "None":
+        return value if value is None else _NO_MATCH
+    if kind == "str":
+        return value if isinstance(value, str) else _NO_MATCH
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            value = value.item()
+        elif value.dim() == 1 and kind in ("list[int]", "tuple[int, ...]"):
+            value = value.tolist()
+        else:
+            return _NO_MATCH
+    elif hasattr(value, "dtype") and hasattr(value, "tolist"):  # numpy scalars and arrays
+        value = value.tolist()
+    if kind == "bool":
+        return value if isinstance(value, bool) else _NO_MATCH
+    if isinstance(value, bool):
+        return _NO_MATCH
+    if kind == "int":
+        return int(value) if isinstance(value, numbers.Integral) else _NO_MATCH
+    if kind == "float":
+        return float(value) if isinstance(value, numbers.Real) else _NO_MATCH
+    if isinstance(value, (list, tuple)):
+        ints = [_convert("int", v) for v in value]
+        if _NO_MATCH in ints:
+            return _NO_MATCH
+        return ints if kind == "list[int]" else tuple(ints)
+    return _NO_MATCH
