@@ -114,16 +114,7 @@ class SamplingParams:
         cls, config: GenerationConfig, *, return_logprobs: bool = False, seed: int | None = None
     ) -> SamplingParams:
         """Convert a ``GenerationConfig`` through the allow-list, with generate's defaults."""
-        set_fields = {
-            k: v
-            for k, v in config.to_diff_dict().items()
-            if not k.startswith("_") and k not in GENERATION_CONFIG_IGNORED
-        }
-        refused = sorted(
-            k
-            for k, v in set_fields.items()
-            if k not in GENERATION_CONFIG_FIELDS and not _is_default(k, v)
-        )
+        refused = unsupported_generation_fields(config)
         if refused:
             raise ValueError(
                 f"GenerationConfig field(s) {refused} are not supported by graphcap's rollout "
@@ -172,6 +163,18 @@ class SamplingParams:
         return replace(params, pad_token_id=int(pad))
 
 
+def unsupported_generation_fields(config: GenerationConfig) -> list[str]:
+    """Names of the fields ``config`` sets that graphcap neither maps nor may ignore."""
+    return sorted(
+        k
+        for k, v in config.to_diff_dict().items()
+        if not k.startswith("_")
+        and k not in GENERATION_CONFIG_IGNORED
+        and k not in GENERATION_CONFIG_FIELDS
+        and not _is_default(k, v)
+    )
+
+
 def _is_default(name: str, value: Any) -> bool:
     """Whether a GenerationConfig value means "not set": its default, generate's global default,
     or False/0 where the default is ``None`` (model configs write ``output_attentions=False``)."""
@@ -202,6 +205,8 @@ class RolloutConfig:
     ``process_group``: the tensor-parallel group this rank decodes with; the graph decision and
     the periodic "finished" checks are then all-reduced over it so ranks never diverge in
     collectives (docs/rollout.md, "Tensor parallelism"). ``None``: no communication.
+    ``max_request_bytes``: refuse a call whose estimated allocation exceeds it (calls above the
+    memory the backend reports available are refused in any case).
     """
 
     enable_graph_capture: bool | None = None
@@ -215,6 +220,7 @@ class RolloutConfig:
     per_position_graphs: bool = False
     process_group: ProcessGroup | None = None
     enable_cuda_graph: bool | None = field(default=None, repr=False)
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -239,6 +245,8 @@ class RolloutConfig:
             self.enable_cuda_graph = None
         if self.enable_graph_capture is None:
             self.enable_graph_capture = False
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.eos_check_interval < 1:
             raise ValueError(f"eos_check_interval must be >= 1, got {self.eos_check_interval}")
         self.batch_buckets = _buckets("batch_buckets", self.batch_buckets)

@@ -28,6 +28,7 @@ from graphcap.rollout.eligibility import check_attention, graph_refusal
 from graphcap.rollout.inputs import (
     check_generator,
     check_prompts,
+    check_request,
     check_vocab_ids,
     resolve_sampling,
 )
@@ -102,7 +103,7 @@ class RolloutEngine:
         start = time.perf_counter()
         params = resolve_sampling(self.model, sampling)
         input_ids, attention_mask = check_prompts(
-            self.model, self.backend.device, input_ids, attention_mask
+            self.model, self.backend.device, input_ids, attention_mask, params
         )
         check_generator(generator, self.backend.device)
         check_vocab_ids(self.model, params)
@@ -111,6 +112,9 @@ class RolloutEngine:
         batch, total = rows * repeats, width + params.max_new_tokens
         padded_batch = bucket_size(batch, self.config.batch_buckets)
         padded_total = bucket_size(total, self.config.length_buckets)
+        check_request(
+            self.model, self.backend, self.config, params, (rows, width), padded_batch, padded_total
+        )
         if params.seed is not None:
             if generator is not None:
                 generator.manual_seed(params.seed)
