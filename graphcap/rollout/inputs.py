@@ -291,17 +291,18 @@ def check_request(
     """
     rows, width = prompts
     check_positions(model, width, params.max_new_tokens)
-    slots = config.continuous_batch_size
-    decode_batch = min(batch, slots) if slots is not None else batch
+    slots = config.continuous_batch_size  # the continuous path allocates every slot
+    decode_batch = slots if slots is not None else batch
     shards = dist.get_world_size(config.process_group) if config.process_group else 1
     need = request_bytes(model, decode_batch, total, rows, width, shards)
+    source = " = RolloutConfig.continuous_batch_size" if slots is not None else ""
     limits = [(config.max_request_bytes, "RolloutConfig.max_request_bytes")]
     limits.append((backend.memory_available(), f"available on {backend.device}"))
     for limit, what in limits:
         if limit is not None and need > limit:
             raise ValueError(
-                f"this request would allocate at least {need / 2**30:.2f} GiB (batch {batch} x "
-                f"total length {total}: prompt width {width} + max_new_tokens "
-                f"{params.max_new_tokens}) but {limit / 2**30:.2f} GiB is {what}; lower "
-                "max_new_tokens or the batch"
+                f"this request would allocate at least {need / 2**30:.2f} GiB (batch "
+                f"{decode_batch}{source} x total length {total}: prompt width {width} + "
+                f"max_new_tokens {params.max_new_tokens}) but {limit / 2**30:.2f} GiB is "
+                f"{what}; lower max_new_tokens or the batch"
             )
