@@ -9,6 +9,7 @@ Capability is derived from behaviour (``create_graph()`` returning a graph), nev
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
@@ -219,6 +220,23 @@ class Backend:
     def reset_peak_memory_stats(self) -> None:
         if self.device_type != "cpu":
             torch.accelerator.reset_peak_memory_stats(self.device)
+
+    def memory_available(self) -> int | None:
+        """Bytes a new allocation could still get: the device's free memory plus what torch's
+        caching allocator holds unused; on the host, its physical memory. ``None`` where the
+        device does not say. The rollout engine refuses a request above it before allocating."""
+        if self.device_type == "cpu":
+            try:
+                return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (AttributeError, ValueError, OSError):
+                return None
+        module = self.device_module
+        try:
+            free, _total = module.mem_get_info(self.device)
+            unused = module.memory_reserved(self.device) - module.memory_allocated(self.device)
+        except (AttributeError, RuntimeError, TypeError):
+            return None
+        return int(free + unused)
 
     def empty_cache(self) -> None:
         if self.device_type != "cpu":

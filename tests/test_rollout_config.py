@@ -48,7 +48,8 @@ def test_eos_check_interval_must_be_positive():
     [
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens"),
-        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": 0.0, "do_sample": True}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),

@@ -281,7 +281,8 @@ def test_vllm_aliases_map_one_to_one_and_the_rest_are_refused_by_name():
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(min_p=1.5)
     with pytest.raises(ValueError, match="do_sample=False"):
-        SamplingParams(temperature=0)
+        SamplingParams(do_sample=True, temperature=0)
+    assert SamplingParams(temperature=0).temperature == 0  # greedy ignores it, as generate
 
 
 def test_per_row_lists_are_checked():

@@ -225,7 +225,8 @@ def test_load_weights_in_place_keeps_addresses_and_checks_input():
     address = head.data_ptr()
     state = {k: v.detach().clone() + 1 for k, v in model.state_dict().items()}
     loaded = load_weights_in_place(model, state)
-    assert "lm_head.weight" in loaded and head.data_ptr() == address
+    assert "lm_head.weight" in loaded.updated and not loaded.not_updated
+    assert head.data_ptr() == address
     assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
     with pytest.raises(KeyError, match="no parameter"):
         load_weights_in_place(model, {"nope": head}, strict=False)

@@ -9,7 +9,7 @@ from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedModelError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.results import RolloutResult, RolloutStats
-from graphcap.rollout.weights import load_weights_in_place
+from graphcap.rollout.weights import WeightsLoaded, load_weights_in_place
 
 __all__ = [
     "CaptureFallbackWarning",
@@ -19,5 +19,6 @@ __all__ = [
     "RolloutResult",
     "RolloutStats",
     "SamplingParams",
+    "WeightsLoaded",
     "load_weights_in_place",
 ]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
@@ -100,6 +102,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -109,10 +112,14 @@ class SamplingParams:
             )
         if self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+        # greedy ignores temperature (generate accepts temperature=0 with do_sample=False)
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.do_sample and self.temperature == 0:
             raise ValueError(
-                f"temperature must be positive and finite, got {self.temperature} (for greedy "
-                "decoding set do_sample=False; SamplingParams.from_vllm maps vLLM's 0)"
+                "temperature=0 with do_sample=True divides the scores by zero; use "
+                "do_sample=False for greedy decoding, or a temperature > 0 "
+                "(SamplingParams.from_vllm maps vLLM's temperature=0 to greedy)"
             )
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k}")
@@ -181,16 +188,7 @@ class SamplingParams:
         cls, config: GenerationConfig, *, return_logprobs: bool = False, seed: int | None = None
     ) -> SamplingParams:
         """Convert a ``GenerationConfig`` through the allow-list, with generate's defaults."""
-        set_fields = {
-            k: v
-            for k, v in config.to_diff_dict().items()
-            if not k.startswith("_") and k not in GENERATION_CONFIG_IGNORED
-        }
-        refused = sorted(
-            k
-            for k, v in set_fields.items()
-            if k not in GENERATION_CONFIG_FIELDS and not _is_default(k, v)
-        )
+        refused = unsupported_generation_fields(config)
         if refused:
             raise ValueError(
                 f"GenerationConfig field(s) {refused} are not supported by graphcap's rollout "
@@ -281,6 +279,18 @@ def _accepting_vllm_names(init: Any) -> Any:
 SamplingParams.__init__ = _accepting_vllm_names(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
+def unsupported_generation_fields(config: GenerationConfig) -> list[str]:
+    """Names of the fields ``config`` sets that graphcap neither maps nor may ignore."""
+    return sorted(
+        k
+        for k, v in config.to_diff_dict().items()
+        if not k.startswith("_")
+        and k not in GENERATION_CONFIG_IGNORED
+        and k not in GENERATION_CONFIG_FIELDS
+        and not _is_default(k, v)
+    )
+
+
 def _is_default(name: str, value: Any) -> bool:
     """Whether a GenerationConfig value means "not set": its default, generate's global default,
     or False/0 where the default is ``None`` (model configs write ``output_attentions=False``)."""
@@ -315,6 +325,8 @@ class RolloutConfig:
     takes the backend's graph-safe attention (``Capabilities.graph_attention``) where it offers
     one, else the model's own; ``None`` always keeps the model's own; a name selects that
     registered implementation. Eager calls and the prefill always use the model's own.
+    ``max_request_bytes``: refuse a call whose estimated allocation exceeds it (calls above the
+    memory the backend reports available are refused in any case).
     """
 
     enable_graph_capture: bool | None = None
@@ -329,8 +341,11 @@ class RolloutConfig:
     process_group: ProcessGroup | None = None
     graph_attention: str | None = "auto"
     enable_cuda_graph: bool | None = field(default=None, repr=False)
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        _check_backend(self.backend)
         if self.enable_cuda_graph is not None:
             warnings.warn(
                 "RolloutConfig.enable_cuda_graph is deprecated; use enable_graph_capture "
@@ -351,6 +366,8 @@ class RolloutConfig:
             self.enable_cuda_graph = None
         if self.enable_graph_capture is None:
             self.enable_graph_capture = False
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.eos_check_interval < 1:
             raise ValueError(f"eos_check_interval must be >= 1, got {self.eos_check_interval}")
         self.batch_buckets = _buckets("batch_buckets", self.batch_buckets)
@@ -415,10 +432,20 @@ def check_process_group(group: object) -> None:
         )
 
 
-def _buckets(name: str, sizes: Any) -> tuple[int, ...] | None:
+def _check_backend(backend: object) -> None:
+    from graphcap.backend import Backend
+
+    if backend is not None and not isinstance(backend, (Backend, str)):
+        raise TypeError(
+            f"RolloutConfig.backend must be a graphcap.Backend, a backend name (str) or None, "
+            f"got {type(backend).__name__}"
+        )
+
+
+def _buckets(name: str, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
     if sizes is None:
         return None
-    values = tuple(sorted({int(s) for s in sizes}))
+    values = tuple(sorted(set(sizes)))
     if not values or values[0] < 1:
         raise ValueError(f"{name} must be a non-empty list of positive sizes, got {sizes!r}")
     return values
@@ -427,3 +454,77 @@ def _buckets(name: str, sizes: Any) -> tuple[int, ...] | None:
 def bucket_size(value: int, buckets: tuple[int, ...] | None) -> int:
     """The smallest bucket >= ``value``; ``value`` itself when no bucket fits or none is set."""
     return next((b for b in buckets or () if b >= value), value)
+
+
+# ---- field types ----------------------------------------------------------------------------
+# Each dataclass field is checked against its own annotation, so a new field is covered by
+# writing its type. Annotation parts outside this table (``Backend``, ``ProcessGroup``) are
+# left to the field's own check.
+_TYPE_NAMES = {
+    "None": "None",
+    "bool": "a bool",
+    "int": "an int",
+    "float": "a float",
+    "str": "a str",
+    "list[int]": "a list of ints",
+    "tuple[int, ...]": "a tuple of ints",
+}
+_NO_MATCH = object()
+
+
+def check_field_types(obj: Any) -> None:
+    """Refuse a dataclass field value of the wrong type, naming the field and the type wanted.
+
+    ``"no"`` is not a bool, ``8.5`` and ``"5"`` are not ints, ``"0.7"`` is not a float. What
+    ``generate`` accepts as a number passes and is normalised to the Python type: numpy scalars
+    and 0-d tensors (``eos_token_id=np.int64(1)``), ints for floats (``temperature=1``), and
+    1-d integer tensors / arrays for id lists.
+    """
+    for f in fields(obj):
+        parts = [p.strip() for p in str(f.type).split("|")]
+        if any(p not in _TYPE_NAMES for p in parts):
+            continue
+        value = getattr(obj, f.name)
+        for part in parts:
+            converted = _convert(part, value)
+            if converted is not _NO_MATCH:
+                break
+        else:
+            wanted = " or ".join(_TYPE_NAMES[p] for p in parts)
+            raise TypeError(
+                f"{type(obj).__name__}.{f.name} must be {wanted}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        if converted is not value:
+            object.__setattr__(obj, f.name, converted)
+
+
+def _convert(kind: str, value: Any) -> Any:
+    """``value`` as ``kind``, or ``_NO_MATCH``; never converts text or bools to numbers."""
+    if kind == "None":
+        return value if value is None else _NO_MATCH
+    if kind == "str":
+        return value if isinstance(value, str) else _NO_MATCH
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            value = value.item()
+        elif value.dim() == 1 and kind in ("list[int]", "tuple[int, ...]"):
+            value = value.tolist()
+        else:
+            return _NO_MATCH
+    elif hasattr(value, "dtype") and hasattr(value, "tolist"):  # numpy scalars and arrays
+        value = value.tolist()
+    if kind == "bool":
+        return value if isinstance(value, bool) else _NO_MATCH
+    if isinstance(value, bool):
+        return _NO_MATCH
+    if kind == "int":
+        return int(value) if isinstance(value, numbers.Integral) else _NO_MATCH
+    if kind == "float":
+        return float(value) if isinstance(value, numbers.Real) else _NO_MATCH
+    if isinstance(value, (list, tuple)):
+        ints = [_convert("int", v) for v in value]
+        if _NO_MATCH in ints:
+            return _NO_MATCH
+        return ints if kind == "list[int]" else tuple(ints)
+    return _NO_MATCH

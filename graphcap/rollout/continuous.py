@@ -18,7 +18,7 @@ import torch
 
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.inputs import Call
+from graphcap.rollout.inputs import Call, check_request
 from graphcap.rollout.plan import plan_call
 from graphcap.rollout.prefill import Prefill, run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
@@ -70,6 +70,7 @@ class ContinuousRollout:
         align, trim = config.align_decode_fronts, config.trim_cache
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
+        check_request(self.model, holder.backend, config, params, (prompts, width), slots, total)
         plan = plan_call(
             self.model,
             holder.backend,

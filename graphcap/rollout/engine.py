@@ -88,7 +88,9 @@ class RolloutEngine:
             start = time.perf_counter()
             params = resolve_sampling(self.model, sampling)
             device = self.backend.device
-            input_ids, attention_mask = check_prompts(self.model, device, input_ids, attention_mask)
+            input_ids, attention_mask = check_prompts(
+                self.model, device, input_ids, attention_mask, params
+            )
             check_generator(generator, device)
             check_vocab_ids(self.model, params)
             per_prompt = row_settings(self.model, sampling, input_ids.shape[0])

@@ -259,14 +259,19 @@ def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
 
 
 def sanitise(scores: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
-    """Give finished rows, and rows with NaN or nothing finite, flat logits.
+    """Make every row a distribution ``multinomial`` accepts.
 
-    A NaN or all-zero distribution reaching ``multinomial`` is a device-side assert on some
-    devices. The replacement changes no other row's draw: ``multinomial(p, 1)`` consumes the
-    same random numbers whatever the values.
+    A row with ``+inf`` scores (a tiny temperature or repetition penalty overflowing float32, or
+    an fp16 model's logits overflowing) draws uniformly among its ``+inf`` tokens, the limit of
+    its distribution; finished rows, and rows with NaN or nothing finite, get flat logits. A
+    NaN, ``+inf`` or all-zero distribution reaching ``multinomial`` is a device-side assert on
+    some devices. The replacement changes no other row's draw: ``multinomial(p, 1)`` consumes
+    the same random numbers whatever the values.
     """
     bad = finished | torch.isnan(scores).any(dim=-1) | torch.isneginf(scores).all(dim=-1)
-    return scores.masked_fill(bad[:, None], 0.0)
+    top = torch.isposinf(scores)
+    scores = scores.masked_fill(top.any(dim=-1, keepdim=True) & ~top, -float("inf"))
+    return scores.masked_fill(top, 0.0).masked_fill(bad[:, None], 0.0)
 
 
 def gumbel(rows: RowSettings, generated: torch.Tensor) -> torch.Tensor:

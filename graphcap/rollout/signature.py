@@ -109,8 +109,15 @@ def signature_of(
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The floating dtype of the model's first floating parameter (float32 if none)."""
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
+    """The floating dtype attention computes in (masks are built in it): that of the first
+    floating parameter outside the token and output embeddings, which may be kept in another
+    dtype than the layers; float32 if the model has no floating parameter."""
+    embeddings: set[int] = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, None)
+        module = module() if callable(module) else None
+        if isinstance(module, torch.nn.Module):
+            embeddings.update(id(p) for p in module.parameters())
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    inner = [p for p in floating if id(p) not in embeddings]
+    return (inner or floating)[0].dtype if floating else torch.float32

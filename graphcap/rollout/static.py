@@ -10,7 +10,7 @@ import torch
 from graphcap.rollout.agreement import RankAgreement
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.inputs import Call
+from graphcap.rollout.inputs import Call, check_request
 from graphcap.rollout.plan import plan_call
 from graphcap.rollout.prefill import run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
@@ -38,6 +38,15 @@ class StaticRollout:
         batch, total = rows * repeats, width + params.max_new_tokens
         padded_batch = bucket_size(batch, self.config.batch_buckets)
         padded_total = bucket_size(total, self.config.length_buckets)
+        check_request(
+            self.model,
+            self.holder.backend,
+            self.config,
+            params,
+            (rows, width),
+            padded_batch,
+            padded_total,
+        )
         plan = plan_call(
             self.model,
             self.holder.backend,

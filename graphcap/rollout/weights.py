@@ -8,15 +8,31 @@ into the existing tensors does not, and replay then reads the new values.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(frozen=True)
+class WeightsLoaded:
+    """What :func:`load_weights_in_place` did.
+
+    ``updated``: the names copied. ``not_updated``: the model's state-dict entries (parameters
+    and persistent buffers) that kept their old values because ``weights`` lacked them and no
+    tied alias of them was copied; always empty after a strict load.
+    """
+
+    updated: tuple[str, ...]
+    not_updated: tuple[str, ...]
+
+
 def load_weights_in_place(
     model: torch.nn.Module, weights: Mapping[str, torch.Tensor], strict: bool = True
-) -> list[str]:
-    """Copy ``weights`` into the model's existing parameters/buffers; return the names copied.
+) -> WeightsLoaded:
+    """Copy ``weights`` into the model's existing parameters/buffers; report what was copied.
 
+    ``strict`` requires every entry of ``model.state_dict()`` (so non-persistent buffers such as
+    rotary ``inv_freq``, never in a state dict, are not required; they may still be given).
     Raises ``KeyError`` for unknown names (and, with ``strict``, for missing ones), ``ValueError``
     for a shape mismatch, and ``RuntimeError`` if any address changed anyway.
     """
@@ -25,13 +41,14 @@ def load_weights_in_place(
     unknown = sorted(set(weights) - set(targets))
     if unknown:
         raise KeyError(f"weights name no parameter or buffer of the model: {unknown[:5]}")
-    if strict:
-        missing = sorted(set(targets) - set(weights))
-        if missing:
-            raise KeyError(
-                f"weights lack {len(missing)} tensors of the model (e.g. {missing[:5]}); "
-                "pass strict=False for a partial update"
-            )
+    copied = {targets[name].data_ptr() for name in weights}
+    persistent = model.state_dict(keep_vars=True)
+    missing = sorted(n for n, t in persistent.items() if t.data_ptr() not in copied)
+    if strict and missing:
+        raise KeyError(
+            f"weights lack {len(missing)} tensors of the model's state dict (e.g. "
+            f"{missing[:5]}); pass strict=False for a partial update"
+        )
     for name, source in weights.items():
         if tuple(source.shape) != tuple(targets[name].shape):
             raise ValueError(
@@ -47,4 +64,4 @@ def load_weights_in_place(
     moved = sorted(n for n, t in after.items() if before.get(n) != t.data_ptr())
     if moved:
         raise RuntimeError(f"tensor addresses changed while loading weights: {moved[:5]}")
-    return sorted(weights)
+    return WeightsLoaded(updated=tuple(sorted(weights)), not_updated=tuple(missing))
