@@ -252,18 +252,21 @@ def check_prompts(
 
 
 def check_generator(generator: torch.Generator | None, device: torch.device) -> None:
-    """The generator must draw on the device the sampler runs on."""
-    duck = isinstance(getattr(generator, "device", None), torch.device) and hasattr(
-        generator, "get_state"
-    )
-    if generator is not None and not duck:
+    """The generator must be one, and draw on the device the sampler runs on."""
+    if generator is None:
+        return
+    if not isinstance(getattr(generator, "device", None), torch.device):
         raise TypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}"
         )
-    if generator is not None and generator.device.type != device.type:
+    if generator.device.type != device.type:
         raise ValueError(
             f"generator is on {generator.device} but the backend samples on "
             f"{device}; pass torch.Generator(device={str(device)!r})"
+        )
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
         )
 
 
