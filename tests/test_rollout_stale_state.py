@@ -93,6 +93,9 @@ def test_lora_disable_adapter_context_recaptures_and_back(lora_model):
     assert disabled.stats.captured and "_disable_adapters" in disabled.stats.recapture_reason[0]
     again = engine.generate(ids, mask, SamplingParams(**SAMPLING))
     assert again.stats.captured and torch.equal(again.sequences, adapted.sequences)
+    # an unchanged adapter state keeps the graph (the fingerprint does not churn)
+    steady = engine.generate(ids, mask, SamplingParams(**SAMPLING))
+    assert not steady.stats.captured and steady.stats.recapture_reason == []
 
 
 def test_lora_merge_and_unmerge_recapture(lora_model):
