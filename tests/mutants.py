@@ -114,7 +114,9 @@ PLANTS = (
         "graphcap/rollout/engine.py",
         "        self._lock = threading.Lock()\n",
         "        self._lock = __import__('contextlib').nullcontext()\n",
-        ("tests/test_rollout_plan.py::test_concurrent_calls_on_one_engine_are_serialised",),
+        (
+            "tests/test_rollout_stale_state.py::test_three_threads_on_one_engine_get_correct_results_or_a_clear_error",
+        ),
     ),
 )
 

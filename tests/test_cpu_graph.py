@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -229,6 +231,13 @@ def test_replays_draw_what_eager_steps_draw(explicit_generator):
         (lambda x: torch.repeat_interleave(x.long().abs()), "aten.repeat_interleave"),
         # one_hot range-checks its input on the host on every device but CUDA.
         (lambda x: torch.nn.functional.one_hot(x.long().abs(), 4), "_local_scalar_dense"),
+        # reads that bypass the dispatcher (no aten op): refused at the Python level
+        (lambda x: x.tolist(), r"Tensor\.tolist\(\)"),
+        (lambda x: x.numpy(), r"Tensor\.numpy\(\)"),
+        (lambda x: np.asarray(x), r"Tensor\.__array__"),
+        (lambda x: repr(x), r"Tensor\.__repr__"),
+        (lambda x: operator.index(x[0].long()), "_local_scalar_dense"),
+        (lambda x: float(x[0]), "_local_scalar_dense"),
     ],
 )
 def test_host_syncs_are_refused_and_the_backend_stays_usable(body, names):

@@ -103,6 +103,7 @@ def _recapture(rank: int) -> dict:
     for name, config, new in (
         ("static", {}, 8),
         ("per_position", {"per_position_graphs": True}, 4),
+        ("continuous", {"continuous_batch_size": 2}, 8),
     ):
         engine = _engine(model, **config)
         same = SamplingParams(max_new_tokens=new, min_new_tokens=new, **NO_EOS)
@@ -247,10 +248,10 @@ def test_rank_finished_early_decodes_until_every_rank_is_done(ranks):
     assert first["cont_path"] == second["cont_path"] == "continuous_graph"
 
 
-@pytest.mark.parametrize("path", ["static", "per_position"])
+@pytest.mark.parametrize("path", ["static", "per_position", "continuous"])
 def test_one_rank_recapturing_makes_every_rank_recapture(ranks, path):
     first, second = (rec[path] for rec in records(ranks, "recapture"))
-    per_call = 1 if path == "static" else 3  # per-position: one graph per decode step
+    per_call = 3 if path == "per_position" else 1  # per-position: one graph per decode step
     assert first["captures"] == second["captures"] == 2 * per_call
     assert first["captured"] and second["captured"]
     assert first["reason"] == ["another rank recaptures"]

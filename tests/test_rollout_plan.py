@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -116,31 +114,3 @@ def test_gradient_checkpointing_in_train_mode_rolls_out_like_generate_in_eval():
         result = run(model, ids, mask, graph, max_new_tokens=NEW)
         assert torch.equal(result.sequences, expected), graph
     assert model.training and model.is_gradient_checkpointing
-
-
-def test_concurrent_calls_on_one_engine_are_serialised():
-    model = tiny_model("gpt2")
-    engine = make_engine(model)
-    inputs = [prompts(2 + i, seed=i) for i in range(3)]
-    expected = [run(model, ids, mask, False, max_new_tokens=NEW).sequences for ids, mask in inputs]
-    results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
-
-    def call(i: int) -> None:
-        try:
-            for _ in range(3):
-                ids, mask = inputs[i]
-                results[i] = engine.generate(
-                    ids, mask, SamplingParams(max_new_tokens=NEW)
-                ).sequences
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    for i in range(3):
-        assert torch.equal(results[i], expected[i])

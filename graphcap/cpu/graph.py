@@ -9,8 +9,9 @@ in CPU tests:
   computed values on a device until the first replay) and restores the RNG state;
 * replay re-issues exactly the recorded operations on the same tensor objects, with every host
   value (Python numbers, shapes, lists) frozen as it was at capture, and never runs Python code;
-* host synchronisations, ``torch.tensor(...)`` literals and compiled regions are refused at capture
-  with a :class:`~graphcap.errors.GraphCaptureError` naming the operation.
+* host synchronisations (``.item()``, ``bool()``, and the reads that bypass the dispatcher:
+  ``.tolist()``, ``.numpy()``, ``__array__``), ``torch.tensor(...)`` literals and compiled regions
+  are refused at capture with a :class:`~graphcap.errors.GraphCaptureError` naming the operation.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ _tls = threading.local()
 _LITERAL_CONSTRUCTORS = frozenset(
     {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
 )
+# Tensor methods that copy tensor data to the host without an aten operation (the dispatcher, and
+# so the recorder, never sees them): on a device they are a synchronising device-to-host copy,
+# which a capture rejects; here the value read would be frozen into the graph unnoticed.
+_HOST_READS = {
+    torch.Tensor.tolist: "Tensor.tolist()",
+    torch.Tensor.numpy: "Tensor.numpy()",
+    torch.Tensor.__array__: "Tensor.__array__() (numpy.asarray / np.array of a tensor)",
+    torch.Tensor.__repr__: "Tensor.__repr__() (printing or formatting a tensor)",
+}
 _LIFT_COPY = torch.ops.aten.lift_fresh_copy.default
 _SET = torch.ops.aten.set_
 _RESIZES = (torch.ops.aten.resize_, torch.ops.aten.resize_as_)
@@ -285,10 +295,13 @@ class _Recorder(TorchDispatchMode):
             )
 
 
-class _LiteralGuard(TorchFunctionMode):
-    """Refuses ``torch.tensor(...)``-style literals, which the dispatcher cannot tell apart.
+class _HostGuard(TorchFunctionMode):
+    """Refuses what the dispatcher cannot see: host reads and ``torch.tensor(...)`` literals.
 
-    At the aten level a literal is a ``lift_fresh`` of a host-built tensor, but so is the scalar of
+    ``tolist()``, ``numpy()``, ``__array__`` and ``__repr__`` (printing formats with dispatch
+    modes disabled) read tensor data without a recorded aten operation, so
+    the recorder would freeze the value read at capture into every replay. Literals are a
+    ``lift_fresh`` of a host-built tensor at the aten level, but so is the scalar of
     ``x[idx] = 0.0`` (a device-side fill on an accelerator, which is fine); only the Python-level
     call says which is which.
     """
@@ -298,6 +311,14 @@ class _LiteralGuard(TorchFunctionMode):
         self.rec = recording
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        read = _HOST_READS.get(func)
+        if read is not None:
+            raise self.rec.fail(
+                f"{read} inside graph capture copies tensor data to the host (a device-to-host "
+                "synchronisation a device capture rejects; a replay would reuse the value read "
+                "at capture). Keep the value on the device (torch.where, masks) or read it "
+                "outside the graph"
+            )
         if func in _LITERAL_CONSTRUCTORS:
             position = int(func is torch.Tensor.new_tensor)  # new_tensor(self, data)
             data = args[position] if len(args) > position else (kwargs or {}).get("data")
@@ -406,7 +427,7 @@ class CPUGraph:
         _tls.graph, _tls.recording = self, recording
         error: BaseException | None = None
         try:
-            with _LiteralGuard(recording), _Recorder(recording):
+            with _HostGuard(recording), _Recorder(recording):
                 yield
         except BaseException as exc:
             error = exc

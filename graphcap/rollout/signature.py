@@ -4,6 +4,8 @@ Rule: whatever the captured step reads on the host is either a device tensor the
 itself or a member of this signature. Two calls with equal signatures may replay the same graph;
 any difference means recapture. Tensor *contents* are not members, so in-place weight updates
 keep the graph (replay reads the new values); addresses, shapes, strides, dtypes and devices are.
+The Python-level state forward reads (hooks, primitive module attributes, adapter state, packed
+weights) is the ``host_state`` member (see :mod:`graphcap.rollout.fingerprint`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphcap.rollout.fingerprint import HostState, host_state
 from graphcap.rollout.sampling import SamplerShape
 
 TensorFacts = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
@@ -57,18 +60,23 @@ class GraphSignature:
     mask_form: str
     windows: tuple[tuple[str, int | None], ...]
     generator_id: int | None
+    host_state: HostState
     #: the continuous and per-position paths bake the prompt width into their graphs
     prompt_width: int | None = None
     #: per-position graphs: one graph per decode step
     decode_steps: int | None = None
 
     def differences(self, other: GraphSignature) -> list[str]:
-        """Names of the members that differ (for stats and logs)."""
-        return [
-            name
-            for name in self.__dataclass_fields__
-            if getattr(self, name) != getattr(other, name)
-        ]
+        """Names of the members that differ (for stats and logs); ``host_state`` also says
+        what changed, e.g. ``"host_state (model.layers.0: forward hooks)"``."""
+        changed = []
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) == getattr(other, name):
+                continue
+            if name == "host_state":
+                name += f" ({'; '.join(self.host_state.differences(other.host_state))})"
+            changed.append(name)
+        return changed
 
 
 def signature_of(
@@ -103,6 +111,7 @@ def signature_of(
         mask_form=mask_form,
         windows=tuple(sorted(windows.items())),
         generator_id=None if generator is None else id(generator),
+        host_state=host_state(model),
         prompt_width=prompt_width,
         decode_steps=decode_steps,
     )

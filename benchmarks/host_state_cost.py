@@ -1,0 +1,59 @@
+"""Per-call cost of the graph signature's host-state fingerprint (docs/rollout.md).
+
+Builds Llama-3-8B's module tree on the meta device (no weights allocated) and the tests' tiny
+Llama, then times ``host_state(model)`` (taken on every generate call), comparing two
+fingerprints, and the signature's tensor facts for scale.
+
+    python benchmarks/host_state_cost.py
+"""
+
+from __future__ import annotations
+
+import timeit
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from graphcap.rollout.fingerprint import host_state
+from graphcap.rollout.signature import tensor_facts
+
+LLAMA_3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+}
+
+
+def best_ms(fn, number: int = 100) -> float:
+    return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e3
+
+
+def main() -> None:
+    for name, sizes in (("llama-3-8b (meta)", LLAMA_3_8B), ("tiny llama", TINY)):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**sizes))
+        first, second = host_state(model), host_state(model)
+        modules = sum(1 for _ in model.modules())
+        take = best_ms(lambda m=model: host_state(m))
+        compare = best_ms(lambda a=first, b=second: a == b)
+        facts = best_ms(lambda m=model: tensor_facts(m))
+        print(
+            f"{name}: {modules} modules; host_state {take:.2f} ms, compare {compare:.3f} ms, "
+            f"tensor_facts {facts:.2f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
