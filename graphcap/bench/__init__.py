@@ -6,7 +6,8 @@ compilation) from the steady state and adds the memory-bandwidth roofline, memor
 counts and token agreement. See docs/benchmarks.md.
 """
 
+from graphcap.bench.config import BenchConfig
 from graphcap.bench.report import BenchReport, ModeResult, RLLoopResult
-from graphcap.bench.runner import BenchConfig, run_benchmark
+from graphcap.bench.run import run_benchmark
 
 __all__ = ["BenchConfig", "BenchReport", "ModeResult", "RLLoopResult", "run_benchmark"]

@@ -1,39 +1,97 @@
-"""The generation modes a benchmark compares, all on one model, one set of prompts.
+"""The generation modes a benchmark compares (one model, one prompt set) and how calls are timed.
 
-Each mode is opened for one batch, called repeatedly, and closed (engines are dropped so the
-next mode starts from the same memory). A mode that cannot run here says why up front
-(:meth:`BenchMode.unsupported`), and a graph mode that silently ran eagerly is reported as a
-fallback, never as a graph result.
+A mode is opened for one batch (:meth:`Mode.session`), called repeatedly, and closed (engines
+are dropped so the next mode starts from the same memory). A mode that cannot run here says why
+up front (:meth:`Mode.unsupported`), and a graph mode that ran eagerly is reported as a fallback
+by the runner, never as a graph result. Every timed call is bracketed by device synchronisation,
+since device work is asynchronous.
 """
 
 from __future__ import annotations
 
 import functools
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, StoppingCriteria
 
 from graphcap.backend import Backend
-from graphcap.bench.timing import StepClock
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+T = TypeVar("T")
+
+
+def timed_call(call: Callable[[], T], sync: Callable[[], None]) -> tuple[float, T]:
+    """Seconds ``call`` took between two device synchronisations, and what it returned."""
+    sync()
+    start = time.perf_counter()
+    value = call()
+    sync()
+    return time.perf_counter() - start, value
+
+
+def spread(values: Iterable[float | None]) -> tuple[float | None, float | None, float | None]:
+    """(median, min, max) of the known values; Nones when there are none."""
+    known = [v for v in values if v is not None]
+    return (statistics.median(known), min(known), max(known)) if known else (None, None, None)
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process, from dynamo's counters: every
+    compiled graph (recompilations too) counts, so a difference around a call says whether that
+    call compiled anything."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+class StepClock(StoppingCriteria):
+    """A ``generate()`` stopping criterion that timestamps every token and never stops.
+
+    ``generate`` already reads a device flag on the host after every token on CUDA-like devices,
+    so synchronising here adds no stall; the intervals between consecutive tokens are the decode
+    step times, and the first token's time is the prefill.
+    """
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync, self.stamps = sync, [0.0]
+        self.false: torch.Tensor | None = None  # reused: no allocation per token
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        self.sync()
+        self.stamps.append(time.perf_counter())
+        if self.false is None or self.false.shape[0] != input_ids.shape[0]:
+            self.false = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return self.false
+
+    def generate(self, work: Workload, **kwargs: Any) -> CallOutput:
+        """``work.model.generate`` greedy, timing each token."""
+        self.stamps = [time.perf_counter()]
+        with torch.no_grad():
+            out = work.model.generate(
+                work.input_ids, attention_mask=work.attention_mask, max_new_tokens=work.new_tokens,
+                min_new_tokens=0, do_sample=False, pad_token_id=0, stopping_criteria=[self],
+                **kwargs,
+            )  # fmt: skip
+        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+        step = statistics.median(gaps[1:]) if len(gaps) > 1 else None
+        return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0] if gaps else None, step, "hf")
 
 
 @dataclass
 class Workload:
-    """What every mode generates from: the model, its prompts, and the response length.
-
-    ``continuous_slots`` is the continuous path's slot count (``None``: one slot per row).
-    """
+    """What every mode generates from; ``continuous_slots`` None means one slot per row."""
 
     model: PreTrainedModel
     backend: Backend
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     new_tokens: int
-    pad_token_id: int = 0
     continuous_slots: int | None = None
 
     @property
@@ -43,6 +101,12 @@ class Workload:
     @property
     def prompt_width(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        """Greedy, exactly ``new_tokens`` per row (the models have EOS off), pad id 0."""
+        return SamplingParams(
+            max_new_tokens=self.new_tokens, do_sample=False, pad_token_id=0, **overrides
+        )
 
 
 @dataclass
@@ -59,149 +123,97 @@ class CallOutput:
     occupancy: float | None = None
 
 
-class BenchMode(ABC):
-    """One way of generating; ``open`` / ``__call__`` / ``close`` around a batch."""
+@dataclass(frozen=True)
+class Mode:
+    """One way of generating: transformers' ``generate`` (``hf_kwargs`` set) or graphcap's
+    :class:`RolloutEngine` on the path ``expected_path`` (None: graphs off). ``compiles``: the
+    first call compiles (tens of seconds per batch size on a device)."""
 
-    name: ClassVar[str]
-    #: The engine path a graph mode must report; anything else is a fallback (ran eagerly).
-    expected_path: ClassVar[str | None] = None
-    #: True for modes whose first call compiles (tens of seconds per batch size on a device).
-    compiles: ClassVar[bool] = False
+    name: str
+    expected_path: str | None = None
+    hf_kwargs: dict[str, Any] | None = None
+    compiles: bool = False
 
     def unsupported(self, backend: Backend) -> str | None:
         """Why this mode cannot run on ``backend`` (``None`` when it can)."""
-        return None
-
-    @abstractmethod
-    def open(self, work: Workload) -> None: ...
-
-    @abstractmethod
-    def __call__(self) -> CallOutput: ...
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release what ``open`` made (engines, compiled wrappers)."""
-
-
-class HFEager(BenchMode):
-    """``model.generate()`` with its dynamic cache and compilation disabled."""
-
-    name = "hf-eager"
-    generate_kwargs: ClassVar[dict[str, Any]] = {"disable_compile": True}
-
-    def open(self, work: Workload) -> None:
-        self.work = work
-        self.clock = StepClock(work.backend.synchronize)
-
-    def close(self) -> None:
-        """Nothing to release: generate() keeps no state between calls."""
-
-    def __call__(self) -> CallOutput:
-        work = self.work
-        self.clock.begin()
-        with torch.no_grad():
-            out = work.model.generate(
-                work.input_ids,
-                attention_mask=work.attention_mask,
-                max_new_tokens=work.new_tokens,
-                min_new_tokens=0,
-                do_sample=False,
-                pad_token_id=work.pad_token_id,
-                stopping_criteria=[self.clock],
-                **self.generate_kwargs,
-            )
-        return CallOutput(
-            tokens=out[:, work.prompt_width :].cpu(),
-            prefill_s=self.clock.prefill_s,
-            decode_step_s=self.clock.decode_step_s,
-            path="hf",
-        )
-
-
-class HFStaticCompile(HFEager):
-    """``generate(cache_implementation="static")``: transformers compiles the decode forward.
-
-    transformers decides itself whether to compile (only on some device types); the runner
-    counts compiled graphs, so a run where nothing compiled, or one that recompiles in the
-    steady state, is reported as such.
-    """
-
-    name = "hf-static-compile"
-    compiles = True
-    generate_kwargs: ClassVar[dict[str, Any]] = {"cache_implementation": "static"}
-
-    def open(self, work: Workload) -> None:
-        # A cold start per batch: earlier compilations must not make this first call look cheap.
-        torch._dynamo.reset()
-        super().open(work)
-
-    def close(self) -> None:
-        torch._dynamo.reset()
-
-
-class GraphcapMode(BenchMode):
-    """graphcap's :class:`RolloutEngine`, eager or on the static graph path."""
-
-    name = "graphcap-eager"
-    graphs: ClassVar[bool] = False
-
-    def unsupported(self, backend: Backend) -> str | None:
-        if self.graphs and not backend.supports_graph_capture:
+        if self.expected_path and not backend.supports_graph_capture:
             return f"backend {backend.name!r} cannot capture graphs"
+        if self.expected_path and self.compiles and backend.device.type == "cpu":
+            return (
+                "the CPU reference backend refuses compiled (inductor) regions at capture; "
+                "run this mode on an accelerator"
+            )
         return None
 
-    def engine_config(self, work: Workload) -> RolloutConfig:
-        return RolloutConfig(enable_graph_capture=self.graphs, backend=work.backend)
+    @contextmanager
+    def session(self, work: Workload) -> Iterator[Callable[[], CallOutput]]:
+        """The mode opened on ``work``: yields the call to time, releases everything after."""
+        if self.compiles:
+            torch._dynamo.reset()  # a cold start: earlier compilations must not help this one
+        try:
+            if self.hf_kwargs is not None:
+                yield functools.partial(
+                    StepClock(work.backend.synchronize).generate, work, **self.hf_kwargs
+                )
+            else:
+                with _engine(self, work) as call:
+                    yield call
+        finally:
+            if self.compiles:
+                torch._dynamo.reset()
 
-    def open(self, work: Workload) -> None:
-        self.work = work
-        self.engine = RolloutEngine(work.model, self.engine_config(work))
-        self.sampling = SamplingParams(
-            max_new_tokens=work.new_tokens, do_sample=False, pad_token_id=work.pad_token_id
+
+@contextmanager
+def _engine(mode: Mode, work: Workload) -> Iterator[Callable[[], CallOutput]]:
+    settings: dict[str, Any] = {"enable_graph_capture": mode.expected_path is not None}
+    sampling = work.sampling()
+    if mode.expected_path == "continuous_graph":
+        settings["continuous_batch_size"] = min(
+            work.continuous_slots or work.batch_size, work.batch_size
         )
+    elif mode.expected_path == "per_position_graph":
+        # EOS is off, so pinning min_new_tokens to the length changes no token.
+        settings["per_position_graphs"] = True
+        sampling = work.sampling(min_new_tokens=work.new_tokens)
+    if mode.compiles:
+        # An instance attribute shadows the class's forward for this model only; undone below.
+        work.model.forward = DecodeCompiledForward(work.model.forward)
+    engine = RolloutEngine(work.model, RolloutConfig(backend=work.backend, **settings))
 
-    def __call__(self) -> CallOutput:
-        work = self.work
-        result = self.engine.generate(work.input_ids, work.attention_mask, sampling=self.sampling)
-        stats = result.stats
+    def call() -> CallOutput:
+        result = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
+        s = result.stats
         return CallOutput(
             tokens=result.sequences[:, work.prompt_width :].cpu(),
-            prefill_s=stats.prefill_s,
-            decode_step_s=stats.decode_s / stats.steps if stats.steps else None,
-            path=stats.path,
-            captures=stats.captures,
-            replays=stats.replays,
-            fallback_reason=stats.fallback_reason,
-            occupancy=stats.occupancy,
+            prefill_s=s.prefill_s,
+            decode_step_s=s.decode_s / s.steps if s.steps else None,
+            path=s.path,
+            captures=s.captures,
+            replays=s.replays,
+            fallback_reason=s.fallback_reason,
+            occupancy=s.occupancy,
         )
 
-    def close(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
-            self.engine = None
-
-
-class GraphcapGraph(GraphcapMode):
-    """The static graph path: the whole decode step captured once, then replayed."""
-
-    name = "graphcap-graph"
-    graphs = True
-    expected_path = "static_graph"
+    try:
+        yield call
+    finally:
+        engine.shutdown()
+        vars(work.model).pop("forward", None)
 
 
 class DecodeCompiledForward:
     """A model forward whose single-token (decode) calls run ``torch.compile``'d code.
 
     The engine's prefill stays eager (as in transformers' own auto-compile), so only the decode
-    shape is compiled: one compilation instead of two, each tens of seconds for a large model.
+    shape is compiled (``dynamic=False``): compilation happens in the warm-up step before
+    capture, and the capture records the compiled kernels. Whether that worked is read from the
+    result (a failed capture is a fallback with the reason), never assumed.
     """
 
     def __init__(self, forward: Any) -> None:
         self.eager = forward
         self.compiled = torch.compile(forward, dynamic=False)
-        # Keep the real signature visible: the engine inspects forward's parameters.
-        functools.update_wrapper(self, forward)
+        functools.update_wrapper(self, forward)  # the engine inspects forward's parameters
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -209,114 +221,26 @@ class DecodeCompiledForward:
         return (self.compiled if decode else self.eager)(*args, **kwargs)
 
 
-class GraphcapGraphCompiled(GraphcapGraph):
-    """The static graph captured around a ``torch.compile``'d decode forward.
-
-    The engine is handed the model with its decode forward compiled (``dynamic=False``):
-    compilation happens in the warm-up step before capture, and the capture records the
-    compiled kernels. Whether the engine and backend can do that is read from the result (a
-    failed capture is a fallback with the reason), never assumed.
-    """
-
-    name = "graphcap-graph-compiled"
-    compiles = True
-
-    def unsupported(self, backend: Backend) -> str | None:
-        reason = super().unsupported(backend)
-        if reason is None and backend.device.type == "cpu":
-            reason = (
-                "the CPU reference backend refuses compiled (inductor) regions at capture; "
-                "run this mode on an accelerator"
-            )
-        return reason
-
-    def open(self, work: Workload) -> None:
-        torch._dynamo.reset()
-        model = work.model
-        # An instance attribute shadows the class's forward for this model only; close() undoes it.
-        model.forward = DecodeCompiledForward(model.forward)
-        super().open(work)
-
-    def close(self) -> None:
-        super().close()
-        work = getattr(self, "work", None)
-        if work is not None and "forward" in vars(work.model):
-            del work.model.forward
-        torch._dynamo.reset()
-
-
-class GraphcapContinuous(GraphcapGraph):
-    """The continuous-batching graph path: rows queue through a fixed set of slots.
-
-    With one slot per row (the default) every request is in flight at once, so the figures
-    show what the slot machinery costs over the static graph; fewer slots (``--continuous-slots``)
-    queue the rows. Rows are only retired at the EOS check interval, so a slot can idle for up
-    to ``eos_check_interval - 1`` steps; ``occupancy`` reports the share of slot-steps used.
-    """
-
-    name = "graphcap-continuous"
-    expected_path = "continuous_graph"
-
-    def engine_config(self, work: Workload) -> RolloutConfig:
-        slots = min(work.continuous_slots or work.batch_size, work.batch_size)
-        return RolloutConfig(
-            enable_graph_capture=True, continuous_batch_size=slots, backend=work.backend
-        )
-
-
-class GraphcapPerPosition(GraphcapGraph):
-    """Per-position graphs: one graph per decode position, attending over written columns only.
-
-    Every mode here generates exactly ``new_tokens`` per row (EOS is off), so pinning
-    ``min_new_tokens`` to it changes no token; the first call captures one graph per position.
-    """
-
-    name = "graphcap-per-position"
-    expected_path = "per_position_graph"
-
-    def engine_config(self, work: Workload) -> RolloutConfig:
-        return RolloutConfig(
-            enable_graph_capture=True, per_position_graphs=True, backend=work.backend
-        )
-
-    def open(self, work: Workload) -> None:
-        super().open(work)
-        self.sampling = replace(self.sampling, min_new_tokens=work.new_tokens)
-
-
-MODES: dict[str, type[BenchMode]] = {
-    cls.name: cls
-    for cls in (
-        HFEager,
-        HFStaticCompile,
-        GraphcapMode,
-        GraphcapGraph,
-        GraphcapGraphCompiled,
-        GraphcapContinuous,
-        GraphcapPerPosition,
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("hf-eager", hf_kwargs={"disable_compile": True}),
+        # transformers decides itself whether to compile (only on some device types); the runner
+        # counts compiled graphs, so "compiled nothing" and steady recompiles are reported.
+        Mode("hf-static-compile", hf_kwargs={"cache_implementation": "static"}, compiles=True),
+        Mode("graphcap-eager"),
+        Mode("graphcap-graph", "static_graph"),
+        Mode("graphcap-graph-compiled", "static_graph", compiles=True),
+        Mode("graphcap-continuous", "continuous_graph"),
+        Mode("graphcap-per-position", "per_position_graph"),
     )
 }
 
 
 def default_modes(backend: Backend) -> list[str]:
     """Every mode that means something on this backend (compilation only on accelerators)."""
-    if backend.device.type == "cpu":
-        return [
-            "hf-eager",
-            "graphcap-eager",
-            "graphcap-graph",
-            "graphcap-continuous",
-            "graphcap-per-position",
-        ]
-    return [
-        "hf-eager",
-        "hf-static-compile",
-        "graphcap-eager",
-        "graphcap-graph",
-        "graphcap-graph-compiled",
-        "graphcap-continuous",
-        "graphcap-per-position",
-    ]
+    on_cpu = backend.device.type == "cpu"
+    return [name for name, mode in MODES.items() if not (on_cpu and mode.compiles)]
 
 
 def parse_modes(text: str) -> list[str]:

@@ -1,31 +1,29 @@
-"""Optional PNG plot: tokens/s against batch size, one line per mode (needs matplotlib)."""
+"""Optional PNG plot: tokens/s against batch size, one line per mode (needs matplotlib).
+
+``python -m graphcap.bench.plot REPORT.json OUT.png`` plots a report saved with ``--json``.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
-
-from graphcap.bench.report import FALLBACK, OK, BenchReport
 
 
 class PlotUnavailableError(RuntimeError):
     """matplotlib is not installed; the message says how to get it."""
 
 
-def check_plotting() -> None:
-    """Raise PlotUnavailableError now, before a long run whose plot could not be drawn."""
-    _pyplot()
-
-
-def _pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend (matplotlib is optional, so is Any)."""
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend; call it early to fail before a long run."""
     try:
         import matplotlib
     except ImportError:
         raise PlotUnavailableError(
-            "--plot needs matplotlib, which is not installed; install it with "
-            "pip install 'graphcap[plot]' (or pip install matplotlib), or drop --plot "
-            "(the JSON report holds the same figures)"
+            "--plot needs matplotlib, which is not installed; install it with pip install "
+            "'graphcap[plot]' (or pip install matplotlib), or drop --plot (the JSON report "
+            "holds the same figures)"
         ) from None
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
@@ -33,31 +31,29 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_throughput(report: BenchReport, path: str | Path) -> Path:
-    """Write tokens/s vs batch size per mode to ``path``; raises PlotUnavailableError."""
-    plt = _pyplot()
+def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
+    """Write tokens/s vs batch size per mode of ``report`` (the JSON form) to ``path``."""
+    plt = pyplot()
     series: dict[str, list[tuple[int, float]]] = {}
-    for r in report.results:
-        if r.status in (OK, FALLBACK) and r.tokens_per_s:
-            label = r.mode if r.status == OK else f"{r.mode} (fallback)"
-            series.setdefault(label, []).append((r.batch_size, r.tokens_per_s))
+    for r in report["results"]:
+        if r["status"] in ("ok", "fallback") and r["tokens_per_s"]:
+            label = r["mode"] + ("" if r["status"] == "ok" else " (fallback)")
+            series.setdefault(label, []).append((r["batch_size"], r["tokens_per_s"]))
     if not series:
         raise ValueError("nothing to plot: no mode produced a steady-state figure")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in series.items():
-        points.sort()
-        ax.plot([b for b, _ in points], [t for _, t in points], marker="o", label=label)
-    ax.set_xscale("log", base=2)
+        ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label)
     batches = sorted({b for points in series.values() for b, _ in points})
+    ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.minorticks_off()
     ax.set_yscale("log")
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("generated tokens/s (steady state)")
-    cfg = report.config
+    ax.set(xlabel="batch size", ylabel="generated tokens/s (steady state)")
+    cfg = report["config"]
     ax.set_title(
         f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
-        f"{report.backend.get('device_name')}"
+        f"{report['backend'].get('device_name')}"
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -70,25 +66,18 @@ def plot_throughput(report: BenchReport, path: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m graphcap.bench.plot REPORT.json OUT.png``: plot a saved report."""
-    import argparse
-    import sys
-
-    from graphcap.bench.report import load_report
-
-    parser = argparse.ArgumentParser(
-        prog="python -m graphcap.bench.plot",
-        description="Plot tokens/s vs batch size from a graphcap bench JSON report.",
-    )
-    parser.add_argument("report", help="JSON written by graphcap bench --json")
-    parser.add_argument("output", help="PNG to write")
-    args = parser.parse_args(argv)
-    try:
-        written = plot_throughput(load_report(args.report), args.output)
-    except (PlotUnavailableError, ValueError, OSError) as exc:
-        print(f"graphcap bench plot: {exc}", file=sys.stderr)
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0].startswith("-"):
+        print("usage: python -m graphcap.bench.plot REPORT.json OUT.png", file=sys.stderr)
         return 2
-    print(f"wrote {written}", file=sys.stderr)
+    try:
+        print(
+            f"wrote {plot_throughput(json.loads(Path(args[0]).read_text()), args[1])}",
+            file=sys.stderr,
+        )
+    except (PlotUnavailableError, ValueError, OSError, KeyError) as exc:
+        print(f"graphcap bench plot: {exc!r}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,19 +1,22 @@
-"""The benchmark report: one JSON-serialisable record per (mode, batch size), plus context.
+"""The benchmark report (one JSON-serialisable record per mode and batch size) and its tables.
 
 Ratios are only ever taken between modes measured in the same run (same process, same model,
-same prompts): absolute times move by tens of percent between machines, ratios much less.
+same prompts): absolute times move by tens of percent between machines, ratios much less. All
+text rendering lives here (:func:`render_table` lays out every table).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from graphcap.bench.modes import spread
 
-SCHEMA_VERSION = 1
+#: 2: steady_max_s and decode_step_min_s / _max_s added, graph_pool_bytes (never set) removed.
+SCHEMA_VERSION = 2
 
 #: status values of a ModeResult
 OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
@@ -30,15 +33,17 @@ class ModeResult:
     first_call_s: float | None = None
     steady_median_s: float | None = None
     steady_min_s: float | None = None
+    steady_max_s: float | None = None
     steady_s: list[float] = field(default_factory=list)
     prefill_s: float | None = None
     decode_step_s: float | None = None
+    decode_step_min_s: float | None = None
+    decode_step_max_s: float | None = None
     tokens_per_s: float | None = None
     weight_bandwidth_gbps: float | None = None
     bandwidth_fraction: float | None = None
     peak_memory_bytes: int | None = None
     engine_memory_bytes: int | None = None
-    graph_pool_bytes: int | None = None
     path: str | None = None
     captures: int | None = None
     replays_per_call: int | None = None
@@ -103,11 +108,8 @@ class BenchReport:
     elapsed_s: float | None = None
     schema_version: int = SCHEMA_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, default=_json_default)
+        return json.dumps(asdict(self), indent=2)
 
     def write_json(self, path: str | Path) -> Path:
         target = Path(path)
@@ -116,158 +118,124 @@ class BenchReport:
         return target
 
     def result(self, mode: str, batch_size: int) -> ModeResult | None:
-        return next(
-            (r for r in self.results if r.mode == mode and r.batch_size == batch_size), None
-        )
+        return next((r for r in self.results if (r.mode, r.batch_size) == (mode, batch_size)), None)
 
 
-def load_report(path: str | Path) -> BenchReport:
-    """Read a report written by :meth:`BenchReport.write_json` (e.g. to plot it elsewhere)."""
-    data = json.loads(Path(path).read_text())
-    version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ValueError(
-            f"{path}: report schema version {version!r}, this graphcap reads {SCHEMA_VERSION}"
-        )
-    data["results"] = [ModeResult(**r) for r in data["results"]]
-    data["rl_loop"] = [
-        RLLoopResult(**{**r, "iterations": [RLIteration(**i) for i in r["iterations"]]})
-        for r in data["rl_loop"]
-    ]
-    return BenchReport(**data)
+# ---- text -------------------------------------------------------------------------------------
+def render_table(
+    columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = ""
+) -> list[str]:
+    """Left-aligned columns separated by two spaces, a dashed rule under the header."""
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+
+    def line(cells: Sequence[str]) -> str:
+        return indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [line(columns), line(["-" * w for w in widths]), *(line(row) for row in rows)]
 
 
-def _json_default(value: object) -> object:
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
-def fill_ratios(results: list[ModeResult]) -> None:
-    """Speed-ups of every measured mode over the HF baselines at the same batch size.
-
-    A ratio > 1 means faster than the baseline (baseline steady time / this mode's). A baseline
-    that fell back, errored or recompiled in the steady state is not a baseline: no ratio.
-    """
-    baselines = {
-        (r.mode, r.batch_size): r.steady_median_s
-        for r in results
-        if r.status == OK and r.steady_median_s and not r.recompiles_steady
-    }
-    for r in results:
-        if r.status not in (OK, FALLBACK) or not r.steady_median_s:
-            continue
-        eager = baselines.get(("hf-eager", r.batch_size))
-        static = baselines.get(("hf-static-compile", r.batch_size))
-        r.speedup_vs_hf_eager = eager / r.steady_median_s if eager else None
-        r.speedup_vs_hf_static_compile = static / r.steady_median_s if static else None
+def _spread(median: float | None, low: float | None, high: float | None, spec: str) -> str:
+    """``median [min-max]`` in ms (the spread only when it is known)."""
+    if median is None:
+        return "n/a"
+    if low is None or high is None:
+        return _num(median, spec, 1e3)
+    return f"{median * 1e3:{spec}} [{low * 1e3:{spec}}-{high * 1e3:{spec}}]"
 
 
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:{spec}}{suffix}"
-
-
-def _fmt_bytes(value: int | None) -> str:
+def _gib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**30:.2f}G"
 
 
-def _agreement(r: ModeResult) -> str:
+def _tokens(r: ModeResult) -> str:
     if r.token_agreement is None:
         return "n/a"
     return "same" if r.tokens_identical else f"{r.token_agreement * 100:.1f}%"
 
 
-TABLE_COLUMNS: tuple[str, ...] = (
-    "mode",
-    "bs",
-    "first(s)",
-    "steady(ms)",
-    "step(ms)",
-    "tok/s",
-    "BW%",
-    "peak mem",
-    "capt",
-    "tokens",
-    "x hf-eager",
-    "x hf-static",
-)
+COLUMNS = ("mode", "bs", "first(s)", "steady ms [min-max]", "step ms [min-max]", "tok/s", "BW%")
+COLUMNS += ("peak mem", "capt", "tokens", "x hf-eager", "x hf-static")
 
 
 def format_table(report: BenchReport) -> str:
-    """A plain-text table of the results, one row per (mode, batch size), then notes."""
-    rows: list[tuple[str, ...]] = []
-    notes: list[str] = []
+    """The whole report as text: header, one row per (mode, batch size), RL loop, notes."""
+    rows, notes = [], []
     for r in report.results:
-        if r.status in (UNSUPPORTED, ERROR, SKIPPED):
-            rows.append((r.mode, str(r.batch_size), r.status, *([""] * 9)))
-            notes.append(f"{r.mode} (bs {r.batch_size}): {r.status}: {r.reason}")
-            continue
-        mode = r.mode if r.status == OK else f"{r.mode} [{r.status}]"
         if r.reason:
-            notes.append(f"{r.mode} (bs {r.batch_size}): {r.reason}")
-        rows.append(
-            (
-                mode,
-                str(r.batch_size),
-                _fmt(r.first_call_s, ".2f"),
-                _fmt(None if r.steady_median_s is None else r.steady_median_s * 1e3, ".1f"),
-                _fmt(None if r.decode_step_s is None else r.decode_step_s * 1e3, ".2f"),
-                _fmt(r.tokens_per_s, ".0f"),
-                _fmt(None if r.bandwidth_fraction is None else r.bandwidth_fraction * 100, ".0f"),
-                _fmt_bytes(r.peak_memory_bytes),
-                "n/a" if r.captures is None else str(r.captures),
-                _agreement(r),
-                _fmt(r.speedup_vs_hf_eager, ".2f", "x"),
-                _fmt(r.speedup_vs_hf_static_compile, ".2f", "x"),
-            )
-        )
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(TABLE_COLUMNS)]
+            notes.append(f"{r.mode} (bs {r.batch_size}): {r.status}: {r.reason}")
+        if r.status in (UNSUPPORTED, ERROR, SKIPPED):
+            rows.append((r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3)))
+            continue
+        rows.append((
+            r.mode if r.status == OK else f"{r.mode} [{r.status}]",
+            str(r.batch_size),
+            _num(r.first_call_s, ".2f"),
+            _spread(r.steady_median_s, r.steady_min_s, r.steady_max_s, ".1f"),
+            _spread(r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s, ".2f"),
+            _num(r.tokens_per_s, ".0f"),
+            _num(r.bandwidth_fraction, ".0f", 100),
+            _gib(r.peak_memory_bytes),
+            _num(r.captures, "d"),
+            _tokens(r),
+            _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
+            _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
+        ))  # fmt: skip
+    cfg, model, peak = report.config, report.model, report.peak_bandwidth_gbps
     lines = [
-        "  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths, strict=True)),
-        "  ".join("-" * w for w in widths),
-    ]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
-    header = _header(report)
-    footer = [*(f"note: {n}" for n in notes), *(f"warning: {w}" for w in report.warnings)]
-    return "\n".join([*header, "", *lines, *(["", *footer] if footer else [])])
-
-
-def _header(report: BenchReport) -> list[str]:
-    cfg, model, backend = report.config, report.model, report.backend
-    peak = report.peak_bandwidth_gbps
-    return [
         f"graphcap bench: {cfg['model']} ({model.get('architecture')}, "
         f"{model.get('parameters', 0) / 1e6:.1f}M params, {cfg['dtype']}) on "
-        f"{backend.get('device_name')} [backend {backend.get('name')}]",
-        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; "
-        f"first call timed alone, steady = median of {cfg['repeats']} after "
-        f"{cfg['warmup']} warmup; weights read per step "
-        f"{report.weight_bytes_per_step / 1e9:.3f} GB; peak bandwidth "
-        + ("n/a" if peak is None else f"{peak:.0f} GB/s"),
+        f"{report.backend.get('device_name')} [backend {report.backend.get('name')}]",
+        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
+        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
+        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
+        f"bandwidth {_num(peak, '.0f', suffix=' GB/s')}",
         f"tokens: agreement with {report.reference_mode} at the same batch size",
+        "",
+        *render_table(COLUMNS, rows),
     ]
+    for res in report.rl_loop:
+        lines += ["", *_rl_block(res)]
+    footer = [*(f"note: {n}" for n in notes), *(f"warning: {w}" for w in report.warnings)]
+    return "\n".join(lines + (["", *footer] if footer else []))
 
 
-def format_rl_table(results: list[RLLoopResult]) -> str:
-    """Per-iteration phases of the RL loop, one block per mode."""
-    lines = []
-    for res in results:
-        lines.append(
-            f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
-            f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}"
+def _rl_block(res: RLLoopResult) -> list[str]:
+    """Per-iteration phases of the RL loop for one mode, after a summary with spreads."""
+    later = spread(i.generate_s for i in res.iterations[1:]) or (None, None, None)
+    train = spread(i.train_step_s for i in res.iterations) or (None, None, None)
+    rows = [
+        (
+            str(it.iteration),
+            f"{it.generate_s * 1e3:.1f}",
+            f"{it.train_step_s * 1e3:.1f}",
+            _num(it.captures, "d"),
+            it.path or "n/a",
+            _gib(it.peak_memory_bytes),
+            str(it.tokens_match_eager),
+            "n/a" if it.tokens_changed is None else str(it.tokens_changed),
         )
-        lines.append(
-            "  iter  generate(ms)  train(ms)  captures  path          peak mem  =eager  changed"
-        )
-        for it in res.iterations:
-            match = "n/a" if it.tokens_match_eager is None else str(it.tokens_match_eager)
-            changed = "n/a" if it.tokens_changed is None else str(it.tokens_changed)
-            lines.append(
-                f"  {it.iteration:<4d}  {it.generate_s * 1e3:12.1f}  {it.train_step_s * 1e3:9.1f}"
-                f"  {it.captures if it.captures is not None else 'n/a':>8}  "
-                f"{it.path or 'n/a':<12}  {_fmt_bytes(it.peak_memory_bytes):>8}  {match:<6}  "
-                f"{changed}"
-            )
-    return "\n".join(lines)
+        for it in res.iterations
+    ]
+    return [
+        f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
+        f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; generate "
+        f"after the first {_spread(*later, '.1f')} ms, train step {_spread(*train, '.1f')} ms",
+        *render_table(
+            (
+                "iter",
+                "generate(ms)",
+                "train(ms)",
+                "captures",
+                "path",
+                "peak mem",
+                "=eager",
+                "changed",
+            ),
+            rows,
+            indent="  ",
+        ),
+    ]
