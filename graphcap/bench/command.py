@@ -8,8 +8,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from graphcap.bench.config import BenchConfig, add_fields, from_args, option
-from graphcap.bench.plot import PlotUnavailableError, plot_throughput, pyplot
-from graphcap.bench.report import format_table
+from graphcap.bench.report import PlotUnavailableError, format_table, plot_throughput, pyplot
 from graphcap.bench.run import run_benchmark
 from graphcap.errors import GraphcapError
 
@@ -17,7 +16,9 @@ from graphcap.errors import GraphcapError
 @dataclass
 class Outputs:
     json: str | None = option("write the full report as JSON", metavar="PATH")
-    plot: str | None = option("write tokens/s vs batch size (PNG, needs matplotlib)", metavar="PATH")
+    plot: str | None = option(
+        "write tokens/s vs batch size (PNG, needs matplotlib)", metavar="PATH"
+    )
     quiet: bool = option("no progress lines on stderr", False)
 
 

@@ -1,8 +1,7 @@
-"""What a bench run measures: one dataclass, from which the command line is also built.
+"""What a bench run measures: one dataclass, from which ``graphcap bench``'s options are built.
 
-Each field carries its help text, its parser (where the value is not a plain string) and its
-defaults without / with an accelerator in ``metadata``; :func:`add_fields` turns the fields into
-``--flag-name`` options, so a setting is declared once. ``None`` means the device's default.
+Each field's ``metadata`` holds its help, its parser (``type``) and its defaults without / with
+an accelerator (``cpu`` / ``device``), so a setting is declared once; ``None`` means the default.
 """
 
 from __future__ import annotations
@@ -19,29 +18,20 @@ from graphcap.bench.modes import MODES, default_modes, parse_modes
 
 def int_list(text: str) -> list[int]:
     """Comma-separated positive integers, e.g. ``1,8,32``."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
+    values = [int(v) for v in text.split(",") if v.strip().isdigit()]
+    if not values or len(values) != len(text.split(",")) or min(values) < 1:
         raise ValueError(f"expected comma-separated positive integers such as 1,8,32, got {text!r}")
     return values
 
 
 def option(help: str, default: Any = None, **metadata: Any) -> Any:
-    """A dataclass field that is also a command-line option.
-
-    ``metadata``: argparse keywords (``type=`` parses the text), plus ``cpu=`` / ``device=``,
-    the value an unset (``None``) field takes without / with an accelerator.
-    """
+    """A dataclass field that is also a ``--field-name`` option (see the module docstring)."""
     return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass
 class BenchConfig:
-    """What to measure. ``compile_batch_sizes`` limits the modes that compile (tens of seconds
-    per batch size on a device); ``budget_s`` bounds the mode sweep (the RL loop runs after it,
-    outside the budget); ``threads`` is restored after the run."""
+    """What to measure. The RL loop runs after the mode sweep, outside ``budget_s``."""
 
     model: str | None = option(
         f"a preset ({', '.join(PRESETS)}; random weights) or a local model directory",
@@ -49,17 +39,15 @@ class BenchConfig:
         device="llama-1b",
     )
     dtype: str | None = option(
-        "weights dtype (default fp32 on CPU, fp16 for gpt2 presets, bf16 otherwise)",
+        "weights dtype (default: fp32 on CPU, fp16 for gpt2 presets, bf16 otherwise)",
         choices=sorted(DTYPES),
     )
-    batch_sizes: list[int] | None = option(
-        "comma-separated, e.g. 1,8,32,64", type=int_list, cpu=[1, 4], device=[1]
-    )
+    batch_sizes: list[int] | None = option("e.g. 1,8,32,64", type=int_list, cpu=[1, 4], device=[1])
     compile_batch_sizes: list[int] | None = option(
         "run the compiling modes only at these batch sizes (default: all)", type=int_list
     )
     prompt_len: int | None = option("prompt tokens per row", type=int, cpu=16, device=128)
-    new_tokens: int | None = option("new tokens per row (EOS is off)", type=int, cpu=16, device=128)
+    new_tokens: int | None = option("new tokens per row (EOS off)", type=int, cpu=16, device=128)
     repeats: int | None = option("steady-state calls", type=int, cpu=3, device=5)
     warmup: int | None = option("discarded calls after the first", type=int, cpu=1, device=2)
     modes: list[str] | None = option(
@@ -67,26 +55,21 @@ class BenchConfig:
         type=parse_modes,
     )
     continuous_slots: int | None = option(
-        "slots of the graphcap-continuous mode (default: one per row)", type=int
+        "slots of graphcap-continuous (default: one per row)", type=int
     )
     # One thread on the CPU: a tiny model's matmuls gain nothing from more, and on a busy machine
     # extra threads make every step several times slower and the timings noisy.
     threads: int | None = option("torch intra-op threads (0: torch's)", type=int, cpu=1, device=0)
     seed: int = option("weights and prompts seed", 0, type=int)
     peak_bandwidth: float | None = option(
-        "device memory bandwidth for the roofline, e.g. 4.8TB/s (default: known devices)",
+        "memory bandwidth for the roofline, e.g. 4.8TB/s (default: known devices)",
         type=parse_bandwidth,
     )
     budget_s: float | None = option(
         "time limit for the mode sweep; pairs not started in time are reported skipped", type=float
     )
     backend: str | None = option("graphcap backend name (default: $GRAPHCAP_BACKEND)")
-    rl_loop: int = option(
-        "also run N generate -> train-step -> generate iterations (eager vs graph)",
-        0,
-        type=int,
-        metavar="N",
-    )
+    rl_loop: int = option("also run N generate -> train step iterations", 0, type=int, metavar="N")
     rl_batch_size: int | None = option("RL loop batch (default: the first batch size)", type=int)
     rl_optimizer: str = option("RL loop optimizer", "sgd", choices=("sgd", "adamw"))
     rl_lr: float = option("RL loop learning rate", 1e-3, type=float)
@@ -113,9 +96,7 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
 
 
 def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` with its ValueError message kept in argparse's usage error."""
-
-    def convert(text: str) -> Any:
+    def convert(text: str) -> Any:  # keeps parse's message in argparse's usage error
         try:
             return parse(text)
         except ValueError as exc:
@@ -127,10 +108,8 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
     """Fill unset fields with this device's defaults, and validate."""
     where = "cpu" if backend.device.type == "cpu" else "device"
-    c = replace(config, **{
-        f.name: f.metadata[where] for f in fields(config)
-        if getattr(config, f.name) is None and where in f.metadata
-    })  # fmt: skip
+    unset = [f for f in fields(config) if getattr(config, f.name) is None and where in f.metadata]
+    c = replace(config, **{f.name: f.metadata[where] for f in unset})
     c.dtype = c.dtype or default_dtype_name(c.model, backend.device.type)
     c.modes = parse_modes(",".join(c.modes or default_modes(backend)))
     c.rl_batch_size = c.batch_sizes[0] if c.rl_batch_size is None else c.rl_batch_size

@@ -1,8 +1,7 @@
-"""The benchmark report (one JSON-serialisable record per mode and batch size) and its tables.
+"""The benchmark report (one JSON-serialisable record per mode and batch size), rendered.
 
-Ratios are only ever taken between modes measured in the same run (same process, same model,
-same prompts): absolute times move by tens of percent between machines, ratios much less. All
-text rendering lives here (:func:`render_table` lays out every table).
+All rendering lives here: the text tables (:func:`render_table` lays out each) and the optional
+PNG plot (matplotlib). Ratios are only taken between modes measured in the same run.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from graphcap.bench.modes import spread
 #: 2: steady_max_s and decode_step_min_s / _max_s added, graph_pool_bytes (never set) removed.
 SCHEMA_VERSION = 2
 
-#: status values of a ModeResult
 OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
 
 
@@ -69,10 +67,10 @@ class RLIteration:
     loss: float
     captures: int | None
     path: str | None
-    peak_memory_bytes: int | None
-    train_peak_memory_bytes: int | None
-    tokens_match_eager: bool | None
-    tokens_changed: bool | None
+    peak_memory_bytes: int | None = None
+    train_peak_memory_bytes: int | None = None
+    tokens_match_eager: bool | None = None
+    tokens_changed: bool | None = None
 
 
 @dataclass
@@ -125,117 +123,141 @@ class BenchReport:
 def render_table(
     columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = ""
 ) -> list[str]:
-    """Left-aligned columns separated by two spaces, a dashed rule under the header."""
+    """Left-aligned columns two spaces apart, a dashed rule under the header."""
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
-
-    def line(cells: Sequence[str]) -> str:
-        return indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    return [line(columns), line(["-" * w for w in widths]), *(line(row) for row in rows)]
+    rule = ["-" * w for w in widths]
+    return [
+        indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in (columns, rule, *rows)
+    ]
 
 
 def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
-def _spread(median: float | None, low: float | None, high: float | None, spec: str) -> str:
-    """``median [min-max]`` in ms (the spread only when it is known)."""
-    if median is None:
-        return "n/a"
-    if low is None or high is None:
-        return _num(median, spec, 1e3)
-    return f"{median * 1e3:{spec}} [{low * 1e3:{spec}}-{high * 1e3:{spec}}]"
-
-
-def _gib(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / 2**30:.2f}G"
-
-
-def _tokens(r: ModeResult) -> str:
-    if r.token_agreement is None:
-        return "n/a"
-    return "same" if r.tokens_identical else f"{r.token_agreement * 100:.1f}%"
+def _ms(values: tuple[float | None, ...], spec: str = ".1f") -> str:
+    """``median [min-max]`` in ms, from (median, min, max); the median alone without a spread."""
+    if None in values[1:] or len(values) == 1:
+        return _num(values[0], spec, 1e3)
+    return "{} [{}-{}]".format(*(_num(v, spec, 1e3) for v in values))
 
 
 COLUMNS = ("mode", "bs", "first(s)", "steady ms [min-max]", "step ms [min-max]", "tok/s", "BW%")
 COLUMNS += ("peak mem", "capt", "tokens", "x hf-eager", "x hf-static")
+RL_COLUMNS = ("iter", "generate(ms)", "train(ms)", "captures", "path", "peak mem", "=eager")
+RL_COLUMNS += ("changed",)
+
+
+def _row(r: ModeResult) -> tuple[str, ...]:
+    if r.status in (UNSUPPORTED, ERROR, SKIPPED):
+        return (r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3))
+    return (
+        r.mode if r.status == OK else f"{r.mode} [{r.status}]",
+        str(r.batch_size),
+        _num(r.first_call_s, ".2f"),
+        _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s)),
+        _ms((r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"),
+        _num(r.tokens_per_s, ".0f"),
+        _num(r.bandwidth_fraction, ".0f", 100),
+        _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
+        _num(r.captures, "d"),
+        "same" if r.tokens_identical else _num(r.token_agreement, ".1f", 100, "%"),
+        _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
+        _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
+    )
+
+
+def _rl_lines(res: RLLoopResult) -> list[str]:
+    rows = [
+        (str(i.iteration), _ms((i.generate_s,)), _ms((i.train_step_s,)), _num(i.captures, "d"),
+         str(i.path), _num(i.peak_memory_bytes, ".2f", 2**-30, "G"), str(i.tokens_match_eager),
+         "n/a" if i.tokens_changed is None else str(i.tokens_changed))
+        for i in res.iterations
+    ]  # fmt: skip
+    later = _ms(spread(i.generate_s for i in res.iterations[1:]))
+    train = _ms(spread(i.train_step_s for i in res.iterations))
+    return [
+        f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
+        f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; "
+        f"generate after the first {later} ms, train step {train} ms",
+        *render_table(RL_COLUMNS, rows, indent="  "),
+    ]
 
 
 def format_table(report: BenchReport) -> str:
-    """The whole report as text: header, one row per (mode, batch size), RL loop, notes."""
-    rows, notes = [], []
-    for r in report.results:
-        if r.reason:
-            notes.append(f"{r.mode} (bs {r.batch_size}): {r.status}: {r.reason}")
-        if r.status in (UNSUPPORTED, ERROR, SKIPPED):
-            rows.append((r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3)))
-            continue
-        rows.append((
-            r.mode if r.status == OK else f"{r.mode} [{r.status}]",
-            str(r.batch_size),
-            _num(r.first_call_s, ".2f"),
-            _spread(r.steady_median_s, r.steady_min_s, r.steady_max_s, ".1f"),
-            _spread(r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s, ".2f"),
-            _num(r.tokens_per_s, ".0f"),
-            _num(r.bandwidth_fraction, ".0f", 100),
-            _gib(r.peak_memory_bytes),
-            _num(r.captures, "d"),
-            _tokens(r),
-            _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
-            _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
-        ))  # fmt: skip
-    cfg, model, peak = report.config, report.model, report.peak_bandwidth_gbps
+    """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
+    cfg, model, backend = report.config, report.model, report.backend
     lines = [
-        f"graphcap bench: {cfg['model']} ({model.get('architecture')}, "
-        f"{model.get('parameters', 0) / 1e6:.1f}M params, {cfg['dtype']}) on "
-        f"{report.backend.get('device_name')} [backend {report.backend.get('name')}]",
+        f"graphcap bench: {cfg['model']} ({model['architecture']}, "
+        f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
+        f"{backend['device_name']} [backend {backend['name']}]",
         f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
         f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
         f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
-        f"bandwidth {_num(peak, '.0f', suffix=' GB/s')}",
+        f"bandwidth {_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')}",
         f"tokens: agreement with {report.reference_mode} at the same batch size",
         "",
-        *render_table(COLUMNS, rows),
+        *render_table(COLUMNS, [_row(r) for r in report.results]),
     ]
     for res in report.rl_loop:
-        lines += ["", *_rl_block(res)]
-    footer = [*(f"note: {n}" for n in notes), *(f"warning: {w}" for w in report.warnings)]
-    return "\n".join(lines + (["", *footer] if footer else []))
+        lines += ["", *_rl_lines(res)]
+    notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in report.results]
+    notes = [n for n, r in zip(notes, report.results, strict=True) if r.reason]
+    notes += [f"warning: {w}" for w in report.warnings]
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
-def _rl_block(res: RLLoopResult) -> list[str]:
-    """Per-iteration phases of the RL loop for one mode, after a summary with spreads."""
-    later = spread(i.generate_s for i in res.iterations[1:]) or (None, None, None)
-    train = spread(i.train_step_s for i in res.iterations) or (None, None, None)
-    rows = [
-        (
-            str(it.iteration),
-            f"{it.generate_s * 1e3:.1f}",
-            f"{it.train_step_s * 1e3:.1f}",
-            _num(it.captures, "d"),
-            it.path or "n/a",
-            _gib(it.peak_memory_bytes),
-            str(it.tokens_match_eager),
-            "n/a" if it.tokens_changed is None else str(it.tokens_changed),
-        )
-        for it in res.iterations
-    ]
-    return [
-        f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
-        f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; generate "
-        f"after the first {_spread(*later, '.1f')} ms, train step {_spread(*train, '.1f')} ms",
-        *render_table(
-            (
-                "iter",
-                "generate(ms)",
-                "train(ms)",
-                "captures",
-                "path",
-                "peak mem",
-                "=eager",
-                "changed",
-            ),
-            rows,
-            indent="  ",
-        ),
-    ]
+# ---- plot (optional: matplotlib) --------------------------------------------------------------
+class PlotUnavailableError(RuntimeError):
+    """matplotlib is not installed; the message says how to get it."""
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend; call it early to fail before a long run."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailableError(
+            "--plot needs matplotlib, which is not installed; install it with pip install "
+            "'graphcap[plot]' (or pip install matplotlib), or drop --plot (the JSON report "
+            "holds the same figures)"
+        ) from None
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
+    """Write tokens/s vs batch size per mode of ``report`` (the JSON form) to ``path``."""
+    plt = pyplot()
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in report["results"]:
+        if r["status"] in ("ok", "fallback") and r["tokens_per_s"]:
+            label = r["mode"] + ("" if r["status"] == "ok" else " (fallback)")
+            series.setdefault(label, []).append((r["batch_size"], r["tokens_per_s"]))
+    if not series:
+        raise ValueError("nothing to plot: no mode produced a steady-state figure")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in series.items():
+        ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label)
+    batches = sorted({b for points in series.values() for b, _ in points})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set(xlabel="batch size", ylabel="generated tokens/s (steady state)")
+    cfg = report["config"]
+    ax.set_title(
+        f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
+        f"{report['backend'].get('device_name')}"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(target, dpi=120)
+    plt.close(fig)
+    return target

@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 import transformers
@@ -21,10 +22,9 @@ import graphcap
 from graphcap.backend import Backend
 from graphcap.bench import models
 from graphcap.bench.config import BenchConfig, resolve
-from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
+from graphcap.bench.modes import MODES, Workload, compile_counts, spread, timed_call
 from graphcap.bench.report import ERROR, FALLBACK, OK, SKIPPED, UNSUPPORTED, BenchReport, ModeResult
 
-Progress = Callable[[str], None]
 #: Fewer distinct response tokens than this in the reference makes agreement nearly vacuous.
 MIN_DISTINCT_TOKENS = 4
 
@@ -33,35 +33,40 @@ def run_benchmark(
     config: BenchConfig | None = None,
     *,
     backend: Backend | None = None,
-    progress: Progress | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
-    """Measure every selected mode at every batch size (same process, model and prompts, so
-    their ratios are comparable); ``progress`` receives one line per step of the run."""
+    """Every selected mode at every batch size (same process, model and prompts, so ratios are
+    comparable); ``progress`` receives one line per step of the run."""
     backend = backend or graphcap.get_backend(config.backend if config else None)
     config = resolve(config or BenchConfig(), backend)
     threads = torch.get_num_threads()
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    torch.set_num_threads(config.threads or threads)
     try:
         return _run(config, backend, progress or (lambda _line: None))
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(config: BenchConfig, backend: Backend, say: Progress) -> BenchReport:
+def _run(config: BenchConfig, backend: Backend, say: Callable[[str], None]) -> BenchReport:
     started = time.monotonic()
     say(f"building {config.model} ({config.dtype}) on {backend.device}")
+    dtype, device = models.DTYPES[config.dtype], backend.device
     model = models.build_model(
-        config.model, dtype=models.DTYPES[config.dtype], device=backend.device, seed=config.seed,
-        backend_seed=backend.manual_seed,
-    )  # fmt: skip
+        config.model, dtype=dtype, device=device, seed=config.seed, backend_seed=backend.manual_seed
+    )
     name = models.device_name(backend)
     peak = models.peak_bandwidth(name, config.peak_bandwidth)
+    versions = {
+        "graphcap": graphcap.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     report = BenchReport(
         environment={
-            "graphcap": graphcap.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **versions,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
         backend={**backend.describe(), "device_name": name},
         config=asdict(config),
@@ -69,22 +74,25 @@ def _run(config: BenchConfig, backend: Backend, say: Progress) -> BenchReport:
         weight_bytes_per_step=models.weight_bytes_per_step(model),
         peak_bandwidth_gbps=None if peak is None else peak / 1e9,
         reference_mode=next((m for m in ("graphcap-eager", "hf-eager") if m in config.modes), None),
-    )  # fmt: skip
+    )
     with torch.no_grad():  # one forward first: the first mode must not pay device start-up
-        model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=backend.device))
+        model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
     backend.synchronize()
 
     def workload(batch: int, slots: int | None = None) -> Workload:
-        vocab, device = model.config.vocab_size, backend.device
-        ids, mask = models.make_prompts(vocab, batch, config.prompt_len, config.seed, device)
+        ids, mask = models.make_prompts(
+            model.config.vocab_size, batch, config.prompt_len, config.seed, device
+        )
         return Workload(model, backend, ids, mask, config.new_tokens, slots)
 
     limit = config.compile_batch_sizes
     pairs = [
-        (bs, m) for bs in config.batch_sizes for m in config.modes
+        (bs, m)
+        for bs in config.batch_sizes
+        for m in config.modes
         if limit is None or bs in limit or not MODES[m].compiles
-    ]  # fmt: skip
-    outputs: dict[tuple[str, int], tuple[CallOutput, CallOutput]] = {}
+    ]
+    outputs: dict[tuple[str, int], tuple[Any, Any]] = {}
     for done, (bs, mode) in enumerate(pairs):
         if config.budget_s is not None and time.monotonic() - started > config.budget_s:
             report.results.append(
@@ -95,27 +103,37 @@ def _run(config: BenchConfig, backend: Backend, say: Progress) -> BenchReport:
         result, calls = _run_mode(
             MODES[mode].name, workload(bs, config.continuous_slots), config, say
         )
-        _fill_derived(result, report)
         report.results.append(result)
         if calls is not None:
             outputs[mode, bs] = calls
+        if result.decode_step_s:  # the roofline: weight bytes a step reads / step time
+            result.weight_bandwidth_gbps = report.weight_bytes_per_step / result.decode_step_s / 1e9
+            if report.peak_bandwidth_gbps is not None:
+                result.bandwidth_fraction = (
+                    result.weight_bandwidth_gbps / report.peak_bandwidth_gbps
+                )
     _agreement(report, outputs)
     fill_ratios(report.results)
     if config.rl_loop:
-        from graphcap.bench.rl_loop import rl_warnings, run_rl_loop
+        from graphcap.bench.rl_loop import run_rl_loop
 
-        report.rl_loop = run_rl_loop(
-            workload(config.rl_batch_size), iterations=config.rl_loop,
-            optimizer=config.rl_optimizer, lr=config.rl_lr, seed=config.seed, progress=say,
-        )  # fmt: skip
-        report.warnings += rl_warnings(report.rl_loop)
+        say(f"rl-loop: {config.rl_loop} iterations at bs {config.rl_batch_size}")
+        rl_work = workload(config.rl_batch_size)
+        report.rl_loop, warnings = run_rl_loop(
+            rl_work,
+            iterations=config.rl_loop,
+            optimizer=config.rl_optimizer,
+            lr=config.rl_lr,
+            seed=config.seed,
+        )
+        report.warnings += warnings
     report.elapsed_s = time.monotonic() - started
     return report
 
 
 def _run_mode(
-    name: str, work: Workload, config: BenchConfig, say: Progress
-) -> tuple[ModeResult, tuple[CallOutput, CallOutput] | None]:
+    name: str, work: Workload, config: BenchConfig, say: Callable[[str], None]
+) -> tuple[ModeResult, Any]:
     """Measure one mode at one batch size; also return its first and last call's output."""
     result, mode, backend = ModeResult(name, work.batch_size), MODES[name], work.backend
     result.reason = mode.unsupported(backend)
@@ -128,7 +146,7 @@ def _run_mode(
     backend.reset_peak_memory_stats()
     before, (graphs0, breaks0) = backend.memory_allocated(), compile_counts()
 
-    def timed(label: str) -> tuple[float, CallOutput]:
+    def timed(label: str) -> tuple[float, Any]:
         seconds, out = timed_call(call, backend.synchronize)
         say(f"  {label}: {seconds * 1e3:.1f} ms")
         return seconds, out
@@ -153,44 +171,29 @@ def _run_mode(
     if held is not None and before is not None:
         result.engine_memory_bytes = held - before  # what the engine keeps between calls
     result.peak_memory_bytes = backend.max_memory_allocated()
-    calls = [out for _, out in steady]
-    result.steady_s = [s for s, _ in steady]
+    result.steady_s, calls = [s for s, _ in steady], [out for _, out in steady]
     result.steady_median_s, result.steady_min_s, result.steady_max_s = spread(result.steady_s)
     result.tokens_per_s = work.batch_size * work.new_tokens / result.steady_median_s
     result.prefill_s = spread(c.prefill_s for c in calls)[0]
-    result.decode_step_s, result.decode_step_min_s, result.decode_step_max_s = spread(
-        c.decode_step_s for c in calls
-    )
-    last = calls[-1]
-    result.path, result.captures, result.replays_per_call = last.path, last.captures, last.replays
-    result.occupancy = spread(c.occupancy for c in calls)[0]
-    _judge(result, last)
-    return result, (first, last)
-
-
-def _fill_derived(result: ModeResult, report: BenchReport) -> None:
-    """The roofline: weight bytes a step reads / step time, and its fraction of the peak."""
-    if result.decode_step_s:
-        achieved = report.weight_bytes_per_step / result.decode_step_s
-        result.weight_bandwidth_gbps = achieved / 1e9
-        if report.peak_bandwidth_gbps is not None:
-            result.bandwidth_fraction = result.weight_bandwidth_gbps / report.peak_bandwidth_gbps
-
-
-def _judge(result: ModeResult, last: CallOutput) -> None:
-    """Mark results that are not what the mode name claims (fallbacks, broken baselines)."""
-    expected = MODES[result.mode].expected_path
-    if expected is not None and last.path != expected:
+    step = spread(c.decode_step_s for c in calls)
+    result.decode_step_s, result.decode_step_min_s, result.decode_step_max_s = step
+    stats = calls[-1].stats
+    result.path = "hf" if stats is None else stats.path
+    if stats is not None:
+        result.captures, result.replays_per_call = stats.captures, stats.replays
+        result.occupancy = spread(c.stats.occupancy for c in calls)[0]
+    if mode.expected_path is not None and result.path != mode.expected_path:
         result.status = FALLBACK
-        result.reason = f"ran eagerly: {last.fallback_reason or 'no graph was captured'}"
-    elif result.mode == "hf-static-compile" and not result.compiled_graphs_first_call:
+        result.reason = f"ran eagerly: {stats.fallback_reason or 'no graph was captured'}"
+    elif name == "hf-static-compile" and not result.compiled_graphs_first_call:
         result.status = FALLBACK
         result.reason = "generate() compiled nothing on this device (ran uncompiled)"
-    elif result.mode == "hf-static-compile" and result.recompiles_steady:
+    elif name == "hf-static-compile" and result.recompiles_steady:
         result.reason = (
             f"recompiled {result.recompiles_steady} graph(s) after the first call: a broken "
             "baseline (its steady time includes compilation); not used for ratios"
         )
+    return result, (first, calls[-1])
 
 
 def token_agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float | None:
@@ -200,35 +203,24 @@ def token_agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float | No
     return float((tokens == reference).float().mean()) if tokens.numel() else 1.0
 
 
-def _agreement(
-    report: BenchReport, outputs: dict[tuple[str, int], tuple[CallOutput, CallOutput]]
-) -> None:
+def _agreement(report: BenchReport, outputs: dict[tuple[str, int], tuple[Any, Any]]) -> None:
     """Token agreement of every mode's first and last call with the reference's last call."""
     ref, warn = report.reference_mode, report.warnings.append
     if ref is None:
-        warn("no reference mode (graphcap-eager or hf-eager) selected: token agreement not checked")
+        warn("no reference mode (graphcap-eager or hf-eager) selected: token agreement unchecked")
     for (name, bs), (first, last) in outputs.items():
         r = report.result(name, bs)
         r.distinct_tokens = int(torch.unique(last.tokens).numel())
-        if (ref, bs) not in outputs:
-            continue
-        expected = outputs[ref, bs][1].tokens
-        r.token_agreement = token_agreement(last.tokens, expected)
+        expected = outputs[ref, bs][1].tokens if (ref, bs) in outputs else None
+        r.token_agreement = None if expected is None else token_agreement(last.tokens, expected)
         if r.token_agreement is None:
-            warn(
-                f"{name} (bs {bs}) returned {tuple(last.tokens.shape)} tokens, the reference {tuple(expected.shape)}"
-            )
             continue
         r.tokens_identical = r.token_agreement == 1.0
         r.first_call_tokens_identical = token_agreement(first.tokens, expected) == 1.0
         if name == ref and r.distinct_tokens < MIN_DISTINCT_TOKENS:
-            warn(
-                f"the reference output at bs {bs} has only {r.distinct_tokens} distinct tokens: token agreement says little"
-            )
+            warn(f"the reference output at bs {bs} has only {r.distinct_tokens} distinct tokens")
         if r.status == OK and not r.tokens_identical:
-            warn(
-                f"{name} (bs {bs}) differs from {ref} in {(1 - r.token_agreement) * 100:.1f}% of tokens"
-            )
+            warn(f"{name} (bs {bs}) differs from {ref} in {(1 - r.token_agreement):.1%} of tokens")
 
 
 def fill_ratios(results: list[ModeResult]) -> None:
@@ -241,9 +233,6 @@ def fill_ratios(results: list[ModeResult]) -> None:
     }
     for r in results:
         if r.status in (OK, FALLBACK) and r.steady_median_s:
-            eager, static = (
-                base.get(("hf-eager", r.batch_size)),
-                base.get(("hf-static-compile", r.batch_size)),
-            )
+            eager, static = (base.get((m, r.batch_size)) for m in ("hf-eager", "hf-static-compile"))
             r.speedup_vs_hf_eager = eager / r.steady_median_s if eager else None
             r.speedup_vs_hf_static_compile = static / r.steady_median_s if static else None
