@@ -25,7 +25,6 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +61,12 @@ TINY = {
 }
 
 
-@dataclass
-class Runs:
-    """The first call and the steady-state repeats of one engine: (seconds, result) each."""
-
-    first: tuple[float, Any]
-    steady: list[tuple[float, Any]]
-
-    @property
-    def steady_median_s(self) -> float:
-        return statistics.median(s for s, _ in self.steady)
-
-
-def measure(call: Any, *, repeats: int, sync: Any) -> Runs:
-    """The first call timed alone, then ``repeats`` steady calls."""
-    return Runs(timed_call(call, sync), [timed_call(call, sync) for _ in range(repeats)])
+def measure(call: Any, *, repeats: int, sync: Any) -> tuple[float, Any, float, Any]:
+    """The first call timed alone, then ``repeats`` steady calls: (first call's seconds, its
+    result, the steady median seconds, the last steady result)."""
+    first_s, first = timed_call(call, sync)
+    steady = [timed_call(call, sync) for _ in range(repeats)]
+    return first_s, first, statistics.median(s for s, _ in steady), steady[-1][1]
 
 
 def build_model(preset: str, backend: graphcap.Backend) -> torch.nn.Module:
@@ -116,19 +106,17 @@ def latency(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) -> d
         ("static_graph", True, None),
     ):
         eng = engine(model, backend, graph, slots)
-        runs = measure(
+        first_s, first, median, result = measure(
             lambda eng=eng: eng.generate(ids, sampling=params),
             repeats=shape["repeats"],
             sync=backend.synchronize,
         )
-        first, result = runs.first[1], runs.steady[-1][1]
         tokens = int(result.response_lengths.sum())
         if reference is None:
             reference = result.sequences
-        median = runs.steady_median_s
         out[name] = {
             "path": result.stats.path,
-            "first_call_s": runs.first[0],
+            "first_call_s": first_s,
             "captured_on_first_call": first.stats.captured,
             "median_s": median,
             "tokens_per_s": tokens / median,
@@ -158,15 +146,15 @@ def staggered(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) ->
             def call(eng=eng):
                 return eng.generate(ids, sampling=params, request_max_new_tokens=budgets)
 
-            calls = measure(call, repeats=shape["staggered_repeats"], sync=backend.synchronize)
-            first, result = calls.first[1], calls.steady[-1][1]
-            seconds = calls.steady_median_s
+            first_s, first, seconds, result = measure(
+                call, repeats=shape["staggered_repeats"], sync=backend.synchronize
+            )
             if reference is None:
                 reference = result.sequences
             tokens = int(result.response_lengths.sum())
             runs[name] = {
                 "path": result.stats.path,
-                "first_call_s": calls.first[0],
+                "first_call_s": first_s,
                 "captured_on_first_call": first.stats.captured,
                 "steady_median_s": seconds,
                 "tokens": tokens,
