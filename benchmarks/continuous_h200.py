@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,8 @@ import transformers
 from transformers import GPT2LMHeadModel
 
 import graphcap
-from graphcap.bench.presets import PRESETS
-from graphcap.bench.timing import measure
+from graphcap.bench.models import preset_config
+from graphcap.bench.modes import timed_call
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 FULL = {
@@ -60,8 +61,16 @@ TINY = {
 }
 
 
+def measure(call: Any, *, repeats: int, sync: Any) -> tuple[float, Any, float, Any]:
+    """The first call timed alone, then ``repeats`` steady calls: (first call's seconds, its
+    result, the steady median seconds, the last steady result)."""
+    first_s, first = timed_call(call, sync)
+    steady = [timed_call(call, sync) for _ in range(repeats)]
+    return first_s, first, statistics.median(s for s, _ in steady), steady[-1][1]
+
+
 def build_model(preset: str, backend: graphcap.Backend) -> torch.nn.Module:
-    config = PRESETS[preset].make_config()
+    config = preset_config(preset)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).eval()
     dtype = torch.float32 if backend.device.type == "cpu" else torch.float16
@@ -97,20 +106,17 @@ def latency(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) -> d
         ("static_graph", True, None),
     ):
         eng = engine(model, backend, graph, slots)
-        runs = measure(
+        first_s, first, median, result = measure(
             lambda eng=eng: eng.generate(ids, sampling=params),
             repeats=shape["repeats"],
-            warmup=0,
             sync=backend.synchronize,
         )
-        first, result = runs.first.value, runs.last.value
         tokens = int(result.response_lengths.sum())
         if reference is None:
             reference = result.sequences
-        median = runs.steady_median_s
         out[name] = {
             "path": result.stats.path,
-            "first_call_s": runs.first.seconds,
+            "first_call_s": first_s,
             "captured_on_first_call": first.stats.captured,
             "median_s": median,
             "tokens_per_s": tokens / median,
@@ -140,17 +146,15 @@ def staggered(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) ->
             def call(eng=eng):
                 return eng.generate(ids, sampling=params, request_max_new_tokens=budgets)
 
-            calls = measure(
-                call, repeats=shape["staggered_repeats"], warmup=0, sync=backend.synchronize
+            first_s, first, seconds, result = measure(
+                call, repeats=shape["staggered_repeats"], sync=backend.synchronize
             )
-            first, result = calls.first.value, calls.last.value
-            seconds = calls.steady_median_s
             if reference is None:
                 reference = result.sequences
             tokens = int(result.response_lengths.sum())
             runs[name] = {
                 "path": result.stats.path,
-                "first_call_s": calls.first.seconds,
+                "first_call_s": first_s,
                 "captured_on_first_call": first.stats.captured,
                 "steady_median_s": seconds,
                 "tokens": tokens,

@@ -40,7 +40,7 @@ if python3 -c "import matplotlib" 2>/dev/null; then
     PLOT=(yes)
 else
     echo "matplotlib not installed: writing JSON only; plot later with" >&2
-    echo "  python -m graphcap.bench.plot RESULTS_DIR/<run>.json <run>.png" >&2
+    echo "  python3 benchmarks/plot_report.py RESULTS_DIR/<run>.json <run>.png" >&2
 fi
 
 remaining() { echo $((LIMIT - ($(date +%s) - START))); }

@@ -24,8 +24,7 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 import graphcap
-from graphcap.bench.presets import build_model, parse_dtype
-from graphcap.bench.runner import make_prompts
+from graphcap.bench.models import DTYPES, build_model, make_prompts
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 FAMILIES = {
@@ -42,7 +41,7 @@ def family(kernel: str) -> str:
 def profile_case(preset: str, dtype: str, batch: int, prompt: int, new: int) -> dict[str, Any]:
     backend = graphcap.get_backend()
     model = build_model(
-        preset, dtype=parse_dtype(dtype), device=backend.device, backend_seed=backend.manual_seed
+        preset, dtype=DTYPES[dtype], device=backend.device, backend_seed=backend.manual_seed
     )
     ids, mask = make_prompts(model.config.vocab_size, batch, prompt, 0, backend.device)
     params = SamplingParams(

@@ -90,21 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="installed backends, availability and capabilities")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_info)
-    _add_bench(sub)
-    args = parser.parse_args(argv)
+    # The bench (torch._dynamo, transformers) is imported only when it runs; it parses its own
+    # options (``graphcap bench --help`` lists them).
+    help = "eager vs graph rollouts on the selected backend (first call and steady state)"
+    sub.add_parser("bench", help=help, add_help=False).set_defaults(func=_bench)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.func is not _bench:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    return args.func(args)
+    return _bench(rest) if args.func is _bench else args.func(args)
 
 
-def _add_bench(sub: Any) -> None:
-    from graphcap.bench import command
+def _bench(argv: list[str]) -> int:
+    from graphcap.bench.command import main
 
-    bench = sub.add_parser(
-        "bench",
-        help="eager vs graph rollouts on the selected backend (first call and steady state)",
-    )
-    command.add_arguments(bench)
-    bench.set_defaults(func=command.run)
+    return main(argv)
 
 
 if __name__ == "__main__":

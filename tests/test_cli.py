@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from graphcap import cli, registry
 
@@ -32,3 +37,31 @@ def test_info_explains_a_selection_that_fails(monkeypatch, capsys):
     assert cli.main(["info"]) == 1
     out = capsys.readouterr().out
     assert "no backend selected: graphcap backend 'nosuch' cannot be used" in out
+
+
+def test_info_and_help_do_not_import_the_bench_or_dynamo():
+    # The bench (torch._dynamo, transformers' generation stack) is imported only when it runs.
+    code = (
+        "import sys, contextlib, io\n"
+        "from graphcap import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    cli.main(['info'])\n"
+        "    with contextlib.suppress(SystemExit):\n"
+        "        cli.main(['--help'])\n"
+        "lazy = ('graphcap.bench', 'torch._dynamo')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(lazy)))\n"
+    )
+    env = {**os.environ, registry.ENV_VAR: "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_bench_subcommand_parses_its_own_options(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    assert "--batch-sizes" in capsys.readouterr().out
+    assert cli.main(["bench", "--model", "no-such-model", "--quiet"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--batch-sizes", "1"])

@@ -1,12 +1,5 @@
-"""graphcap bench: how much faster rollouts are with graphs on this machine, and what it costs.
+"""graphcap bench: eager vs graph rollouts on this machine, first call and steady state.
 
-Every mode (transformers' generate, eager and compiled; graphcap eager and graph paths) runs in
-one process on one model and one prompt set; the report separates the first call (capture or
-compilation) from the steady state and adds the memory-bandwidth roofline, memory, capture
-counts and token agreement. See docs/benchmarks.md.
+``graphcap bench`` (command.py); :func:`graphcap.bench.run.run_benchmark` from Python. See
+docs/benchmarks.md.
 """
-
-from graphcap.bench.report import BenchReport, ModeResult, RLLoopResult
-from graphcap.bench.runner import BenchConfig, run_benchmark
-
-__all__ = ["BenchConfig", "BenchReport", "ModeResult", "RLLoopResult", "run_benchmark"]

@@ -1,21 +1,22 @@
-"""The benchmark report: one JSON-serialisable record per (mode, batch size), plus context.
+"""The benchmark report (one JSON-serialisable record per mode and batch size), rendered.
 
-Ratios are only ever taken between modes measured in the same run (same process, same model,
-same prompts): absolute times move by tens of percent between machines, ratios much less.
+All rendering lives here: the text tables (:func:`render_table` lays out each) and the optional
+PNG plot (matplotlib). Ratios are only taken between modes measured in the same run.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from graphcap.bench.modes import spread
 
-SCHEMA_VERSION = 1
+#: 2: steady_max_s and decode_step_min_s / _max_s added, graph_pool_bytes (never set) removed.
+SCHEMA_VERSION = 2
 
-#: status values of a ModeResult
 OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
 
 
@@ -30,15 +31,17 @@ class ModeResult:
     first_call_s: float | None = None
     steady_median_s: float | None = None
     steady_min_s: float | None = None
+    steady_max_s: float | None = None
     steady_s: list[float] = field(default_factory=list)
     prefill_s: float | None = None
     decode_step_s: float | None = None
+    decode_step_min_s: float | None = None
+    decode_step_max_s: float | None = None
     tokens_per_s: float | None = None
     weight_bandwidth_gbps: float | None = None
     bandwidth_fraction: float | None = None
     peak_memory_bytes: int | None = None
     engine_memory_bytes: int | None = None
-    graph_pool_bytes: int | None = None
     path: str | None = None
     captures: int | None = None
     replays_per_call: int | None = None
@@ -64,10 +67,10 @@ class RLIteration:
     loss: float
     captures: int | None
     path: str | None
-    peak_memory_bytes: int | None
-    train_peak_memory_bytes: int | None
-    tokens_match_eager: bool | None
-    tokens_changed: bool | None
+    peak_memory_bytes: int | None = None
+    train_peak_memory_bytes: int | None = None
+    tokens_match_eager: bool | None = None
+    tokens_changed: bool | None = None
 
 
 @dataclass
@@ -103,11 +106,8 @@ class BenchReport:
     elapsed_s: float | None = None
     schema_version: int = SCHEMA_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, default=_json_default)
+        return json.dumps(asdict(self), indent=2)
 
     def write_json(self, path: str | Path) -> Path:
         target = Path(path)
@@ -116,158 +116,147 @@ class BenchReport:
         return target
 
     def result(self, mode: str, batch_size: int) -> ModeResult | None:
-        return next(
-            (r for r in self.results if r.mode == mode and r.batch_size == batch_size), None
-        )
+        return next((r for r in self.results if (r.mode, r.batch_size) == (mode, batch_size)), None)
 
 
-def load_report(path: str | Path) -> BenchReport:
-    """Read a report written by :meth:`BenchReport.write_json` (e.g. to plot it elsewhere)."""
-    data = json.loads(Path(path).read_text())
-    version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ValueError(
-            f"{path}: report schema version {version!r}, this graphcap reads {SCHEMA_VERSION}"
-        )
-    data["results"] = [ModeResult(**r) for r in data["results"]]
-    data["rl_loop"] = [
-        RLLoopResult(**{**r, "iterations": [RLIteration(**i) for i in r["iterations"]]})
-        for r in data["rl_loop"]
+# ---- text -------------------------------------------------------------------------------------
+def render_table(
+    columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = ""
+) -> list[str]:
+    """Left-aligned columns two spaces apart, a dashed rule under the header."""
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+    rule = ["-" * w for w in widths]
+    return [
+        indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in (columns, rule, *rows)
     ]
-    return BenchReport(**data)
 
 
-def _json_default(value: object) -> object:
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
-def fill_ratios(results: list[ModeResult]) -> None:
-    """Speed-ups of every measured mode over the HF baselines at the same batch size.
-
-    A ratio > 1 means faster than the baseline (baseline steady time / this mode's). A baseline
-    that fell back, errored or recompiled in the steady state is not a baseline: no ratio.
-    """
-    baselines = {
-        (r.mode, r.batch_size): r.steady_median_s
-        for r in results
-        if r.status == OK and r.steady_median_s and not r.recompiles_steady
-    }
-    for r in results:
-        if r.status not in (OK, FALLBACK) or not r.steady_median_s:
-            continue
-        eager = baselines.get(("hf-eager", r.batch_size))
-        static = baselines.get(("hf-static-compile", r.batch_size))
-        r.speedup_vs_hf_eager = eager / r.steady_median_s if eager else None
-        r.speedup_vs_hf_static_compile = static / r.steady_median_s if static else None
+def _ms(values: tuple[float | None, ...], spec: str = ".1f") -> str:
+    """``median [min-max]`` in ms, from (median, min, max); the median alone without a spread."""
+    if None in values[1:] or len(values) == 1:
+        return _num(values[0], spec, 1e3)
+    return "{} [{}-{}]".format(*(_num(v, spec, 1e3) for v in values))
 
 
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+COLUMNS = ("mode", "bs", "first(s)", "steady ms [min-max]", "step ms [min-max]", "tok/s", "BW%")
+COLUMNS += ("peak mem", "capt", "tokens", "x hf-eager", "x hf-static")
+RL_COLUMNS = ("iter", "generate(ms)", "train(ms)", "captures", "path", "peak mem", "=eager")
+RL_COLUMNS += ("changed",)
 
 
-def _fmt_bytes(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / 2**30:.2f}G"
+def _row(r: ModeResult) -> tuple[str, ...]:
+    if r.status in (UNSUPPORTED, ERROR, SKIPPED):
+        return (r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3))
+    return (
+        r.mode if r.status == OK else f"{r.mode} [{r.status}]",
+        str(r.batch_size),
+        _num(r.first_call_s, ".2f"),
+        _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s)),
+        _ms((r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"),
+        _num(r.tokens_per_s, ".0f"),
+        _num(r.bandwidth_fraction, ".0f", 100),
+        _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
+        _num(r.captures, "d"),
+        "same" if r.tokens_identical else _num(r.token_agreement, ".1f", 100, "%"),
+        _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
+        _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
+    )
 
 
-def _agreement(r: ModeResult) -> str:
-    if r.token_agreement is None:
-        return "n/a"
-    return "same" if r.tokens_identical else f"{r.token_agreement * 100:.1f}%"
-
-
-TABLE_COLUMNS: tuple[str, ...] = (
-    "mode",
-    "bs",
-    "first(s)",
-    "steady(ms)",
-    "step(ms)",
-    "tok/s",
-    "BW%",
-    "peak mem",
-    "capt",
-    "tokens",
-    "x hf-eager",
-    "x hf-static",
-)
+def _rl_lines(res: RLLoopResult) -> list[str]:
+    rows = [
+        (str(i.iteration), _ms((i.generate_s,)), _ms((i.train_step_s,)), _num(i.captures, "d"),
+         str(i.path), _num(i.peak_memory_bytes, ".2f", 2**-30, "G"), str(i.tokens_match_eager),
+         "n/a" if i.tokens_changed is None else str(i.tokens_changed))
+        for i in res.iterations
+    ]  # fmt: skip
+    later = _ms(spread(i.generate_s for i in res.iterations[1:]))
+    train = _ms(spread(i.train_step_s for i in res.iterations))
+    return [
+        f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
+        f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; "
+        f"generate after the first {later} ms, train step {train} ms",
+        *render_table(RL_COLUMNS, rows, indent="  "),
+    ]
 
 
 def format_table(report: BenchReport) -> str:
-    """A plain-text table of the results, one row per (mode, batch size), then notes."""
-    rows: list[tuple[str, ...]] = []
-    notes: list[str] = []
-    for r in report.results:
-        if r.status in (UNSUPPORTED, ERROR, SKIPPED):
-            rows.append((r.mode, str(r.batch_size), r.status, *([""] * 9)))
-            notes.append(f"{r.mode} (bs {r.batch_size}): {r.status}: {r.reason}")
-            continue
-        mode = r.mode if r.status == OK else f"{r.mode} [{r.status}]"
-        if r.reason:
-            notes.append(f"{r.mode} (bs {r.batch_size}): {r.reason}")
-        rows.append(
-            (
-                mode,
-                str(r.batch_size),
-                _fmt(r.first_call_s, ".2f"),
-                _fmt(None if r.steady_median_s is None else r.steady_median_s * 1e3, ".1f"),
-                _fmt(None if r.decode_step_s is None else r.decode_step_s * 1e3, ".2f"),
-                _fmt(r.tokens_per_s, ".0f"),
-                _fmt(None if r.bandwidth_fraction is None else r.bandwidth_fraction * 100, ".0f"),
-                _fmt_bytes(r.peak_memory_bytes),
-                "n/a" if r.captures is None else str(r.captures),
-                _agreement(r),
-                _fmt(r.speedup_vs_hf_eager, ".2f", "x"),
-                _fmt(r.speedup_vs_hf_static_compile, ".2f", "x"),
-            )
-        )
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(TABLE_COLUMNS)]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths, strict=True)),
-        "  ".join("-" * w for w in widths),
-    ]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
-    header = _header(report)
-    footer = [*(f"note: {n}" for n in notes), *(f"warning: {w}" for w in report.warnings)]
-    return "\n".join([*header, "", *lines, *(["", *footer] if footer else [])])
-
-
-def _header(report: BenchReport) -> list[str]:
+    """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
     cfg, model, backend = report.config, report.model, report.backend
-    peak = report.peak_bandwidth_gbps
-    return [
-        f"graphcap bench: {cfg['model']} ({model.get('architecture')}, "
-        f"{model.get('parameters', 0) / 1e6:.1f}M params, {cfg['dtype']}) on "
-        f"{backend.get('device_name')} [backend {backend.get('name')}]",
-        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; "
-        f"first call timed alone, steady = median of {cfg['repeats']} after "
-        f"{cfg['warmup']} warmup; weights read per step "
-        f"{report.weight_bytes_per_step / 1e9:.3f} GB; peak bandwidth "
-        + ("n/a" if peak is None else f"{peak:.0f} GB/s"),
+    lines = [
+        f"graphcap bench: {cfg['model']} ({model['architecture']}, "
+        f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
+        f"{backend['device_name']} [backend {backend['name']}]",
+        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
+        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
+        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
+        f"bandwidth {_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')}",
         f"tokens: agreement with {report.reference_mode} at the same batch size",
+        "",
+        *render_table(COLUMNS, [_row(r) for r in report.results]),
     ]
+    for res in report.rl_loop:
+        lines += ["", *_rl_lines(res)]
+    notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in report.results]
+    notes = [n for n, r in zip(notes, report.results, strict=True) if r.reason]
+    notes += [f"warning: {w}" for w in report.warnings]
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
-def format_rl_table(results: list[RLLoopResult]) -> str:
-    """Per-iteration phases of the RL loop, one block per mode."""
-    lines = []
-    for res in results:
-        lines.append(
-            f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
-            f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}"
-        )
-        lines.append(
-            "  iter  generate(ms)  train(ms)  captures  path          peak mem  =eager  changed"
-        )
-        for it in res.iterations:
-            match = "n/a" if it.tokens_match_eager is None else str(it.tokens_match_eager)
-            changed = "n/a" if it.tokens_changed is None else str(it.tokens_changed)
-            lines.append(
-                f"  {it.iteration:<4d}  {it.generate_s * 1e3:12.1f}  {it.train_step_s * 1e3:9.1f}"
-                f"  {it.captures if it.captures is not None else 'n/a':>8}  "
-                f"{it.path or 'n/a':<12}  {_fmt_bytes(it.peak_memory_bytes):>8}  {match:<6}  "
-                f"{changed}"
-            )
-    return "\n".join(lines)
+# ---- plot (optional: matplotlib) --------------------------------------------------------------
+class PlotUnavailableError(RuntimeError):
+    """matplotlib is not installed; the message says how to get it."""
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend; call it early to fail before a long run."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailableError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib, or drop "
+            "--plot (the JSON report holds the same figures)"
+        ) from None
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
+    """Write tokens/s vs batch size per mode of ``report`` (the JSON form) to ``path``."""
+    plt = pyplot()
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in report["results"]:
+        if r["status"] in ("ok", "fallback") and r["tokens_per_s"]:
+            label = r["mode"] + ("" if r["status"] == "ok" else " (fallback)")
+            series.setdefault(label, []).append((r["batch_size"], r["tokens_per_s"]))
+    if not series:
+        raise ValueError("nothing to plot: no mode produced a steady-state figure")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in series.items():
+        ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label)
+    batches = sorted({b for points in series.values() for b, _ in points})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set(xlabel="batch size", ylabel="generated tokens/s (steady state)")
+    cfg = report["config"]
+    ax.set_title(
+        f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
+        f"{report['backend'].get('device_name')}"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(target, dpi=120)
+    plt.close(fig)
+    return target

@@ -1,0 +1,133 @@
+"""What a bench run measures: one dataclass, from which ``graphcap bench``'s options are built.
+
+Each field's ``metadata`` holds its help, its parser (``type``) and its defaults without / with
+an accelerator (``cpu`` / ``device``), so a setting is declared once; ``None`` means the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from graphcap.backend import Backend
+from graphcap.bench.models import DTYPES, PRESETS, default_dtype_name, parse_bandwidth
+from graphcap.bench.modes import MODES, default_modes, parse_modes
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated positive integers, e.g. ``1,8,32``."""
+    values = [int(v) for v in text.split(",") if v.strip().isdigit()]
+    if not values or len(values) != len(text.split(",")) or min(values) < 1:
+        raise ValueError(f"expected comma-separated positive integers such as 1,8,32, got {text!r}")
+    return values
+
+
+def option(help: str, default: Any = None, **metadata: Any) -> Any:
+    """A dataclass field that is also a ``--field-name`` option (see the module docstring)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. The RL loop runs after the mode sweep, outside ``budget_s``."""
+
+    model: str | None = option(
+        f"a preset ({', '.join(PRESETS)}; random weights) or a local model directory",
+        cpu="tiny-llama",
+        device="llama-1b",
+    )
+    dtype: str | None = option(
+        "weights dtype (default: fp32 on CPU, fp16 for gpt2 presets, bf16 otherwise)",
+        choices=sorted(DTYPES),
+    )
+    batch_sizes: list[int] | None = option("e.g. 1,8,32,64", type=int_list, cpu=[1, 4], device=[1])
+    compile_batch_sizes: list[int] | None = option(
+        "run the compiling modes only at these batch sizes (default: all)", type=int_list
+    )
+    prompt_len: int | None = option("prompt tokens per row", type=int, cpu=16, device=128)
+    new_tokens: int | None = option("new tokens per row (EOS off)", type=int, cpu=16, device=128)
+    repeats: int | None = option("steady-state calls", type=int, cpu=3, device=5)
+    warmup: int | None = option("discarded calls after the first", type=int, cpu=1, device=2)
+    modes: list[str] | None = option(
+        f"comma-separated subset of {', '.join(MODES)} (default: those that run here)",
+        type=parse_modes,
+    )
+    continuous_slots: int | None = option(
+        "slots of graphcap-continuous (default: one per row)", type=int
+    )
+    # One thread on the CPU: a tiny model's matmuls gain nothing from more, and on a busy machine
+    # extra threads make every step several times slower and the timings noisy.
+    threads: int | None = option("torch intra-op threads (0: torch's)", type=int, cpu=1, device=0)
+    seed: int = option("weights and prompts seed", 0, type=int)
+    peak_bandwidth: float | None = option(
+        "memory bandwidth for the roofline, e.g. 4.8TB/s (default: known devices)",
+        type=parse_bandwidth,
+    )
+    budget_s: float | None = option(
+        "time limit for the mode sweep; pairs not started in time are reported skipped", type=float
+    )
+    backend: str | None = option("graphcap backend name (default: $GRAPHCAP_BACKEND)")
+    rl_loop: int = option("also run N generate -> train step iterations", 0, type=int, metavar="N")
+    rl_batch_size: int | None = option("RL loop batch (default: the first batch size)", type=int)
+    rl_optimizer: str = option("RL loop optimizer", "sgd", choices=("sgd", "adamw"))
+    rl_lr: float = option("RL loop learning rate", 1e-3, type=float)
+
+
+def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--field-name`` option per field of the dataclass ``cls``."""
+    for f in fields(cls):
+        kwargs = {k: v for k, v in f.metadata.items() if k not in ("cpu", "device")}
+        if "cpu" in f.metadata:
+            kwargs["help"] += (
+                f" (default: {f.metadata['cpu']} on CPU, {f.metadata['device']} on a device)"
+            )
+        if "type" in kwargs:
+            kwargs["type"] = _argparse_type(kwargs["type"])
+        if isinstance(f.default, bool):
+            kwargs["action"] = "store_true"
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The dataclass ``cls`` filled from the options :func:`add_fields` added."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:  # keeps parse's message in argparse's usage error
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
+    """Fill unset fields with this device's defaults, and validate."""
+    where = "cpu" if backend.device.type == "cpu" else "device"
+    unset = [f for f in fields(config) if getattr(config, f.name) is None and where in f.metadata]
+    c = replace(config, **{f.name: f.metadata[where] for f in unset})
+    c.dtype = c.dtype or default_dtype_name(c.model, backend.device.type)
+    c.modes = parse_modes(",".join(c.modes or default_modes(backend)))
+    c.rl_batch_size = c.batch_sizes[0] if c.rl_batch_size is None else c.rl_batch_size
+    if c.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {c.dtype!r}; choose one of {sorted(DTYPES)}")
+    for what, value, least in (
+        ("batch sizes", min(c.batch_sizes), 1),
+        ("prompt length", c.prompt_len, 1),
+        ("new tokens (the prefill token plus at least one step)", c.new_tokens, 2),
+        ("repeats", c.repeats, 1),
+        ("warmup", c.warmup, 0),
+        ("continuous slots", c.continuous_slots, 1),
+        ("threads", c.threads, 0),
+        ("--rl-loop", c.rl_loop, 0),
+        ("RL batch size", c.rl_batch_size, 1),
+    ):
+        if value is not None and value < least:
+            raise ValueError(f"{what} must be >= {least}, got {value}")
+    if c.budget_s is not None and c.budget_s <= 0:
+        raise ValueError(f"the time budget must be positive, got {c.budget_s}")
+    return c
