@@ -35,6 +35,8 @@ class CUDABackend(Backend):
     capture_needs_side_stream: ClassVar[bool] = True
     # Captured decode steps read grouped-query K/V unrepeated (graphcap_cuda.attention).
     graph_attention: ClassVar[str | None] = GQA_SDPA
+    # Inductor's kernels are ordinary CUDA launches: a capture records them like any other.
+    captures_compiled: ClassVar[bool] = True
 
     @classmethod
     def availability(cls) -> Availability:
