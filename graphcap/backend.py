@@ -43,7 +43,9 @@ class Capabilities:
     (float, 0 / -inf, SDPA's float convention) or ``"bool"`` (True = attend).
     ``graph_attention`` names the attention implementation (one the plugin offers through
     ``graphcap_attention_implementations``) that the engine selects by default for captured
-    decode steps on this backend; ``None`` keeps the model's own.
+    decode steps on this backend; ``None`` keeps the model's own. ``captures_compiled``: work
+    inside ``torch.compile``'d (inductor) regions is recorded by a capture, so
+    ``RolloutConfig(compile=True)`` may capture a compiled decode forward.
     """
 
     graph_capture: bool
@@ -52,6 +54,7 @@ class Capabilities:
     capture_needs_side_stream: bool
     mask_form: MaskForm
     graph_attention: str | None = None
+    captures_compiled: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +79,8 @@ class Backend:
     attention_mask_form: ClassVar[MaskForm] = "additive"
     #: Attention implementation the engine selects for captured steps (see Capabilities).
     graph_attention: ClassVar[str | None] = None
+    #: Whether a capture records compiled (inductor) regions (see Capabilities).
+    captures_compiled: ClassVar[bool] = False
     #: Distribution that provided the backend; filled in by the registry.
     distribution: str = ""
     distribution_version: str = ""
@@ -156,6 +161,7 @@ class Backend:
             capture_needs_side_stream=self.capture_needs_side_stream,
             mask_form=self.attention_mask_form,
             graph_attention=self.graph_attention if capture else None,
+            captures_compiled=capture and self.captures_compiled,
         )
 
     # ---- device plumbing (defaults on torch.get_device_module / torch.accelerator) --------

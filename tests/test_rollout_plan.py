@@ -11,7 +11,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from graphcap.cpu import CPUBackend
-from graphcap.rollout import SamplingParams
+from graphcap.errors import CaptureFallbackWarning
+from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 NEW = 6
 NO_EOS = {"eos_token_id": []}
@@ -114,3 +115,53 @@ def test_gradient_checkpointing_in_train_mode_rolls_out_like_generate_in_eval():
         result = run(model, ids, mask, graph, max_new_tokens=NEW)
         assert torch.equal(result.sequences, expected), graph
     assert model.training and model.is_gradient_checkpointing
+
+
+def test_compile_is_refused_for_graphs_where_the_backend_cannot_capture_compiled_code():
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    config = RolloutConfig(enable_graph_capture=True, backend=CPUBackend(), compile=True)
+    result = RolloutEngine(model, config).generate(ids, mask, SamplingParams(max_new_tokens=NEW))
+    assert result.stats.path == "eager" and not result.stats.compiled
+    assert "captures_compiled=False" in result.stats.fallback_reason
+    assert torch.equal(result.sequences, run(model, ids, mask, False, max_new_tokens=NEW).sequences)
+
+
+class CompiledCaptureBackend(CPUBackend):
+    """Declares (wrongly, for the CPU reference graph) that captures record compiled code."""
+
+    captures_compiled = True
+
+
+def test_compile_runs_the_compiled_forward_in_the_capture_only(monkeypatch):
+    """The CPU reference graph refuses compiled regions at capture: the refusal proves the
+    capture ran the compiled forward, and the call still completes exactly, eagerly."""
+    compiled: list[object] = []
+    real_compile = torch.compile
+
+    def noting_compile(model, **kwargs):  # dynamo without inductor: no C++ build in a test
+        compiled.append(model)
+        return real_compile(model, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", noting_compile)
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(3)
+    config = RolloutConfig(
+        enable_graph_capture=True, backend=CompiledCaptureBackend(), compile=True
+    )
+    with pytest.warns(CaptureFallbackWarning):
+        result = RolloutEngine(model, config).generate(
+            ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS)
+        )
+    assert compiled == [model]
+    assert result.stats.path == "eager" and not result.stats.compiled
+    assert "compiled" in result.stats.fallback_reason, result.stats.fallback_reason
+    expected = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
+    assert torch.equal(result.sequences, expected.sequences)
+
+
+def test_compile_needs_graphs_and_excludes_per_position_graphs():
+    with pytest.raises(ValueError, match="enable_graph_capture=True"):
+        RolloutConfig(compile=True)
+    with pytest.raises(ValueError, match="per_position_graphs"):
+        RolloutConfig(enable_graph_capture=True, per_position_graphs=True, compile=True)

@@ -327,6 +327,10 @@ class RolloutConfig:
     registered implementation. Eager calls and the prefill always use the model's own.
     ``max_request_bytes``: refuse a call whose estimated allocation exceeds it (calls above the
     memory the backend reports available are refused in any case).
+    ``compile=True``: captured decode steps run the model's forward through ``torch.compile``
+    (``dynamic=False``); the compilation happens in the warm-up before the first capture, so it
+    is part of that call's ``capture_s`` / ``first_call_s`` (``stats.compiled`` says so). Needs
+    a backend that declares ``captures_compiled``; elsewhere calls run eagerly with the reason.
     """
 
     enable_graph_capture: bool | None = None
@@ -340,6 +344,7 @@ class RolloutConfig:
     per_position_graphs: bool = False
     process_group: ProcessGroup | None = None
     graph_attention: str | None = "auto"
+    compile: bool = False
     enable_cuda_graph: bool | None = field(default=None, repr=False)
     max_request_bytes: int | None = None
 
@@ -374,6 +379,16 @@ class RolloutConfig:
         self.length_buckets = _buckets("length_buckets", self.length_buckets)
         self._check_continuous()
         self._check_per_position()
+        if self.compile and not self.enable_graph_capture:
+            raise ValueError(
+                "compile=True compiles the captured decode step: set enable_graph_capture=True "
+                "too (eager calls always run the model as it is)"
+            )
+        if self.compile and self.per_position_graphs:
+            raise ValueError(
+                "compile=True with per_position_graphs=True would compile the forward once per "
+                "decode position (each attends over a different width); set only one"
+            )
         if self.process_group is not None:
             check_process_group(self.process_group)
 

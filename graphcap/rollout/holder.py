@@ -96,19 +96,22 @@ class GraphHolder:
             self.drop_graphs()
         return use_graph
 
-    def capture(self, step: DecodeStep, attention: str, key: int | None = None) -> object | None:
+    def capture(
+        self, step: DecodeStep, attention: str, key: int | None = None, compiled: bool = False
+    ) -> object | None:
         """Capture ``step`` as graph ``key`` and agree on the outcome with the group; ``None``
         when this or another rank's capture failed (graphs then stay off for this engine).
 
         ``attention``: the implementation the captured step runs (the model's own is restored
-        after capture, so eager steps never see it).
+        after capture, so eager steps never see it). ``compiled``: the warm-up and capture run
+        the step's ``torch.compile``'d forward (the warm-up compiles it).
         """
         assert self.held is not None, "step_for() comes first"
         pool = None
         if key is not None:  # a set of graphs shares one pool
             pool = self.held.pool = self.held.pool or self.backend.graph_pool_handle()
         try:
-            with _attention(step.model, attention):
+            with _attention(step.model, attention), step.compiling(compiled):
                 graph = capture_step(
                     self.backend, step, step.mutable_tensors(), step.generator, pool=pool
                 )

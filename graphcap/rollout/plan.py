@@ -106,6 +106,11 @@ def capability_refusal(
             f"backend {backend.name!r} declares collectives_in_graph=False: tensor-parallel "
             "steps (process_group set) run eagerly"
         )
+    if config.compile and not caps.captures_compiled:
+        return (
+            f"backend {backend.name!r} declares captures_compiled=False (a capture cannot record "
+            "torch.compile'd regions): calls with RolloutConfig(compile=True) run eagerly"
+        )
     return None
 
 
@@ -143,7 +148,8 @@ class Plan:
     ``path``: the path graphs take (``static_graph``, ``per_position_graph``,
     ``continuous_graph``) or the eager one (``eager``, ``continuous_eager``). ``reason``: why the
     call does not take the path the config asked for (eager instead of a graph, or the static
-    graph instead of per-position graphs); ``None`` when it does.
+    graph instead of per-position graphs); ``None`` when it does. ``compiled``: captured
+    steps run the ``torch.compile``'d forward.
     """
 
     path: str
@@ -151,6 +157,7 @@ class Plan:
     signature: GraphSignature
     windows: dict[str, int | None]
     attention: str
+    compiled: bool = False
 
     @property
     def graph(self) -> bool:
@@ -179,6 +186,7 @@ def plan_call(
     path = "continuous_eager" if continuous else "eager"
     reason = None
     attention = attention_implementation(model)
+    compiled = False
     if config.enable_graph_capture:
         check_attention(model)
         reason = (
@@ -189,6 +197,7 @@ def plan_call(
         )
     if config.enable_graph_capture and reason is None:
         attention = selected_attention(model, backend, config)
+        compiled = config.compile
         path = "continuous_graph" if continuous else "static_graph"
         if config.per_position_graphs:
             reason = pinned_refusal(params)
@@ -207,5 +216,6 @@ def plan_call(
         attention=attention,
         prompt_width=None if path in ("eager", "static_graph") else prompt_width,
         decode_steps=params.max_new_tokens - 1 if path == "per_position_graph" else None,
+        compiled=compiled,
     )
-    return Plan(path, reason, signature, windows, attention)
+    return Plan(path, reason, signature, windows, attention, compiled)

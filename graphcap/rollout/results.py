@@ -18,7 +18,9 @@ class RolloutStats:
     ``slots_refilled`` / ``occupancy`` (share of slot-steps that produced a token) are set by the
     continuous path only, and so are ``moved_columns`` (cache columns the eager layout modes
     moved) and ``mean_span`` (cache columns a step attended over, on average) (docs/continuous.md).
-    ``attention``: the attention implementation the decode steps ran.
+    ``attention``: the attention implementation the decode steps ran. ``compiled``: they ran
+    the ``torch.compile``'d forward (``RolloutConfig(compile=True)``); the compilation is then
+    inside ``capture_s`` of the call that captured.
     """
 
     path: str
@@ -40,6 +42,7 @@ class RolloutStats:
     moved_columns: int = 0
     mean_span: float | None = None
     attention: str | None = None
+    compiled: bool = False
 
 
 @dataclass

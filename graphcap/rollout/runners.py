@@ -89,11 +89,11 @@ def start_runner(
     graph = holder.graph()
     if graph is None:
         start = time.perf_counter()
-        graph = holder.capture(step, plan.attention)
+        graph = holder.capture(step, plan.attention, compiled=plan.compiled)
         stats.capture_s = time.perf_counter() - start
         stats.captured = graph is not None
     if graph is None:
         stats.fallback_reason = holder.disabled_reason
         return step
-    stats.path, stats.attention = plan.path, plan.attention
+    stats.path, stats.attention, stats.compiled = plan.path, plan.attention, plan.compiled
     return ReplayRunner(holder, graph, stats)

@@ -65,6 +65,8 @@ class GraphSignature:
     prompt_width: int | None = None
     #: per-position graphs: one graph per decode step
     decode_steps: int | None = None
+    #: captured steps run the torch.compile'd forward
+    compiled: bool = False
 
     def differences(self, other: GraphSignature) -> list[str]:
         """Names of the members that differ (for stats and logs); ``host_state`` also says
@@ -93,6 +95,7 @@ def signature_of(
     attention: str,
     prompt_width: int | None = None,
     decode_steps: int | None = None,
+    compiled: bool = False,
 ) -> GraphSignature:
     """The signature a decode step for this request would have."""
     return GraphSignature(
@@ -114,6 +117,7 @@ def signature_of(
         host_state=host_state(model),
         prompt_width=prompt_width,
         decode_steps=decode_steps,
+        compiled=compiled,
     )
 
 

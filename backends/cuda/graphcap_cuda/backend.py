@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from graphcap.backend import Availability, Backend, device_graph_capture
+from graphcap_cuda.attention import GQA_SDPA
 
 HINT = (
     "Work inside a CUDA graph capture must not synchronise with the host (.item(), "
@@ -32,6 +33,10 @@ class CUDABackend(Backend):
     collectives_in_graph: ClassVar[bool] = True
     # Capture on the legacy default stream is refused by CUDA.
     capture_needs_side_stream: ClassVar[bool] = True
+    # Captured decode steps read grouped-query K/V unrepeated (graphcap_cuda.attention).
+    graph_attention: ClassVar[str | None] = GQA_SDPA
+    # Inductor's kernels are ordinary CUDA launches: a capture records them like any other.
+    captures_compiled: ClassVar[bool] = True
 
     @classmethod
     def availability(cls) -> Availability:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from graphcap.backend import Backend
 from graphcap.hookspecs import PLUGIN_API_VERSION, hookimpl
+from graphcap_cuda.attention import GQA_SDPA, gqa_sdpa_forward
 from graphcap_cuda.backend import CUDABackend
 
 
@@ -15,3 +18,13 @@ def graphcap_api_version() -> int:
 @hookimpl
 def graphcap_backends() -> list[type[Backend]]:
     return [CUDABackend]
+
+
+@hookimpl
+def graphcap_attention_implementations(backend: Backend) -> dict[str, Callable[..., object]]:
+    """The grouped-query SDPA attention, offered only when the selected backend is ours (pluggy
+    calls every plugin's implementation). graphcap registers transformers' SDPA mask function
+    with it."""
+    if not isinstance(backend, CUDABackend):
+        return {}
+    return {GQA_SDPA: gqa_sdpa_forward}
