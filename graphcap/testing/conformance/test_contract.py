@@ -55,6 +55,19 @@ def test_create_graph_consistent_with_capabilities(gc_backend: Backend) -> None:
             assert isinstance(value, bool), f"capability {flag.name} must be a bool, not {value!r}"
 
 
+def test_declared_graph_capture_matches_behaviour(gc_backend: Backend) -> None:
+    declared = type(gc_backend).captures_graphs
+    assert isinstance(declared, bool), (
+        f"declare whether the backend captures graphs: set the class attribute "
+        f"captures_graphs = True or False (it is {declared!r})"
+    )
+    behaves = gc_backend.create_graph() is not None
+    assert declared is behaves, (
+        f"backend declares captures_graphs={declared} but create_graph() "
+        f"{'returns a graph' if behaves else 'returns None'}"
+    )
+
+
 def test_graph_hooks_refuse_without_capture(gc_backend: Backend) -> None:
     if gc_backend.supports_graph_capture:
         pytest.skip("backend captures graphs; refusal applies only to backends that cannot")
