@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-VOCAB, PAD, EOS = 96, 0, 1
+VOCAB, PAD, EOS, BOS = 96, 0, 1, 2
 
 
 def tiny_gpt2(attn: str = "sdpa") -> torch.nn.Module:
@@ -25,6 +25,7 @@ def tiny_gpt2(attn: str = "sdpa") -> torch.nn.Module:
         initializer_range=1.0,
         pad_token_id=PAD,
         eos_token_id=EOS,
+        bos_token_id=BOS,
         attn_implementation=attn,
     )
     return GPT2LMHeadModel(config)
@@ -43,6 +44,7 @@ def tiny_llama(attn: str = "sdpa") -> torch.nn.Module:
         tie_word_embeddings=False,
         pad_token_id=PAD,
         eos_token_id=EOS,
+        bos_token_id=BOS,
         attn_implementation=attn,
     )
     return LlamaForCausalLM(config)
@@ -63,9 +65,9 @@ def build(name: str, device: torch.device, attn: str = "sdpa") -> torch.nn.Modul
 def prompts(
     batch: int, device: torch.device, width: int = 5, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (row ``i`` has ``i % 2`` pads) of ids 2..VOCAB-1, and their mask."""
+    """Left-padded prompts (row ``i`` has ``i % 2`` pads) of ids 3..VOCAB-1, and their mask."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, VOCAB, (batch, width), generator=generator)
+    ids = torch.randint(3, VOCAB, (batch, width), generator=generator)
     mask = torch.ones_like(ids)
     for row in range(batch):
         ids[row, : row % 2] = PAD
