@@ -211,7 +211,16 @@ class CollectivesClaimBackend(CPUBackend):
     collectives_in_graph = True
 
 
+class RNGOffBackend(CPUBackend):
+    """Sound, but declares rng_in_graph=False: the engine must keep sampling out of graphs."""
+
+    name = "rng-off"
+    priority = -20
+    rng_in_graph = False
+
+
 BACKENDS = [
+    RNGOffBackend,
     NoOpGraphBackend,
     EagerOnlyBackend,
     SilentEagerBackend,
@@ -414,6 +423,23 @@ def test_planted_broken_backend_fails(
     results = outcomes(record)
     for check in must_fail:
         assert results[check] in ("failed", "error"), (check, results)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the engine does not yet run sampled calls eagerly on rng_in_graph=False backends "
+    "(lead's engine rewrite); remove this mark when it does",
+)
+@pytest.mark.usefixtures("with_broken_plugins")
+def test_rng_in_graph_false_is_honoured_by_the_engine(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, record = run_suite(
+        pytester, monkeypatch, "rng-off", "-k", "static_graph_equals_eager and gpt2-sampled"
+    )
+    assert record is not None
+    assert set(outcomes(record).values()) == {"passed"}, outcomes(record)
+    assert result.ret == 0
 
 
 @pytest.mark.usefixtures("with_broken_plugins")
