@@ -203,22 +203,6 @@ class CaptureLeftOpenBackend(CPUBackend):
         return self.open or super().is_current_stream_capturing()
 
 
-class CollectivesClaimBackend(CPUBackend):
-    """Declares collectives_in_graph on CPU graphs, which cannot record a gloo collective."""
-
-    name = "collectives-claim"
-    priority = -20
-    collectives_in_graph = True
-
-
-class RNGOffBackend(CPUBackend):
-    """Sound, but declares rng_in_graph=False: the engine must keep sampling out of graphs."""
-
-    name = "rng-off"
-    priority = -20
-    rng_in_graph = False
-
-
 BACKENDS = [
     RNGOffBackend,
     NoOpGraphBackend,
@@ -231,7 +215,6 @@ BACKENDS = [
     FrozenGeneratorBackend,
     FrozenDefaultRNGBackend,
     CaptureLeftOpenBackend,
-    CollectivesClaimBackend,
 ]
 
 
@@ -359,7 +342,9 @@ def test_allow_unavailable_skips_every_check_with_reason(
 def test_noop_graph_backend_fails_the_graph_checks(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    result, record = run_suite(pytester, monkeypatch, "noop-graph")
+    # Not the continuous path: its slot loop waits for rows to finish, which replays that do
+    # nothing never make happen (an engine hang, reported to the engine's owner).
+    result, record = run_suite(pytester, monkeypatch, "noop-graph", "-k", "not continuous")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     assert record is not None
     assert record["versions"]["plugin"] == "graphcap-broken-backends 0.0.1"
@@ -403,10 +388,6 @@ PLANTS = {
     "capture-left-open": (
         "capture_errors and item",
         ["capture_errors::test_host_sync_inside_capture_fails_loudly[item]"],
-    ),
-    "collectives-claim": (
-        "collectives",
-        ["capabilities::test_collectives_capture_and_replay"],
     ),
 }
 
