@@ -203,6 +203,14 @@ class CaptureLeftOpenBackend(CPUBackend):
         return self.open or super().is_current_stream_capturing()
 
 
+class RNGOffBackend(CPUBackend):
+    """Sound, but declares rng_in_graph=False: the engine must keep sampling out of graphs."""
+
+    name = "rng-off"
+    priority = -20
+    rng_in_graph = False
+
+
 BACKENDS = [
     RNGOffBackend,
     NoOpGraphBackend,
