@@ -72,6 +72,11 @@ class Backend:
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
     device_type: ClassVar[str] = "cpu"
+    #: Declared: does ``create_graph()`` hand out graphs where this backend is available? The
+    #: engine goes by behaviour; the conformance suite fails a backend whose behaviour differs
+    #: from this statement (a capture that regressed to ``None`` must not pass as "eager only").
+    #: ``None`` means undeclared, which the suite also fails.
+    captures_graphs: ClassVar[bool | None] = None
     #: Declared capabilities (``graph_capture`` is derived, see :attr:`capabilities`).
     rng_in_graph: ClassVar[bool] = False
     collectives_in_graph: ClassVar[bool] = False
@@ -265,6 +270,7 @@ class Backend:
             "distribution": self.distribution,
             "version": self.distribution_version,
             "priority": self.priority,
+            "declares_graphs": self.captures_graphs,
             "available": availability.ok,
             "reason": availability.reason,
         }

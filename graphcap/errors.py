@@ -29,3 +29,8 @@ class GraphUnsupportedModelError(GraphcapError):
 
 class CaptureFallbackWarning(RuntimeWarning):
     """A graph capture failed; the call finished eagerly and the engine stays eager."""
+
+
+class DecodeStalledError(GraphcapError):
+    """Decoding made no progress: rows that must finish within a known number of steps did not
+    (a backend whose graph replays do nothing, for one)."""

@@ -33,16 +33,20 @@ GRAPH_CHECKS = (
     "graph_semantics::test_capture_records_without_executing",
     "graph_semantics::test_replay_reexecutes_on_same_memory",
     "graph_semantics::test_replays_accumulate",
-    "decode_step::test_captured_decode_step_gives_eager_logits[llama]",
+    "decode_step::test_engine_decode_step_replays_give_eager_tokens[llama-greedy]",
+    "engine::test_static_graph_equals_eager_one_capture[gpt2-greedy]",
 )
 
-# Backends a careless vendor might write, offered by a fake installed distribution.
+# Backends a careless vendor might write, offered by a fake installed distribution. Each one but
+# eager-only (the control) is broken in one way the suite must catch.
 BROKEN_PLUGIN = '''
 import contextlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap import PLUGIN_API_VERSION, Backend, hookimpl
+from graphcap.cpu.backend import CPUBackend
 
 
 class NoOpGraph:
@@ -52,6 +56,7 @@ class NoOpGraph:
 class NoOpGraphBackend(Backend):
     name = "noop-graph"
     priority = -20
+    captures_graphs = True
     rng_in_graph = True
 
     def create_graph(self):
@@ -69,6 +74,7 @@ class EagerOnlyBackend(Backend):
 
     name = "eager-only"
     priority = -20
+    captures_graphs = False
 
 
 class SilentEagerBackend(Backend):
@@ -76,9 +82,148 @@ class SilentEagerBackend(Backend):
 
     name = "silent-eager"
     priority = -20
+    captures_graphs = False
 
     def capture_to_graph(self, graph, pool=None, stream=None, capture_error_mode=None):
         return contextlib.nullcontext()
+
+
+class RegressedCaptureBackend(CPUBackend):
+    """Declares graphs, but create_graph() regressed to None."""
+
+    name = "regressed-capture"
+    priority = -20
+
+    def create_graph(self):
+        return None
+
+
+class UndeclaredBackend(CPUBackend):
+    """Captures, but never says whether it does."""
+
+    name = "undeclared"
+    priority = -20
+    captures_graphs = None
+
+
+class MisdeclaredBackend(CPUBackend):
+    """Says it cannot capture, yet hands out graphs."""
+
+    name = "misdeclared"
+    priority = -20
+    captures_graphs = False
+
+
+class StopsAfterEightBackend(CPUBackend):
+    """Each graph replays 8 times, then silently does nothing (a counter that ran out)."""
+
+    name = "stops-after-8"
+    priority = -20
+
+    def __init__(self, index=None):
+        super().__init__(index)
+        self.replays = {}
+
+    def replay_graph(self, graph):
+        self.replays[id(graph)] = self.replays.get(id(graph), 0) + 1
+        if self.replays[id(graph)] <= 8:
+            graph.replay()
+
+
+class _ExplicitGenerators(TorchDispatchMode):
+    def __init__(self, found):
+        super().__init__()
+        self.found = found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in [*args, *kwargs.values()]:
+            if isinstance(value, torch.Generator) and value is not torch.default_generator:
+                self.found.setdefault(id(value), (value, value.get_state()))
+        return func(*args, **kwargs)
+
+
+class FrozenGeneratorBackend(CPUBackend):
+    """Replays put explicit generators back to their state at capture: every replay draws the
+    same numbers, whatever the caller seeds."""
+
+    name = "frozen-generator"
+    priority = -20
+
+    def __init__(self, index=None):
+        super().__init__(index)
+        self.frozen = {}
+
+    @contextlib.contextmanager
+    def capture_to_graph(self, graph, pool=None, stream=None, capture_error_mode=None):
+        found = self.frozen.setdefault(id(graph), {})
+        with graph.capture(), _ExplicitGenerators(found):
+            yield
+
+    def replay_graph(self, graph):
+        for generator, state in self.frozen.get(id(graph), {}).values():
+            generator.set_state(state)
+        graph.replay()
+
+
+class FrozenDefaultRNGBackend(CPUBackend):
+    """Declares rng_in_graph, but each replay starts from the generator state at capture."""
+
+    name = "frozen-default-rng"
+    priority = -20
+
+    def __init__(self, index=None):
+        super().__init__(index)
+        self.states = {}
+
+    def capture_to_graph(self, graph, pool=None, stream=None, capture_error_mode=None):
+        self.states[id(graph)] = torch.get_rng_state()
+        return graph.capture()
+
+    def replay_graph(self, graph):
+        torch.set_rng_state(self.states[id(graph)])
+        graph.replay()
+
+
+class CaptureLeftOpenBackend(CPUBackend):
+    """Reports a capture in progress until a capture ends without error."""
+
+    name = "capture-left-open"
+    priority = -20
+    open = False
+
+    @contextlib.contextmanager
+    def capture_to_graph(self, graph, pool=None, stream=None, capture_error_mode=None):
+        self.open = True
+        with graph.capture():
+            yield
+        self.open = False
+
+    def is_current_stream_capturing(self):
+        return self.open or super().is_current_stream_capturing()
+
+
+class RNGOffBackend(CPUBackend):
+    """Sound, but declares rng_in_graph=False: the engine must keep sampling out of graphs."""
+
+    name = "rng-off"
+    priority = -20
+    rng_in_graph = False
+
+
+BACKENDS = [
+    RNGOffBackend,
+    NoOpGraphBackend,
+    EagerOnlyBackend,
+    SilentEagerBackend,
+    RegressedCaptureBackend,
+    UndeclaredBackend,
+    MisdeclaredBackend,
+    StopsAfterEightBackend,
+    FrozenGeneratorBackend,
+    FrozenDefaultRNGBackend,
+    CaptureLeftOpenBackend,
+]
 
 
 @hookimpl
@@ -88,7 +233,7 @@ def graphcap_api_version():
 
 @hookimpl
 def graphcap_backends():
-    return [NoOpGraphBackend, EagerOnlyBackend, SilentEagerBackend]
+    return BACKENDS
 '''
 
 
@@ -152,19 +297,37 @@ def test_cpu_passes_with_table_and_json(
     assert record["summary"]["failed"] == 0 and record["summary"]["error"] == 0
     assert all(results[check] == "passed" for check in GRAPH_CHECKS)
     assert "rng::test_replays_draw_what_eager_steps_draw" in results
-    # Only the check that applies to backends without graphs is skipped, and it says why.
-    skipped = [c for c in record["checks"] if c["outcome"] == "skipped"]
-    assert [c["check"] for c in skipped] == ["contract::test_graph_hooks_refuse_without_capture"]
-    assert skipped[0]["reason"]
+    # Only checks of what the CPU backend does not declare or offer are skipped, saying why.
+    skipped = {c["check"]: c["reason"] for c in record["checks"] if c["outcome"] == "skipped"}
+    assert set(skipped) == {
+        "contract::test_graph_hooks_refuse_without_capture",
+        "capabilities::test_graph_attention_is_offered",
+        "capabilities::test_offered_attention_matches_sdpa[gpt2]",
+        "capabilities::test_offered_attention_matches_sdpa[llama]",
+    }
+    assert all(skipped.values())
     for check in results:  # the table lists every check
         assert check in out
 
 
-def test_unselectable_backend_skips_every_check_with_reason(
+def test_unselectable_backend_fails_unless_allowed(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, _ = run_suite(pytester, monkeypatch, "no-such-backend", "-k", "identity")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines(["*backend cannot be selected*--graphcap-allow-unavailable*"])
+
+
+def test_allow_unavailable_skips_every_check_with_reason(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     result, record = run_suite(
-        pytester, monkeypatch, "no-such-backend", "--graphcap-json", "out/result.json"
+        pytester,
+        monkeypatch,
+        "no-such-backend",
+        "--graphcap-allow-unavailable",
+        "--graphcap-json",
+        "out/result.json",
     )
     assert result.ret == 0, result.stdout.str()
     assert record is None  # written where asked, not to the default path
@@ -177,17 +340,9 @@ def test_unselectable_backend_skips_every_check_with_reason(
     for check in record["checks"]:
         assert check["outcome"] == "skipped", check
         assert "'no-such-backend' cannot be used" in check["reason"]
-    result.stdout.fnmatch_lines(["NOT SELECTED*no-such-backend*", "Installed backends:"])
-
-
-def test_require_backend_turns_the_skips_into_a_failure(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    result, _ = run_suite(
-        pytester, monkeypatch, "no-such-backend", "--graphcap-require-backend", "-k", "identity"
+    result.stdout.fnmatch_lines(
+        ["NOT SELECTED*no-such-backend*", "Installed backends:", "skipped (--graphcap-allow*"]
     )
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*--graphcap-require-backend is set*"])
 
 
 @pytest.mark.usefixtures("with_broken_plugins")
@@ -204,19 +359,68 @@ def test_noop_graph_backend_fails_the_graph_checks(
 
 
 @pytest.mark.usefixtures("with_broken_plugins")
-def test_backend_without_graphs_skips_graph_checks(
+def test_backend_without_graphs_reports_no_graphs(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     result, record = run_suite(pytester, monkeypatch, "eager-only")
     assert result.ret == 0, result.stdout.str()
     assert record is not None
+    assert record["backend"]["declares_graphs"] is False
     results = outcomes(record)
     assert results["contract::test_graph_hooks_refuse_without_capture"] == "passed"
-    assert results["contract::test_create_graph_consistent_with_capabilities"] == "passed"
+    assert results["contract::test_declared_graph_capture_matches_behaviour"] == "passed"
     for check in record["checks"]:
-        if check["check"].split("::")[0] != "contract":
-            assert check["outcome"] == "skipped"
+        if check["check"].split("::")[0] in ("graph_semantics", "rng", "decode_step", "engine"):
+            assert check["outcome"] == "no graphs", check
             assert "does not capture graphs" in check["reason"]
+    assert record["summary"]["no graphs"] >= 15
+
+
+#: Planted backend -> (checks to run, checks that must fail or error).
+PLANTS = {
+    "regressed-capture": (
+        "contract or graph_semantics",
+        [
+            "contract::test_declared_graph_capture_matches_behaviour",
+            "graph_semantics::test_replays_accumulate",
+        ],
+    ),
+    "undeclared": ("contract", ["contract::test_declared_graph_capture_matches_behaviour"]),
+    "misdeclared": ("contract", ["contract::test_declared_graph_capture_matches_behaviour"]),
+    "stops-after-8": ("test_replays_accumulate", ["graph_semantics::test_replays_accumulate"]),
+    "frozen-generator": ("rng", ["rng::test_explicit_generator_replays_draw_what_eager_draws"]),
+    "frozen-default-rng": ("rng", ["rng::test_replays_draw_what_eager_steps_draw"]),
+    "capture-left-open": (
+        "capture_errors and item",
+        ["capture_errors::test_host_sync_inside_capture_fails_loudly[item]"],
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", list(PLANTS))
+@pytest.mark.usefixtures("with_broken_plugins")
+def test_planted_broken_backend_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    selection, must_fail = PLANTS[backend]
+    result, record = run_suite(pytester, monkeypatch, backend, "-k", selection)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    assert record is not None
+    results = outcomes(record)
+    for check in must_fail:
+        assert results[check] in ("failed", "error"), (check, results)
+
+
+@pytest.mark.usefixtures("with_broken_plugins")
+def test_rng_in_graph_false_is_honoured_by_the_engine(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, record = run_suite(
+        pytester, monkeypatch, "rng-off", "-k", "static_graph_equals_eager and gpt2-sampled"
+    )
+    assert record is not None
+    assert set(outcomes(record).values()) == {"passed"}, outcomes(record)
+    assert result.ret == 0
 
 
 @pytest.mark.usefixtures("with_broken_plugins")

@@ -1,5 +1,5 @@
 """Unit tests of the rollout building blocks the continuous path reuses: cache, masks,
-sampling, signature, eligibility and the in-place weight loader."""
+sampling, signature, the plan's refusal rules and the in-place weight loader."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def test_block_stops_uses_a_device_counter_and_per_row_minimums():
     assert torch.isneginf(per_row[0, [1, 4]]).all() and not per_row[1].any()
 
 
-# ---- eligibility ------------------------------------------------------------------------------
+# ---- refusal rules ------------------------------------------------------------------------------
 def test_non_resident_parameters_are_named():
     model = tiny_model("gpt2", fresh=True)
     assert non_resident_reason(model) is None

@@ -18,6 +18,7 @@ class CPUBackend(Backend):
     name: ClassVar[str] = "cpu"
     priority: ClassVar[int] = 0
     device_type: ClassVar[str] = "cpu"
+    captures_graphs: ClassVar[bool] = True
     rng_in_graph: ClassVar[bool] = True
     #: A collective is an aten operation like any other: recorded, and issued again on replay
     #: (each rank replays its own graph, so the collectives pair up as in eager steps).

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphcap.errors import DecodeStalledError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.inputs import Call, check_request
@@ -118,7 +119,16 @@ class ContinuousRollout:
         interval = config.eos_check_interval
         narrow = runner is step and (align or trim)
         attended = 0
+        # every request finishes within its limit and is seen within one interval after
+        bound = sum(limits) + interval * (len(limits) + 1)
         while table.occupied():
+            if stats.steps > bound:
+                raise DecodeStalledError(
+                    f"continuous decoding ran {stats.steps} steps, more than its {len(limits)} "
+                    f"requests can take ({bound}), with requests still unfinished: the decode "
+                    f"step changes nothing (on backend {holder.backend.name!r}, path "
+                    f"{stats.path}); run the conformance suite on this backend"
+                )
             if narrow:
                 step.span = self._span(table, queue, total)
             attended += step.span[1] - step.span[0] if narrow else total

@@ -21,8 +21,12 @@ import torch
 if TYPE_CHECKING:
     from graphcap.testing.plugin import Selection
 
-SCHEMA_VERSION = 1
-OUTCOMES = ("passed", "failed", "error", "skipped")
+SCHEMA_VERSION = 2
+#: "no graphs": the check applies only to backends that capture, and this one (by its own,
+#: verified, declaration) does not; "skipped": the check could not run (no backend, say).
+OUTCOMES = ("passed", "failed", "error", "no graphs", "skipped")
+#: How the conformance fixtures start the skip reason of a graph check on an eager backend.
+NO_GRAPHS_PREFIX = "no graphs:"
 
 
 @dataclass
@@ -37,7 +41,9 @@ class CheckResult:
     def add(self, report: pytest.TestReport) -> None:
         self.duration_s += report.duration
         if report.skipped:
-            self.outcome, self.reason = "skipped", _skip_reason(report)
+            self.reason = _skip_reason(report)
+            no_graphs = self.reason.startswith(NO_GRAPHS_PREFIX)
+            self.outcome = "no graphs" if no_graphs else "skipped"
         elif report.failed:
             # A failure outside the check itself (fixture setup or teardown) is an error.
             self.outcome = "failed" if report.when == "call" else "error"
@@ -148,12 +154,12 @@ def render_table(record: dict[str, Any]) -> list[str]:
     )
     width = max(len(check["check"]) for check in record["checks"])
     lines.append("")
-    lines.append(f"{'check':<{width}}  outcome  note")
+    lines.append(f"{'check':<{width}}  outcome    note")
     for check in record["checks"]:
         note = (check["reason"] or "").split("\n", 1)[0]
         if len(note) > 100:
             note = note[:97] + "..."
-        lines.append(f"{check['check']:<{width}}  {check['outcome']:<7}  {note}")
+        lines.append(f"{check['check']:<{width}}  {check['outcome']:<9}  {note}")
     summary = ", ".join(f"{n} {outcome}" for outcome, n in record["summary"].items() if n)
     lines.append(f"summary: {summary}")
     return lines

@@ -26,6 +26,7 @@ class CUDABackend(Backend):
     name: ClassVar[str] = "cuda"
     priority: ClassVar[int] = 100
     device_type: ClassVar[str] = "cuda"
+    captures_graphs: ClassVar[bool] = True
     # torch registers the default CUDA generator with every graph it captures: capture does not
     # advance it and each replay draws fresh numbers from its current state.
     rng_in_graph: ClassVar[bool] = True

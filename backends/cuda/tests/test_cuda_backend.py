@@ -14,7 +14,6 @@ import torch
 from graphcap_cuda import CUDABackend
 
 import graphcap
-from graphcap.cpu import CPUBackend
 from graphcap.errors import BackendSelectionError, GraphCaptureError
 from graphcap.registry import discover
 
@@ -37,11 +36,42 @@ def test_registry_discovers_the_backend() -> None:
     assert not [f for f in registry.failures if f.entry_point == "cuda"]
 
 
-def test_declared_capabilities() -> None:
-    assert CUDABackend.priority > CPUBackend.priority
-    assert CUDABackend.rng_in_graph and CUDABackend.collectives_in_graph
-    assert CUDABackend.capture_needs_side_stream
-    assert CUDABackend.device_type == "cuda"
+def test_selected_before_the_cpu_backend() -> None:
+    registry = discover(refresh=True)
+    assert registry.backends["cuda"].cls.priority > registry.backends["cpu"].cls.priority
+
+
+@pytest.mark.device
+@needs_cuda
+def test_declared_capabilities_match_the_gpu() -> None:
+    """Each declaration, tried: graphs exist, capture on the legacy default stream is refused
+    (so the side stream is needed), and replays draw fresh numbers from the default generator.
+    Collectives in graphs are checked by the conformance suite (one-rank NCCL group)."""
+    backend = CUDABackend()
+    capabilities = backend.capabilities
+    assert CUDABackend.captures_graphs is capabilities.graph_capture is True
+    assert capabilities.capture_needs_side_stream
+    x = torch.ones(4, device="cuda")
+    with (
+        pytest.raises(GraphCaptureError),
+        backend.capture_to_graph(backend.create_graph(), stream=torch.cuda.default_stream()),
+    ):
+        x.add_(1)
+    assert capabilities.rng_in_graph
+    noise = torch.zeros(4, device="cuda")
+    side = backend.capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        noise.copy_(torch.rand(4, device="cuda"))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = backend.create_graph()
+    with backend.capture_to_graph(graph, stream=side):
+        noise.copy_(torch.rand(4, device="cuda"))
+    draws = []
+    for _ in range(3):
+        backend.replay_graph(graph)
+        draws.append(noise.tolist())
+    assert draws[0] != draws[1] != draws[2], "replays drew the same numbers: RNG frozen"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")

@@ -88,6 +88,7 @@ class NPUBackend(Backend):
     # Same tier as cuda: an accelerator is preferred over the CPU reference backend.
     priority: ClassVar[int] = 100
     device_type: ClassVar[str] = "npu"
+    captures_graphs: ClassVar[bool] = True
     # torch_npu keeps graph-safe generator state (registered with a graph when an RNG op first
     # runs during capture, as CUDA does), so sampling can live inside the graph. Declared from
     # torch_npu's source; the conformance suite checks it on hardware.

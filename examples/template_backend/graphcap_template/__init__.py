@@ -23,6 +23,7 @@ class TemplateBackend(Backend):
     priority: ClassVar[int] = -10
     device_type: ClassVar[str] = "cpu"  # DEVICE: your torch device type, e.g. "mydev"
     # Declared capabilities, verified by the conformance suite:
+    captures_graphs: ClassVar[bool] = True  # create_graph() returns a graph (False: eager only)
     rng_in_graph: ClassVar[bool] = True  # replays draw fresh numbers from the default generator
     collectives_in_graph: ClassVar[bool] = False  # collectives can be captured into a graph
     capture_needs_side_stream: ClassVar[bool] = False  # capture on the default stream is refused

@@ -8,6 +8,7 @@ import pytest
 
 from graphcap.backend import Backend
 from graphcap.testing.plugin import session_of
+from graphcap.testing.report import NO_GRAPHS_PREFIX
 
 
 def pytest_collection_modifyitems(config: pytest.Config) -> None:
@@ -33,9 +34,15 @@ def gc_backend(request: pytest.FixtureRequest) -> Backend:
 def gc_graph_backend(gc_backend: Backend) -> Backend:
     """The backend, for checks that only apply to backends that capture graphs."""
     if not gc_backend.supports_graph_capture:
+        if gc_backend.captures_graphs:
+            pytest.fail(
+                f"backend {gc_backend.name!r} declares captures_graphs=True but create_graph() "
+                "returns None: its graph capture regressed (or the declaration is wrong)"
+            )
         pytest.skip(
-            f"backend {gc_backend.name!r} does not capture graphs (create_graph() returns None); "
-            "graph checks do not apply and the rollout engine runs it eagerly"
+            f"{NO_GRAPHS_PREFIX} backend {gc_backend.name!r} does not capture graphs "
+            "(create_graph() returns None); graph checks do not apply and the rollout engine "
+            "runs it eagerly"
         )
     return gc_backend
 

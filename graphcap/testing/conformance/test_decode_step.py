@@ -1,157 +1,127 @@
-"""A real decode step: tiny GPT-2 and Llama forwards over graphcap's static KV cache.
+"""The engine's own decode step (:class:`graphcap.rollout.step.DecodeStep`) captured and replayed.
 
-The step is shaped like the rollout engine's: every value it reads or advances (input token,
-position ids, cache write positions, mask) lives in device tensors, so k replays must give the
-logits of k eager calls of the same step. Eager prefill fills the cache; the mask has the form
-the backend declares (``capabilities.mask_form``).
+Built as the rollout engine builds it (``StaticKVCache``, ``MaskBuffers.for_model`` in the
+backend's ``mask_form``, ``DecodeState.allocate``) over tiny GPT-2 and Llama models with
+left-padded prompts, captured with the engine's ``capture_step``. k replays must write the tokens
+and log-probs of k eager calls, greedy and sampled from an explicit generator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from graphcap.backend import Backend
 from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.prefill import cache_keyword
-from graphcap.testing.graphs import capture, replay, warm_up
+from graphcap.rollout.capture import capture_step
+from graphcap.rollout.config import SamplingParams
+from graphcap.rollout.masks import MaskBuffers, layer_windows
+from graphcap.rollout.sampling import RowPlan, SamplerShape
+from graphcap.rollout.step import DecodeState, DecodeStep
+from graphcap.testing import models
+from graphcap.testing.conformance.replay import replay
 
-BATCH, PROMPT, TOTAL, STEPS, VOCAB = 2, 5, 16, 4, 96
-
-
-def _tiny_gpt2() -> torch.nn.Module:
-    config = GPT2Config(
-        vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, attn_implementation="sdpa"
-    )
-    return GPT2LMHeadModel(config)
-
-
-def _tiny_llama() -> torch.nn.Module:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
-
-
-MODELS: dict[str, Callable[[], torch.nn.Module]] = {"gpt2": _tiny_gpt2, "llama": _tiny_llama}
+BATCH, WIDTH, TOTAL, STEPS = 2, 5, 16, 6
 
 
 @dataclass
-class DecodeStep:
-    """Static buffers of a greedy decode step and the step itself."""
+class Rig:
+    """A decode step and what resets it to the state right after prefill."""
 
     backend: Backend
-    model: torch.nn.Module
-    prompt: torch.Tensor
-    prefill: object  # the prefill's transformers cache
-    first_tokens: torch.Tensor
-    cache: StaticKVCache
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor
+    step: DecodeStep
+    rows: RowPlan  # each row's sampling settings
+    ids: torch.Tensor
     mask: torch.Tensor
+    prefill: object
     logits: torch.Tensor
+    next_positions: torch.Tensor
 
     @classmethod
-    def build(cls, backend: Backend, name: str) -> DecodeStep:
-        torch.manual_seed(0)
-        model = MODELS[name]().to(backend.device).eval()
-        generator = torch.Generator().manual_seed(1)
-        prompt = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=generator).to(backend.device)
-        out = model(input_ids=prompt, use_cache=True)
+    @torch.no_grad()
+    def build(
+        cls, backend: Backend, name: str, sample: bool, generator: torch.Generator | None
+    ) -> Rig:
+        device = backend.device
+        model = models.build(name, device)
+        ids, mask = models.prompts(BATCH, device, WIDTH)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         prefill = out.past_key_values
         cache = StaticKVCache(StaticKVCache.specs_of(prefill), BATCH, TOTAL)
-        form = backend.capabilities.mask_form
-        mask_dtype = torch.bool if form == "bool" else torch.float32
-        step = cls(
-            backend=backend,
-            model=model,
-            prompt=prompt,
-            prefill=prefill,
-            first_tokens=out.logits[:, -1].argmax(-1, keepdim=True),
-            cache=cache,
-            tokens=torch.zeros((BATCH, 1), dtype=torch.long, device=backend.device),
-            positions=torch.zeros((BATCH, 1), dtype=torch.long, device=backend.device),
-            valid=torch.zeros((BATCH, TOTAL), dtype=torch.bool, device=backend.device),
-            mask=torch.zeros((BATCH, 1, 1, TOTAL), dtype=mask_dtype, device=backend.device),
-            logits=torch.zeros((BATCH, VOCAB), device=backend.device),
+        masks = MaskBuffers.for_model(
+            model.config,
+            BATCH,
+            TOTAL,
+            torch.float32,
+            device,
+            layer_windows(model.config),
+            backend.capabilities.mask_form,
         )
-        step.reset()
-        return step
+        state = DecodeState.allocate(BATCH, TOTAL, models.VOCAB, (models.EOS,), models.PAD, device)
+        params = SamplingParams(
+            max_new_tokens=STEPS + 1,
+            do_sample=sample,
+            temperature=0.9,
+            eos_token_id=models.EOS,
+            pad_token_id=models.PAD,
+        )
+        shape = SamplerShape(samples=sample, logprobs=True)
+        step = DecodeStep(model, cache, masks, state, shape, True, generator)
+        rows = RowPlan.build([params] * BATCH, 1, BATCH)
+        logits, next_positions = out.logits[:, -1], positions[:, -1] + 1
+        return cls(backend, step, rows, ids, mask, prefill, logits, next_positions)
 
     def reset(self) -> None:
-        """Back to the state right after prefill, written in place (the graph's memory)."""
-        self.cache.load_prefill(self.prefill)
-        self.tokens.copy_(self.first_tokens)
-        self.positions.fill_(PROMPT)
-        self.valid.zero_()
-        self.valid[:, :PROMPT] = True
+        """As the engine starts a call: prefill loaded, prompt mask, first token committed."""
+        step = self.step
+        step.cache.reset()
+        step.cache.load_prefill(self.prefill)
+        step.masks.reset(self.mask)
+        step.state.reset(self.ids, self.next_positions, self.rows)
+        step.commit(self.logits)
         self.backend.synchronize()
 
-    def __call__(self) -> None:
-        self.valid.scatter_(1, self.cache.write_pos[:, None], True)
-        allowed = self.valid.view(BATCH, 1, 1, TOTAL)
-        if self.mask.dtype == torch.bool:
-            self.mask.copy_(allowed)
-        else:
-            self.mask.copy_(torch.where(allowed, 0.0, torch.finfo(torch.float32).min))
-        out = self.model(
-            input_ids=self.tokens,
-            attention_mask=self.mask,
-            position_ids=self.positions,
-            use_cache=True,
-            **{cache_keyword(self.model): self.cache},
-        )
-        logits = out.logits[:, -1]
-        self.logits.copy_(logits)
-        self.cache.advance(1)
-        self.positions.add_(1)
-        self.tokens.copy_(logits.argmax(-1, keepdim=True))
+    def outputs(self) -> tuple[list[list[int]], torch.Tensor]:
+        state = self.step.state
+        return state.sequences.cpu().tolist(), state.logprobs.cpu().clone()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", list(models.MODELS))
 @torch.no_grad()
-def test_captured_decode_step_gives_eager_logits(gc_graph_backend: Backend, name: str) -> None:
+def test_engine_decode_step_replays_give_eager_tokens(
+    gc_graph_backend: Backend, name: str, sample: bool
+) -> None:
     backend = gc_graph_backend
-    step = DecodeStep.build(backend, name)
+    if sample and not backend.capabilities.rng_in_graph:
+        pytest.skip(f"backend {backend.name!r} declares rng_in_graph=False: sampling is eager")
+    generator = torch.Generator(device=backend.device) if sample else None
+    rig = Rig.build(backend, name, sample, generator)
 
-    eager: list[torch.Tensor] = []
+    if generator is not None:
+        generator.manual_seed(11)
+    rig.reset()
     for _ in range(STEPS):
-        step()
-        backend.synchronize()
-        eager.append(step.logits.cpu().clone())
-    assert all(torch.isfinite(logits).all() for logits in eager)
-    assert not torch.equal(eager[0], eager[1]), "the step did not advance (check is vacuous)"
-    # The step itself is right: its first logits are those of a full forward over the prompt
-    # and the first generated token (no cache, transformers' own causal mask).
-    full = torch.cat([step.prompt, step.first_tokens], dim=1)
-    reference = step.model(input_ids=full).logits[:, -1].cpu()
-    torch.testing.assert_close(eager[0], reference, rtol=1e-4, atol=1e-4)
-
-    step.reset()
-    warm_up(backend, step)
-    step.reset()
-    graph, _ = capture(backend, step)
-    assert torch.equal(step.cache.write_pos.cpu(), torch.full((BATCH,), PROMPT)), (
-        "capture advanced the cache write position: the step ran instead of being recorded"
+        rig.step()
+    backend.synchronize()
+    eager_tokens, eager_logprobs = rig.outputs()
+    generated = [row[WIDTH : WIDTH + STEPS + 1] for row in eager_tokens]
+    assert all(len(set(row)) > 1 for row in generated), (
+        f"eager tokens {generated} do not change step to step: the check would be vacuous"
     )
-    for index, expected in enumerate(eager):
-        replay(backend, graph)
-        torch.testing.assert_close(
-            step.logits.cpu(),
-            expected,
-            rtol=1e-5,
-            atol=1e-5,
-            msg=lambda m, i=index: f"replay {i + 1} of the {name} decode step: {m}",
-        )
+
+    if generator is not None:
+        generator.manual_seed(11)
+    rig.reset()
+    graph = capture_step(backend, rig.step, rig.step.mutable_tensors(), generator)
+    assert int(rig.step.cache.write_pos.cpu()[0]) == WIDTH, (
+        "capture advanced the cache write position: the step ran instead of being recorded, "
+        "or capture_step did not roll it back"
+    )
+    replay(backend, graph, times=STEPS)
+    tokens, logprobs = rig.outputs()
+    assert tokens == eager_tokens, f"{STEPS} replays of the {name} step wrote other tokens"
+    torch.testing.assert_close(logprobs, eager_logprobs, rtol=1e-5, atol=1e-5)

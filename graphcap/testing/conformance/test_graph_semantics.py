@@ -1,11 +1,21 @@
-"""What a graph must do for the rollout engine: record at capture, re-run on the same memory."""
+"""What a graph must do for the rollout engine: record at capture, re-run on the same memory.
+
+Every capture goes through the engine's ``capture_step``: the step is warmed up once (its effects
+on ``mutable`` undone), then recorded. Steps keep what they allocate in ``out`` so the check can
+read the tensors the captured run writes.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from graphcap.backend import Backend
-from graphcap.testing.graphs import capture, replay, warm_up
+from graphcap.rollout.capture import capture_step
+from graphcap.testing.conformance.replay import replay
+
+#: Enough replays to catch a graph that stops (or changes) after a few dozen: the engine replays
+#: one graph thousands of times over a training run.
+MANY_REPLAYS = 300
 
 
 def _values(*tensors: torch.Tensor) -> list[list[float]]:
@@ -16,98 +26,109 @@ def test_capture_records_without_executing(gc_graph_backend: Backend) -> None:
     backend = gc_graph_backend
     x = torch.arange(1.0, 9.0, device=backend.device)
     total = torch.zeros(8, device=backend.device)
+    out: dict[str, torch.Tensor] = {}
 
-    def step() -> torch.Tensor:
+    def step() -> None:
         total.add_(x)
-        return x * 2
+        out["doubled"] = x * 2
 
-    warm_up(backend, step)
-    total.zero_()
-    backend.synchronize()
-    graph, doubled = capture(backend, step)
-    # Memory that existed before capture is as it was: nothing ran, or its effects were undone.
-    assert _values(total, x) == _values(torch.zeros(8), torch.arange(1.0, 9.0)), (
+    # ``total`` is left out of the rollback on purpose: the warm-up adds x once, the capture
+    # must add nothing.
+    graph = capture_step(backend, step, [], None)
+    assert _values(total, x) == _values(torch.arange(1.0, 9.0), torch.arange(1.0, 9.0)), (
         "capture changed memory that existed before it: the work ran instead of being recorded"
     )
     replay(backend, graph)
-    assert _values(total, doubled) == _values(torch.arange(1.0, 9.0), torch.arange(1.0, 9.0) * 2)
+    assert _values(total, out["doubled"]) == _values(
+        torch.arange(1.0, 9.0) * 2, torch.arange(1.0, 9.0) * 2
+    )
 
 
 def test_replay_reexecutes_on_same_memory(gc_graph_backend: Backend) -> None:
     backend = gc_graph_backend
     x = torch.arange(4.0, device=backend.device)
-    out = torch.zeros(4, device=backend.device)
+    buffer = torch.zeros(4, device=backend.device)
+    out: dict[str, torch.Tensor] = {}
 
-    def step() -> torch.Tensor:
-        out.copy_(x * 3)
-        return out + 1
+    def step() -> None:
+        buffer.copy_(x * 3)
+        out["result"] = buffer + 1
 
-    warm_up(backend, step)
-    graph, result = capture(backend, step)
-    addresses = (out.data_ptr(), result.data_ptr())
+    graph = capture_step(backend, step, [buffer], None)
+    result = out["result"]
+    addresses = (buffer.data_ptr(), result.data_ptr())
     for _ in range(3):
-        out.zero_()
+        buffer.zero_()
         result.zero_()
         replay(backend, graph)
-        assert (out.data_ptr(), result.data_ptr()) == addresses
-        assert _values(out, result) == _values(torch.arange(4.0) * 3, torch.arange(4.0) * 3 + 1), (
-            "replay did not write its results into the memory recorded at capture"
-        )
+        assert (buffer.data_ptr(), result.data_ptr()) == addresses
+        assert _values(buffer, result) == _values(
+            torch.arange(4.0) * 3, torch.arange(4.0) * 3 + 1
+        ), "replay did not write its results into the memory recorded at capture"
 
 
 def test_replay_reads_inputs_updated_in_place(gc_graph_backend: Backend) -> None:
     backend = gc_graph_backend
     x = torch.ones(6, device=backend.device)
+    out: dict[str, torch.Tensor] = {}
 
-    def step() -> torch.Tensor:
-        return torch.relu(x * 2 - 1)
+    def step() -> None:
+        out["result"] = torch.relu(x * 2 - 1)
 
-    warm_up(backend, step)
-    graph, result = capture(backend, step)
+    graph = capture_step(backend, step, [], None)
     for value in (3.0, -4.0, 0.75):
         x.fill_(value)
         replay(backend, graph)
         expected = max(value * 2 - 1, 0.0)
-        assert result.cpu().tolist() == [expected] * 6, (
-            f"replay after x.fill_({value}) gave {result.cpu().tolist()}: the graph did not "
-            "read the input's current contents (a value frozen at capture?)"
+        assert out["result"].cpu().tolist() == [expected] * 6, (
+            f"replay after x.fill_({value}) gave {out['result'].cpu().tolist()}: the graph did "
+            "not read the input's current contents (a value frozen at capture?)"
         )
 
 
 def test_replays_accumulate(gc_graph_backend: Backend) -> None:
+    """Hundreds of replays: a graph that stops, or drifts, after a few is caught."""
     backend = gc_graph_backend
     step_size = torch.tensor([1.0, -2.0, 0.5]).to(backend.device)
     position = torch.zeros(3, device=backend.device)
+    count = torch.zeros((), dtype=torch.long, device=backend.device)
 
     def step() -> None:
         position.add_(step_size)
+        count.add_(1)
 
-    warm_up(backend, step)
-    position.zero_()
-    backend.synchronize()
-    graph, _ = capture(backend, step)
+    graph = capture_step(backend, step, [position, count], None)
     replay(backend, graph, times=5)
     assert position.cpu().tolist() == [5.0, -10.0, 2.5], (
         "5 replays of an in-place update must apply it 5 times"
     )
+    for done in range(5, MANY_REPLAYS, 59):
+        replay(backend, graph, times=59)
+        assert int(count.cpu()) == done + 59, (
+            f"after {done + 59} replays the graph ran {int(count.cpu())} times: replays stopped "
+            "or were dropped"
+        )
+    total = int(count.cpu())
+    assert position.cpu().tolist() == [total * 1.0, total * -2.0, total * 0.5]
 
 
 def test_two_graphs_share_a_pool(gc_graph_backend: Backend) -> None:
     backend = gc_graph_backend
     pool = backend.graph_pool_handle()
     x = torch.arange(5.0, device=backend.device)
+    out: dict[str, torch.Tensor] = {}
 
-    def first() -> torch.Tensor:
-        return x + 1
+    def first() -> None:
+        out["shifted"] = x + 1
 
-    warm_up(backend, first)
-    graph_a, shifted = capture(backend, first, pool=pool)
+    graph_a = capture_step(backend, first, [], None, pool=pool)
+    shifted = out["shifted"]
 
-    def second() -> torch.Tensor:
-        return shifted * 3
+    def second() -> None:
+        out["scaled"] = shifted * 3
 
-    warm_up(backend, second)
-    graph_b, scaled = capture(backend, second, pool=pool)
+    graph_b = capture_step(backend, second, [], None, pool=pool)
+    scaled = out["scaled"]
     replay(backend, graph_a)
     replay(backend, graph_b)
     assert _values(shifted, scaled) == _values(torch.arange(5.0) + 1, (torch.arange(5.0) + 1) * 3)
@@ -122,17 +143,19 @@ def test_two_graphs_share_a_pool(gc_graph_backend: Backend) -> None:
 def test_is_current_stream_capturing_only_inside_capture(gc_graph_backend: Backend) -> None:
     backend = gc_graph_backend
     x = torch.ones(2, device=backend.device)
-    warm_up(backend, lambda: x + 1)
     assert backend.is_current_stream_capturing() is False
     seen: list[bool] = []
+    out: dict[str, torch.Tensor] = {}
 
-    def step() -> torch.Tensor:
+    def step() -> None:
         seen.append(backend.is_current_stream_capturing())
-        return x + 1
+        out["result"] = x + 1
 
-    graph, result = capture(backend, step)
-    assert seen == [True], "is_current_stream_capturing() must be True inside a capture"
+    graph = capture_step(backend, step, [], None)
+    assert seen == [False, True], (
+        "is_current_stream_capturing() must be False in the warm-up and True inside the capture"
+    )
     assert backend.is_current_stream_capturing() is False, "still 'capturing' after the capture"
     replay(backend, graph)
     assert backend.is_current_stream_capturing() is False, "replay must not count as capture"
-    assert result.cpu().tolist() == [2.0, 2.0]
+    assert out["result"].cpu().tolist() == [2.0, 2.0]
