@@ -24,6 +24,8 @@ from rollout_models import EOS, make_engine, prompts, run, tiny_model
 from torch.distributed.tensor import DTensor
 
 from graphcap.cpu import CPUBackend
+from graphcap.cpu.graph import CPUGraph
+from graphcap.errors import GraphCaptureError
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 WORLD = 2
@@ -197,7 +199,53 @@ def _refusals(rank: int, model) -> dict:
     return {"message": message, "path": eager.stats.path, "reason": eager.stats.fallback_reason}
 
 
+def _collectives(rank: int, model) -> dict:
+    """(f) the CPU graph alone: each collective it records replays as eagerly, on new values;
+    the ones it cannot record are refused on every rank alike."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    x = torch.zeros(4)
+    outs = {name: torch.zeros(n) for name, n in (("ar", 4), ("ag", 8), ("rs", 2), ("bc", 4))}
+
+    def step():
+        reduced = x * 2
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        outs["ar"].copy_(reduced)
+        outs["ag"].copy_(funcol.all_gather_tensor(x + 1, 0, group))
+        outs["rs"].copy_(funcol.reduce_scatter_tensor(x, "sum", 0, group))
+        outs["bc"].copy_(funcol.broadcast(x, 1, group))
+
+    graph = CPUGraph()
+    x.copy_(torch.arange(4.0) + 10 * rank)
+    with torch.no_grad(), graph.capture():
+        step()
+    x.copy_(torch.arange(4.0) * (rank + 2))  # new values after capture
+    step()
+    eager = {name: out.clone() for name, out in outs.items()}
+    for out in outs.values():
+        out.zero_()
+    graph.replay()
+    refused = []
+    for call in (
+        lambda: dist.broadcast(x, 0),
+        lambda: dist.all_reduce(x, async_op=True),
+    ):
+        try:
+            with CPUGraph().capture():
+                call()
+            refused.append("captured")
+        except GraphCaptureError as exc:
+            refused.append(str(exc))
+    return {
+        "equal": {name: torch.equal(outs[name], eager[name]) for name in outs},
+        "eager": eager,
+        "refused": refused,
+    }
+
+
 SCENARIOS = {
+    "collectives": _collectives,
     "sharded": _sharded,
     "same": _same,
     "early": _early,
@@ -305,3 +353,16 @@ def test_sharded_model_needs_a_group_and_a_backend_capturing_collectives(ranks):
     for rec in records(ranks, "refusals"):
         assert "process_group" in rec["message"] and "sharded over 2 ranks" in rec["message"]
         assert rec["path"] == "eager" and "collectives_in_graph=False" in rec["reason"]
+
+
+def test_cpu_graph_replays_collectives_and_refuses_the_rest(ranks):
+    first, second = records(ranks, "collectives")
+    for rec in (first, second):
+        assert all(rec["equal"].values()), rec["equal"]
+        assert len(rec["refused"]) == 2 and all("torch.distributed" in r for r in rec["refused"])
+    # the eager values the replay matched really are reductions over both ranks
+    x0, x1 = torch.arange(4.0) * 2, torch.arange(4.0) * 3
+    assert torch.equal(first["eager"]["ar"], torch.maximum(x0, x1) * 2)
+    assert torch.equal(first["eager"]["ag"], torch.cat([x0 + 1, x1 + 1]))
+    assert torch.equal(second["eager"]["rs"], (x0 + x1)[2:])
+    assert torch.equal(first["eager"]["bc"], x1)
