@@ -134,13 +134,14 @@ def guarded(report: dict[str, Any], key: str, work, save) -> Any:
 
 
 def build(name: str) -> torch.nn.Module:
-    from graphcap.bench.presets import PRESETS
     from transformers import AutoModelForCausalLM
+
+    from graphcap.bench.models import preset_config
 
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(
-            PRESETS[name].make_config(), dtype=torch.bfloat16, attn_implementation="sdpa"
+            preset_config(name), dtype=torch.bfloat16, attn_implementation="sdpa"
         )
     return model.eval()
 
@@ -279,9 +280,9 @@ def teacher_forced(model, attention: str, ids, mask, follow) -> torch.Tensor:
 def fp32_token_checks(backend) -> list[dict[str, Any]]:
     """fp32 small models: tokens of captured steps (grouped-query attention, the CUDA default,
     and the model's own SDPA) equal the eager loop's, with padding, GQA and a sliding window."""
-    from graphcap.bench.presets import PRESETS
     from transformers import AutoModelForCausalLM, MistralConfig
 
+    from graphcap.bench.models import preset_config
     from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
     window = MistralConfig(
@@ -295,7 +296,7 @@ def fp32_token_checks(backend) -> list[dict[str, Any]]:
         initializer_range=2.0 / 16,
         pad_token_id=0,
     )
-    configs = {"tiny-llama": PRESETS["tiny-llama"].make_config(), "tiny-mistral-window": window}
+    configs = {"tiny-llama": preset_config("tiny-llama"), "tiny-mistral-window": window}
     results = []
     for name, config in configs.items():
         torch.manual_seed(0)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -60,6 +61,38 @@ _INDEX_PUTS = frozenset(
 )
 _REPEAT_INTERLEAVE = torch.ops.aten.repeat_interleave.Tensor
 _MASK_DTYPES = (torch.bool, torch.uint8)
+if dist.is_available():
+    _FUNCTIONAL = torch.ops._c10d_functional
+    #: Functional collectives a capture records (without communicating) and a replay issues; the
+    #: output of each is described by :func:`_unissued`.
+    _COLLECTIVES = frozenset(
+        {
+            _FUNCTIONAL.all_reduce,
+            _FUNCTIONAL.all_reduce_,
+            _FUNCTIONAL.broadcast,
+            _FUNCTIONAL.broadcast_,
+            _FUNCTIONAL.all_gather_into_tensor,
+            _FUNCTIONAL.reduce_scatter_tensor,
+        }
+    )
+else:  # torch built without distributed: no collective exists
+    _COLLECTIVES = frozenset()
+#: Operators of the collective namespaces that communicate nothing (by name: the second one is
+#: registered from Python when torch.distributed's functional collectives are imported).
+_COLLECTIVE_HELPERS = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
+#: The module of torch.distributed's collectives, which reach a TorchFunctionMode by this name.
+_C10D_MODULE = "torch.distributed.distributed_c10d"
+_REDUCE_OP_NAMES = (
+    {
+        dist.ReduceOp.SUM: "sum",
+        dist.ReduceOp.AVG: "avg",
+        dist.ReduceOp.PRODUCT: "product",
+        dist.ReduceOp.MIN: "min",
+        dist.ReduceOp.MAX: "max",
+    }
+    if dist.is_available()
+    else {}
+)
 # Byte written over integer memory allocated during capture: 0xA5A5... is a recognisably wrong
 # value for every integer width (and an out-of-range index, so gathers on it fail loudly).
 _POISON_BYTE = 0xA5
@@ -115,6 +148,49 @@ def _same_size_resize(func: torch._ops.OpOverload, args: tuple) -> bool:
     """Whether a resize_ / resize_as_ leaves the tensor's size as it is (a harmless no-op)."""
     target = args[1].shape if func.overloadpacket is torch.ops.aten.resize_as_ else args[1]
     return tuple(args[0].shape) == tuple(target)
+
+
+def _overrides_dispatch(cls: type) -> bool:
+    """Whether tensors of type ``cls`` handle dispatch themselves (wrapper subclasses)."""
+    return cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _completing(func: torch._ops.OpOverload) -> Callable[..., Any]:
+    """``func`` (a functional collective) followed by a wait for its completion.
+
+    A device graph orders a collective on its stream like any kernel. Eagerly the caller waits
+    on the output it holds (``wait_tensor``), which a replay does not run for the fresh output
+    it copies from: so the replay waits here, before anything reads the result.
+    """
+    op = func._op
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        result = op(*args, **kwargs)
+        return _FUNCTIONAL.wait_tensor(result)
+
+    return run
+
+
+def _unissued(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The output of a collective, allocated but not computed: capture issues no collective.
+
+    On a device, capture records kernels without running them, so a rank never waits for its
+    peers inside a capture; one rank failing its capture cannot leave another stuck in a
+    collective. The values do not matter: memory allocated during capture is poisoned and
+    written memory restored when the capture ends.
+    """
+    tensor = args[0] if args else kwargs["input"]
+    packet = func.overloadpacket
+    if packet in (_FUNCTIONAL.all_reduce_, _FUNCTIONAL.broadcast_):
+        return tensor
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if packet is _FUNCTIONAL.all_gather_into_tensor:
+        rows *= _arg(func, args, kwargs, "group_size", 1)
+    elif packet is _FUNCTIONAL.reduce_scatter_tensor:
+        rows //= _arg(func, args, kwargs, "group_size", 1)
+    if not tensor.dim():
+        return torch.empty_like(tensor)
+    return tensor.new_empty((rows, *tensor.shape[1:]))
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -250,14 +326,17 @@ class _Recorder(TorchDispatchMode):
             if generator is not None and id(generator) not in rec.generators:
                 rec.generators[id(generator)] = (generator, generator.get_state())
 
-        result = func(*args, **kwargs)
+        collective = func.overloadpacket in _COLLECTIVES
+        result = _unissued(func, args, kwargs) if collective else func(*args, **kwargs)
 
         inputs = _tensors((args, kwargs))
         input_keys = {_storage_key(t) for t in inputs}
         flat, _ = tree_flatten(result)
         fresh = []
         for index, leaf in enumerate(flat):
-            if not isinstance(leaf, torch.Tensor):
+            if not isinstance(leaf, torch.Tensor) or _overrides_dispatch(type(leaf)):
+                # a wrapper subclass (AsyncCollectiveTensor of a functional collective) holds
+                # a tensor an earlier recorded operation produced; only that one is device memory
                 continue
             if leaf.layout != torch.strided:
                 raise rec.fail(f"{func} returned a {leaf.layout} tensor; only strided tensors")
@@ -271,7 +350,8 @@ class _Recorder(TorchDispatchMode):
             return result  # a view: replay keeps aliasing the same storage, nothing to run
         single = result if fresh and isinstance(result, torch.Tensor) else None
         several = tuple(fresh) if fresh and single is None else None
-        rec.steps.append((func._op, args, kwargs, single, several))
+        run = _completing(func) if collective else func._op
+        rec.steps.append((run, args, kwargs, single, several))
         rec.op_names.append(str(func))
         return result
 
@@ -286,6 +366,13 @@ class _Recorder(TorchDispatchMode):
             raise self.rec.fail(
                 f"{func}: a tensor literal built from host data inside capture (a pageable "
                 "host-to-device copy on a device); create it before capture and copy_ into it"
+            )
+        if func.namespace in ("c10d", "_c10d_functional") and not (
+            packet in _COLLECTIVES or func._opname in _COLLECTIVE_HELPERS
+        ):
+            raise self.rec.fail(
+                f"{func} inside graph capture: the CPU graph records the functional collectives "
+                f"{sorted(str(c) for c in _COLLECTIVES)} and a blocking dist.all_reduce only"
             )
         reason = _host_sync_reason(func, args, kwargs)
         if reason is not None:
@@ -319,6 +406,8 @@ class _HostGuard(TorchFunctionMode):
                 "at capture). Keep the value on the device (torch.where, masks) or read it "
                 "outside the graph"
             )
+        if getattr(func, "__module__", None) == _C10D_MODULE:
+            return _record_collective(self.rec, func, args, kwargs or {})
         if func in _LITERAL_CONSTRUCTORS:
             position = int(func is torch.Tensor.new_tensor)  # new_tensor(self, data)
             data = args[position] if len(args) > position else (kwargs or {}).get("data")
@@ -330,6 +419,34 @@ class _HostGuard(TorchFunctionMode):
                     "Create the tensor before capture and copy_ new values into it"
                 )
         return func(*args, **(kwargs or {}))
+
+
+def _record_collective(
+    rec: _Recording, func: Callable[..., Any], args: tuple, kwargs: dict
+) -> None:
+    """Issue a ``torch.distributed`` collective so that the capture records it.
+
+    ``dist.all_reduce`` calls the process group directly, past the dispatcher, so the recorder
+    would see nothing and a replay would skip the collective. A blocking ``all_reduce`` is issued
+    as the functional collective it equals (``_c10d_functional.all_reduce_`` and its wait),
+    which the recorder sees; any other ``torch.distributed`` collective is refused.
+    """
+    if func is dist.all_reduce:
+        tensor = args[0] if args else kwargs["tensor"]
+        op = args[1] if len(args) > 1 else kwargs.get("op", dist.ReduceOp.SUM)
+        group = args[2] if len(args) > 2 else kwargs.get("group")
+        async_op = args[3] if len(args) > 3 else kwargs.get("async_op", False)
+        name = _REDUCE_OP_NAMES.get(op)
+        if name is not None and not async_op and not tensor.is_complex():
+            group_name = (group or dist.group.WORLD).group_name
+            torch.ops._c10d_functional.all_reduce_(tensor, name, group_name)
+            torch.ops._c10d_functional.wait_tensor(tensor)
+            return None
+    raise rec.fail(
+        f"torch.distributed.{func.__name__}(...) inside graph capture: the CPU graph records "
+        "a blocking dist.all_reduce (sum, avg, product, min, max) and functional collectives "
+        "(torch.distributed._functional_collectives, DTensor redistribution) only"
+    )
 
 
 def _install_compile_guard() -> None:

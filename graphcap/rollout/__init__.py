@@ -2,11 +2,13 @@
 
 Public API: :class:`RolloutEngine`, :class:`RolloutConfig`, :class:`SamplingParams`,
 :class:`RolloutResult` (and :class:`RolloutStats`), plus :func:`load_weights_in_place` for
-weight updates that keep a captured graph valid. See docs/rollout.md and docs/continuous.md.
+weight updates that keep a captured graph valid and :func:`generate_data_parallel` for
+data-parallel rollouts under torchrun. See docs/rollout.md and docs/continuous.md.
 """
 
 from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedModelError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
+from graphcap.rollout.data_parallel import generate_data_parallel
 from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.results import RolloutResult, RolloutStats
 from graphcap.rollout.weights import WeightsLoaded, load_weights_in_place
@@ -20,5 +22,6 @@ __all__ = [
     "RolloutStats",
     "SamplingParams",
     "WeightsLoaded",
+    "generate_data_parallel",
     "load_weights_in_place",
 ]

@@ -3,10 +3,11 @@
 Every refusal lives here, in one pure function of the model, the backend, the settings and the
 request (DESIGN.md, "One request, one path"). Two kinds: what graphs cannot serve sends the call
 to the eager loop with the reason recorded in the stats (a backend without graphs or without a
-declared capability the call needs, a stateful model, parameters gathered inside forward,
-chunked attention, autocast's weight cache, nothing to decode); what the user explicitly asked
-for that graphs cannot do raises :class:`~graphcap.errors.GraphUnsupportedModelError` (an
-attention implementation that reads host values per call).
+declared capability the call needs, a stateful model, parameters gathered inside forward (ZeRO-3,
+FSDP; tensor-parallel shards are resident and keep graphs), chunked attention, autocast's weight
+cache, nothing to decode); what the user explicitly asked for that graphs cannot do raises
+:class:`~graphcap.errors.GraphUnsupportedModelError` (an attention implementation that reads host
+values per call).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from graphcap.backend import Backend
 from graphcap.errors import GraphUnsupportedModelError
@@ -24,6 +26,7 @@ from graphcap.rollout.signature import (
     GraphSignature,
     attention_implementation,
     autocast_state,
+    is_dtensor,
     signature_of,
 )
 
@@ -44,27 +47,49 @@ def check_attention(model: torch.nn.Module) -> None:
 
 
 def non_resident_reason(model: torch.nn.Module) -> str | None:
-    """Why the model's parameters are not plain resident tensors, or ``None`` if they are.
+    """Why the model's parameters are not resident on this rank, or ``None`` if they are.
 
-    Graph replay reads fixed addresses; parameters gathered in forward hooks (ZeRO-3, FSDP,
-    DTensor shards) or zero-size placeholders live at addresses the signature cannot see.
+    Graph replay reads fixed addresses; parameters gathered in forward hooks (ZeRO-3, FSDP) or
+    zero-size placeholders live at addresses the signature cannot see. Tensor-parallel shards
+    (``DTensor`` parameters outside FSDP) are resident: the step reads the rank's local shard,
+    whose address the signature records.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        DTensor = ()  # type: ignore[assignment]
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
+            return f"module {name or '<root>'!r} is FSDP-managed ({kind}; gathered during forward)"
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            return f"parameter {name!r} is a DTensor (sharded; gathered during forward)"
         if hasattr(param, "ds_id") or hasattr(param, "ds_status"):
             return f"parameter {name!r} is managed by DeepSpeed ZeRO-3 (gathered during forward)"
         if param.numel() == 0:
             return f"parameter {name!r} is a zero-size placeholder (not resident)"
-    for name, module in model.named_modules():
-        kind = type(module).__name__
-        if kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
-            return f"module {name or '<root>'!r} is FSDP-managed ({kind})"
     return None
+
+
+def check_sharded_group(model: torch.nn.Module, config: RolloutConfig) -> None:
+    """Raise if the model is sharded over ranks that ``config.process_group`` does not cover.
+
+    A tensor-parallel forward runs collectives over the parameters' device mesh; a rank that
+    stopped decoding (or replayed while another captured) without agreeing first would leave
+    the others waiting in a collective forever.
+    """
+    mesh = next((p.device_mesh for p in model.parameters() if is_dtensor(p)), None)
+    if mesh is None or mesh.size() == 1:
+        return
+    ranks = set(mesh.mesh.flatten().tolist())
+    if config.process_group is None:
+        raise ValueError(
+            f"the model's parameters are sharded over {len(ranks)} ranks (DTensor parameters) "
+            "but RolloutConfig.process_group is None: pass the tensor-parallel group, e.g. "
+            "RolloutConfig(process_group=torch.distributed.group.WORLD) under torchrun, so "
+            "that every rank takes the same path and steps"
+        )
+    covered = set(dist.get_process_group_ranks(config.process_group))
+    if not ranks <= covered:
+        raise ValueError(
+            f"RolloutConfig.process_group (ranks {sorted(covered)}) does not contain every rank "
+            f"the model is sharded over ({sorted(ranks)}); pass a group that does"
+        )
 
 
 def graph_refusal(model: torch.nn.Module, backend: Backend) -> str | None:
@@ -187,6 +212,7 @@ def plan_call(
     reason = None
     attention = attention_implementation(model)
     compiled = False
+    check_sharded_group(model, config)
     if config.enable_graph_capture:
         check_attention(model)
         reason = (

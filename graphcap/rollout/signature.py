@@ -17,17 +17,36 @@ import torch
 from graphcap.rollout.fingerprint import HostState, host_state
 from graphcap.rollout.sampling import SamplerShape
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
 TensorFacts = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
 
 def tensor_facts(model: torch.nn.Module) -> tuple[TensorFacts, ...]:
-    """Name, address, shape, strides, dtype and device of every parameter and buffer."""
+    """Name, address, shape, strides, dtype and device of every parameter and buffer.
+
+    A sharded parameter (a ``DTensor``) is read through its local shard: that is the memory the
+    step reads (``to_local()`` shares its storage), whatever the global shape.
+    """
     named = list(model.named_parameters(remove_duplicate=False))
     named += list(model.named_buffers(remove_duplicate=False))
     return tuple(
         (name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-        for name, t in named
+        for name, t in ((name, local_shard(t)) for name, t in named)
     )
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (sharded or replicated over a device mesh)."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of ``tensor``: the local shard of a ``DTensor``, else itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None, bool]:
