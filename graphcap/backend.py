@@ -136,6 +136,11 @@ class Backend:
         """True only while a capture is in progress on the current stream."""
         return False
 
+    def register_generator(self, graph: Any, generator: torch.Generator) -> None:
+        """Make draws from an explicit ``generator`` inside ``graph`` graph-safe, before its
+        capture: device graphs advance each generator they know of on every replay (the default
+        generator is known to every graph). Default: nothing to register."""
+
     def graph_pool_handle(self) -> Any | None:
         """A memory-pool handle several graphs can share, or ``None`` if pools are not shared."""
         return None

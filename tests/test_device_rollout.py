@@ -263,20 +263,24 @@ def test_hook_added_after_capture_recaptures(backend, kind):
 
 
 def test_recapture_peak_stays_below_two_generations_of_state(backend):
-    """During a recapture the old cache is freed before the new one is allocated: the peak
-    above the bytes held before the call stays well under one cache."""
+    """During a recapture the old cache and graph are freed before the new ones are allocated,
+    so the recapture's peak is the first capture's peak, not that plus the old state (the step's
+    own transient memory, e.g. attention over a long bucket, is in both)."""
     model = on_device(tiny_model("llama", fresh=True), backend)
     config = RolloutConfig(enable_graph_capture=True, backend=backend, length_buckets=(8192,))
     engine = RolloutEngine(model, config)
     ids, mask = (t.to(backend.device) for t in prompts(8))
+    baseline = allocated_after_gc(backend)
+    backend.reset_peak_memory_stats()
     run(model, ids, mask, backend, True, engine=engine, max_new_tokens=4, **NO_EOS)
+    first_peak = backend.max_memory_allocated() - baseline
     cache = sum(t.nbytes for layer in engine.cache.layers for t in (layer.keys, layer.values))
-    held = allocated_after_gc(backend)
+    allocated_after_gc(backend)
     backend.reset_peak_memory_stats()
     model.model.rotary_emb.attention_scaling = 1.5  # host-state change: recapture
     result = run(model, ids, mask, backend, True, engine=engine, max_new_tokens=4, **NO_EOS)
-    peak = backend.max_memory_allocated() - held
-    print(f"cache {cache} bytes, peak above the held bytes during the recapture: {peak}")
+    peak = backend.max_memory_allocated() - baseline
+    print(f"cache {cache} B; peak above the model: first capture {first_peak}, recapture {peak}")
     assert result.stats.captured and result.stats.recapture_reason
-    assert peak < cache // 2
+    assert peak < first_peak + cache // 2
     engine.shutdown()

@@ -81,7 +81,7 @@ def test_install_hint_names_a_plugin_directory_of_this_repository(device):
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     hint = registry.PLUGIN_HINTS[device]
     distribution, command = hint.split(" ", 1)[0], hint.split("pip install ", 1)[1].rstrip(")")
-    project = Path(graphcap.__file__).parents[1] / command / "pyproject.toml"
+    project = Path(__file__).resolve().parents[1] / command / "pyproject.toml"  # the repository
     assert tomllib.loads(project.read_text())["project"]["name"] == distribution
 
 

@@ -62,6 +62,8 @@ def capture_step(
         graph = backend.create_graph()
         if graph is None:
             raise GraphUnsupportedError(f"backend {backend.name!r}: create_graph() returned None")
+        if generator is not None:
+            backend.register_generator(graph, generator)
         if stream is not None:
             stream.wait_stream(backend.current_stream())  # the prefill's work first
             with backend.stream(stream):

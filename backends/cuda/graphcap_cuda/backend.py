@@ -64,6 +64,10 @@ class CUDABackend(Backend):
     def is_current_stream_capturing(self) -> bool:
         return bool(torch.cuda.is_current_stream_capturing())
 
+    def register_generator(self, graph: torch.cuda.CUDAGraph, generator: torch.Generator) -> None:
+        # Without it, a draw from a user-supplied generator inside the capture raises.
+        graph.register_generator_state(generator)
+
     def graph_pool_handle(self) -> Any:
         return torch.cuda.graph_pool_handle()
 

@@ -51,12 +51,6 @@ def test_declared_capabilities_match_the_gpu() -> None:
     capabilities = backend.capabilities
     assert CUDABackend.captures_graphs is capabilities.graph_capture is True
     assert capabilities.capture_needs_side_stream
-    x = torch.ones(4, device="cuda")
-    with (
-        pytest.raises(GraphCaptureError),
-        backend.capture_to_graph(backend.create_graph(), stream=torch.cuda.default_stream()),
-    ):
-        x.add_(1)
     assert capabilities.rng_in_graph
     noise = torch.zeros(4, device="cuda")
     side = backend.capture_stream()
@@ -72,6 +66,12 @@ def test_declared_capabilities_match_the_gpu() -> None:
         backend.replay_graph(graph)
         draws.append(noise.tolist())
     assert draws[0] != draws[1] != draws[2], "replays drew the same numbers: RNG frozen"
+    x = torch.ones(4, device="cuda")  # last: a refused capture can leave the generator unusable
+    with (
+        pytest.raises(GraphCaptureError),
+        backend.capture_to_graph(backend.create_graph(), stream=torch.cuda.default_stream()),
+    ):
+        x.add_(1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
