@@ -11,7 +11,7 @@ backend here, a GPU unchanged). Each iteration:
 2. reward: how often a target token appears in the response; advantages normalised per group
    (the ``n`` samples of one prompt);
 3. training: the trainer recomputes the log-probs teacher-forced (printed: their largest
-   difference from the rollout's, ~1e-6 in fp32), then a clipped policy-gradient step whose
+   difference from the rollout's, ~1e-5 in fp32), then a clipped policy-gradient step whose
    ratio is ``exp(trainer - rollout)``; ``optimizer.step()`` updates the weights in place, so
    their addresses (in the graph signature) stay and the next rollout replays the same graph.
 

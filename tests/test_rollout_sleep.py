@@ -140,3 +140,25 @@ def test_sleep_waits_for_a_running_generate():
     assert torch.equal(result.sequences, expected)
     assert engine.cache is None
     engine.shutdown()
+
+
+def test_sampled_tokens_do_not_depend_on_sleeping():
+    """Unseeded samples draw from the global generator; a sleep (and the recapture it causes)
+    leaves the draws as they would have been."""
+    sampled = SamplingParams(max_new_tokens=NEW, do_sample=True, top_k=20, eos_token_id=[])
+    ids, mask = prompts(3)
+    outputs = {}
+    for sleeps in (False, True):
+        engine = engine_on(CPUBackend())
+        torch.manual_seed(5)
+        calls = []
+        for _ in range(3):
+            calls.append(engine.generate(ids, mask, sampled))
+            if sleeps:
+                engine.sleep()
+        outputs[sleeps] = [c.sequences for c in calls]
+        assert calls[-1].stats.captures == (3 if sleeps else 1)
+        engine.shutdown()
+    assert not torch.equal(outputs[False][0], outputs[False][1])  # the draws moved on
+    for slept, kept in zip(outputs[True], outputs[False], strict=True):
+        assert torch.equal(slept, kept)
