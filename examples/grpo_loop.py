@@ -114,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--sleep", action="store_true", help="engine.sleep() while training")
     args = parser.parse_args(argv)
+    if args.iterations < 1 or args.samples < 2:
+        parser.error("--iterations must be >= 1 and --samples >= 2 (a group needs two samples)")
 
     backend = get_backend()  # GRAPHCAP_BACKEND, or the best available
     model = build_policy().to(backend.device)
