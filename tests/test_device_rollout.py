@@ -284,3 +284,36 @@ def test_recapture_peak_stays_below_two_generations_of_state(backend):
     assert result.stats.captured and result.stats.recapture_reason
     assert peak < first_peak + cache // 2
     engine.shutdown()
+
+
+def test_sleep_returns_the_cache_and_graph_memory_every_cycle(backend):
+    """sleep() frees the cache, buffers and graph memory (not the weights), the next call
+    recaptures with the same tokens, and sleep / generate cycles do not grow the bytes held."""
+    from graphcap.rollout.engine import WOKE
+
+    model = on_device(tiny_model("llama", fresh=True), backend)
+    config = RolloutConfig(enable_graph_capture=True, backend=backend, length_buckets=(8192,))
+    engine = RolloutEngine(model, config)
+    ids, mask = (t.to(backend.device) for t in prompts(8))
+    params = {"max_new_tokens": NEW, **NO_EOS}
+    baseline = allocated_after_gc(backend)  # the weights
+    if baseline is None:
+        pytest.skip(f"backend {backend.name!r} reports no allocated bytes")
+    first = run(model, ids, mask, backend, True, engine=engine, **params)
+    cache = sum(t.nbytes for layer in engine.cache.layers for t in (layer.keys, layer.values))
+    awake = allocated_after_gc(backend) - baseline
+    asleep = []
+    for _ in range(3):
+        engine.sleep()
+        asleep.append(allocated_after_gc(backend) - baseline)
+        again = run(model, ids, mask, backend, True, engine=engine, **params)
+        assert again.stats.captured and again.stats.recapture_reason == [WOKE]
+        assert torch.equal(again.sequences, first.sequences)
+        del again
+    print(f"cache {cache} bytes; held above the weights awake {awake}, asleep {asleep}")
+    assert first.stats.path == "static_graph", first.stats.fallback_reason
+    assert awake >= cache
+    # what stays: the result tensors and the capture stream's library workspace (cuBLAS)
+    assert asleep[0] <= awake - cache
+    assert asleep[1] == asleep[0] and asleep[2] == asleep[0]
+    engine.shutdown()

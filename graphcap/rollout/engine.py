@@ -42,6 +42,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+#: ``recapture_reason`` of the first capturing call after ``sleep``
+WOKE = "woke from sleep"
+
+
 def resolve_backend(backend: Backend | str | None) -> Backend:
     """A Backend object as given, or the one ``graphcap.get_backend`` selects by name / env."""
     if isinstance(backend, Backend):
@@ -68,6 +72,7 @@ class RolloutEngine:
         self._path = path(model, self.config, self._holder)
         self._lock = threading.Lock()
         self._closed = False
+        self._sleeping = False  # sleep() freed the buffers and no generate has run since
 
     def generate(
         self,
@@ -83,8 +88,7 @@ class RolloutEngine:
         ``request_max_new_tokens`` (continuous path only): each prompt's own token budget.
         """
         with self._lock:
-            if self._closed:
-                raise RuntimeError("this RolloutEngine was shut down; create a new one")
+            self._check_open()
             start = time.perf_counter()
             params = resolve_sampling(self.model, sampling)
             device = self.backend.device
@@ -103,13 +107,44 @@ class RolloutEngine:
                 generator_kept(self.backend, generator, keep=not call.draws),
             ):
                 result = self._path.run(call, start)
+            woke, self._sleeping = self._sleeping, False
             stats = result.stats
             stats.captures = self._holder.captures
+            if woke and stats.captured:
+                stats.recapture_reason.insert(0, WOKE)
             stats.attention = stats.attention or attention_implementation(self.model)
             stats.total_s = time.perf_counter() - start
             if stats.captured:
                 stats.first_call_s = stats.total_s
             return result
+
+    def sleep(self) -> None:
+        """Free the KV cache, masks, decode buffers and graphs until the next ``generate``.
+
+        For a trainer that needs the memory back while it trains (vLLM's ``sleep``). The
+        weights are the caller's and stay untouched; the freed memory goes back to the device
+        through ``backend.empty_cache()``. The next ``generate`` allocates and captures again
+        (``stats.captured``, ``capture_s``, ``first_call_s``; ``recapture_reason`` starts with
+        ``"woke from sleep"``). Not freed: the weights, ``torch.compile``'s compiled code, the
+        backend's capture stream (docs/rollout.md, "Memory between rollouts").
+        """
+        with self._lock:
+            self._check_open()
+            self._sleeping = self._sleeping or self._holder.held is not None
+            self._holder.drop()
+
+    def wake_up(self) -> None:
+        """End a ``sleep`` explicitly (vLLM's name); safe to call at any time.
+
+        ``generate`` wakes the engine by itself, and the buffers are sized from the call's
+        prefill, so this allocates nothing: to pre-warm, run a short ``generate``.
+        """
+        with self._lock:
+            self._check_open()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this RolloutEngine was shut down; create a new one")
 
     def shutdown(self) -> None:
         """Release the graphs, their pool and the buffers; the engine cannot be used afterwards."""
