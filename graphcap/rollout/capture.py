@@ -15,6 +15,7 @@ import torch
 
 from graphcap.backend import Backend
 from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedError
+from graphcap.rollout.tracing import graph_step, install_capture_detection
 
 
 @dataclass
@@ -45,8 +46,11 @@ def capture_step(
     per-position path passes one for its whole set); ``None`` asks the backend for one.
 
     Every tensor in ``mutable``, the backend's RNG state and ``generator`` are left as they were,
-    also when capture fails (the exception propagates after the rollback).
+    also when capture fails (the exception propagates after the rollback). The warm-up and the
+    capture run as a graph step (:mod:`graphcap.rollout.tracing`): transformers then takes its
+    graph-safe paths on every backend, as it does under a CUDA capture.
     """
+    install_capture_detection()
     snapshot = Snapshot.take(mutable)
     rng = backend.get_rng_state()
     gen_state = None if generator is None else generator.get_state()
@@ -66,15 +70,16 @@ def capture_step(
             backend.register_generator(graph, generator)
         if stream is not None:
             stream.wait_stream(backend.current_stream())  # the prefill's work first
-            with backend.stream(stream):
+            with backend.stream(stream), graph_step():
                 step()
         else:
-            step()
+            with graph_step():
+                step()
         backend.synchronize()
         rollback()
         if pool is None:
             pool = backend.graph_pool_handle()
-        with backend.capture_to_graph(graph, pool=pool, stream=stream):
+        with backend.capture_to_graph(graph, pool=pool, stream=stream), graph_step():
             step()
         backend.synchronize()
         return graph

@@ -4,13 +4,26 @@ Importing this package never imports torch_npu, so it cannot fail or end the pro
 machine without CANN; the backend then reports itself unavailable, with the reason.
 """
 
-from graphcap_npu.attention import ATTENTION_NAME, fusion_attention_forward, register_attention
-from graphcap_npu.backend import NPUBackend, npu_availability
-from graphcap_npu.kv_table import GrowableKVTable
+from graphcap_npu.attention import (
+    ATTENTION_NAME,
+    FA3_BNSD,
+    FA3_BSH,
+    FIAS_BNSD,
+    FIAS_BSH,
+    IMPLEMENTATIONS,
+    fusion_attention_forward,
+    register_attention,
+)
+from graphcap_npu.backend import ATTENTION_VAR, NPUBackend, npu_availability
 
 __all__ = [
     "ATTENTION_NAME",
-    "GrowableKVTable",
+    "ATTENTION_VAR",
+    "FA3_BNSD",
+    "FA3_BSH",
+    "FIAS_BNSD",
+    "FIAS_BSH",
+    "IMPLEMENTATIONS",
     "NPUBackend",
     "fusion_attention_forward",
     "npu_availability",

@@ -1,79 +1,198 @@
-"""Graph-safe attention for transformers on Ascend: ``npu_fusion_attention_v3`` in BNSD layout.
+"""Graph-safe attention for transformers on Ascend: two torch_npu kernels, two layouts each.
 
-Why this kernel and layout: v1/v2 of torch_npu's fused attention run part of their work on an
-internal secondary stream, which breaks ACL graph capture (error 107025); v3 is the graph-mode
-variant. The TND (varlen) layout is never used: its sequence lengths are host tensors that a
-capture would freeze. BNSD is the layout transformers already hands attention functions, so q/k/v
-go to the kernel without a copy, and :class:`~graphcap_npu.kv_table.GrowableKVTable` keeps its
-buffers in it.
+* ``npu_fusion_attention_v3``: the graph-mode variant of torch_npu's fused attention (v1/v2 run
+  part of their work on an internal secondary stream, which breaks ACL graph capture with error
+  107025). Documented for Atlas A2 training products; fp16, bf16 and fp32.
+* ``npu_fused_infer_attention_score``: the inference kernel (a single-token query takes its
+  incremental branch). Documented for Atlas A2 training and Atlas 800I A2 inference products;
+  fp16 and bf16 only (no fp32), one mask for all heads.
+
+Each is offered in the BSH layout (heads packed into the last dimension; the layout the original
+NPU rollout work captured on hardware) and in BNSD (the layout transformers hands attention
+functions, which torch_npu documents ACL-graph support for; no copy of q/k/v). The TND (varlen)
+layout is never used: its sequence lengths are host values that a capture would freeze.
 
 Masks: transformers gives SDPA's conventions (bool True = attend, or an additive float mask with
-0 = attend); the kernel wants bool/uint8 where True = masked out. Everything here is device work
+0 = attend); both kernels want bool/uint8 where True = masked out. Everything here is device work
 with host values fixed by shapes, so it can be captured and replayed.
+
+Fully masked rows: both kernels lose precision on a query row with nothing to attend to unless
+``inner_precise=2`` (invalid-row correction, documented to slow the kernel). Whether such a row
+can exist is decided from the shapes, never by reading the mask: a single-token query (a decode
+step) always attends at least to the key it has just written (graphcap's decode masks mark that
+column valid for every row, idle continuous slots included, which write into a sink column), so
+it runs without the correction; a multi-token query with a mask (a left-padded prefill, whose
+pad queries attend to nothing) runs with it.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-#: Name under which the function is registered with transformers' AttentionInterface.
-ATTENTION_NAME = "graphcap_npu_fa3"
-#: ``inner_precise`` value that makes the kernel compute fully masked ("invalid") rows properly.
+Kernel = Literal["fusion_v3", "infer_score"]
+Layout = Literal["BSH", "BNSD"]
+
+#: v3 in BSH: the default graph attention of the NPU backend.
+FA3_BSH = "graphcap_npu_fa3"
+#: v3 in BNSD.
+FA3_BNSD = "graphcap_npu_fa3_bnsd"
+#: npu_fused_infer_attention_score in BSH (half precision only).
+FIAS_BSH = "graphcap_npu_fias"
+#: npu_fused_infer_attention_score in BNSD (half precision only).
+FIAS_BNSD = "graphcap_npu_fias_bnsd"
+#: The default name (kept for callers of the first release).
+ATTENTION_NAME = FA3_BSH
+#: ``inner_precise`` value that makes the kernels compute fully masked ("invalid") rows properly.
 INNER_PRECISE_INVALID_ROWS = 2
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_QUERY_HEADS = 256
 _MAX_HEAD_DIM = 768
 
 
-def fusion_attention_forward(
+@dataclass(frozen=True)
+class Implementation:
+    """One registered attention name: which kernel, in which layout, for which dtypes."""
+
+    name: str
+    kernel: Kernel
+    layout: Layout
+
+    @property
+    def torch_npu_function(self) -> str:
+        return {
+            "fusion_v3": "npu_fusion_attention_v3",
+            "infer_score": "npu_fused_infer_attention_score",
+        }[self.kernel]
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        if self.kernel == "infer_score":
+            return (torch.float16, torch.bfloat16)
+        return (torch.float16, torch.bfloat16, torch.float32)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    impl.name: impl
+    for impl in (
+        Implementation(FA3_BSH, "fusion_v3", "BSH"),
+        Implementation(FA3_BNSD, "fusion_v3", "BNSD"),
+        Implementation(FIAS_BSH, "infer_score", "BSH"),
+        Implementation(FIAS_BNSD, "infer_score", "BNSD"),
+    )
+}
+
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, None]]
+
+
+def _forward_for(name: str) -> AttentionFunction:
+    """The transformers ``AttentionInterface`` function of implementation ``name``."""
+    impl = IMPLEMENTATIONS[name]
+
+    def forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        return _attend(impl, module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+    forward.__name__ = forward.__qualname__ = f"{name.removeprefix('graphcap_npu_')}_forward"
+    forward.__doc__ = (
+        f"``{impl.torch_npu_function}`` in the {impl.layout} layout, as a transformers attention "
+        "function: q/k/v (batch, heads, seq, head_dim) in, (batch, seq, heads, head_dim) out."
+    )
+    return forward
+
+
+#: The registered functions, by name.
+FORWARDS: dict[str, AttentionFunction] = {name: _forward_for(name) for name in IMPLEMENTATIONS}
+fusion_attention_forward = FORWARDS[FA3_BSH]
+fusion_attention_bnsd_forward = FORWARDS[FA3_BNSD]
+infer_attention_forward = FORWARDS[FIAS_BSH]
+infer_attention_bnsd_forward = FORWARDS[FIAS_BNSD]
+
+
+def _attend(
+    impl: Implementation,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    """transformers ``AttentionInterface`` function running ``npu_fusion_attention_v3``.
-
-    q/k/v arrive as (batch, heads, seq, head_dim); the output is (batch, seq, heads, head_dim).
-    Key/value may have fewer heads than the query (grouped-query attention is native).
-    """
-    _check_inputs(query, key, value, dropout, kwargs)
-    q_len, kv_len = query.shape[2], key.shape[2]
+    """q/k/v arrive as (batch, heads, seq, head_dim); the output is (batch, seq, heads, head_dim).
+    Key/value may have fewer heads than the query (grouped-query attention is native)."""
+    _check_inputs(impl, query, key, value, dropout, kwargs)
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
     is_causal = kwargs.get("is_causal")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    inner_precise = 0
     if attention_mask is not None:
-        masked_out = to_masked_out(attention_mask, query.shape[0], query.shape[1], q_len, kv_len)
-        # A mask may hold rows with nothing to attend to (inactive slots, all-pad prompt rows);
-        # finding out would need a host read, which a graph cannot have. Such rows lose precision
-        # unless the kernel's invalid-row handling is on, so it is on whenever a mask is given.
-        inner_precise = INNER_PRECISE_INVALID_ROWS
+        masked_out = to_masked_out(attention_mask, batch, q_heads, q_len, kv_len)
+        if impl.kernel == "infer_score":
+            masked_out = _one_mask_for_all_heads(masked_out, batch, q_len, kv_len)
+        # Shapes decide, never a host read (see the module docstring): a multi-token query
+        # with a mask may hold pad rows with nothing to attend to; a single-token one may not.
+        if q_len > 1:
+            inner_precise = INNER_PRECISE_INVALID_ROWS
     elif is_causal and q_len > 1:
         # SDPA's is_causal (top-left aligned), which transformers relies on when it skips the mask.
         masked_out = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).triu_(1)
-        inner_precise = 0  # every row attends at least to its first key
     else:
-        masked_out, inner_precise = None, 0
-    # The kernel reads its inputs as plain BNSD memory; transformers' q/k/v are transposed views
-    # (a KV-table buffer is already contiguous, so this costs nothing there).
-    outputs = _torch_npu().npu_fusion_attention_v3(
-        query.contiguous(),
-        key.contiguous(),
-        value.contiguous(),
-        query.shape[1],
-        input_layout="BNSD",
-        atten_mask=masked_out,
-        scale=scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
-        keep_prob=1.0,
-        inner_precise=inner_precise,
-    )
-    return outputs[0].transpose(1, 2).contiguous(), None
+        masked_out = None
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    q, k, v = (_to_layout(t, impl.layout) for t in (query, key, value))
+    kernel = getattr(_torch_npu(impl), impl.torch_npu_function)
+    if impl.kernel == "fusion_v3":
+        outputs = kernel(
+            q,
+            k,
+            v,
+            q_heads,
+            input_layout=impl.layout,
+            atten_mask=masked_out,
+            scale=scale,
+            keep_prob=1.0,
+            inner_precise=inner_precise,
+        )
+    else:
+        outputs = kernel(
+            q,
+            k,
+            v,
+            atten_mask=masked_out,
+            num_heads=q_heads,
+            num_key_value_heads=kv_heads,
+            input_layout=impl.layout,
+            scale=scale,
+            inner_precise=inner_precise,
+        )
+    out = outputs[0]
+    if impl.layout == "BSH":
+        return out.view(batch, q_len, q_heads, head_dim), None
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _to_layout(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(B, N, S, D) as the kernel reads it: plain BNSD memory, or BSH (B, S, N * D)."""
+    if layout == "BNSD":
+        return tensor.contiguous()
+    batch, heads, seq, dim = tensor.shape
+    return tensor.transpose(1, 2).reshape(batch, seq, heads * dim).contiguous()
 
 
 def to_masked_out(
@@ -83,7 +202,7 @@ def to_masked_out(
 
     Accepts bool (True = attend) or floating additive (0 = attend, negative = masked) masks of
     shape (q, kv) or 4-D broadcastable to (batch, heads, q, kv). The result has one of the shapes
-    the kernel takes (SS, 11SS, B1SS, BNSS) and is contiguous.
+    ``npu_fusion_attention_v3`` takes (SS, 11SS, B1SS, BNSS) and is contiguous.
     """
     if attention_mask.dtype == torch.bool:
         masked_out = attention_mask.logical_not()
@@ -127,13 +246,32 @@ def to_masked_out(
     return masked_out.expand(target_batch, mask_heads, q_len, kv_len).contiguous()
 
 
+def _one_mask_for_all_heads(
+    masked_out: torch.Tensor, batch: int, q_len: int, kv_len: int
+) -> torch.Tensor:
+    """The mask shapes ``npu_fused_infer_attention_score`` takes: one mask for every head,
+    (B, 1, 1, KV) for a single-token query, (B or 1, 1, Q, KV) otherwise."""
+    if masked_out.dim() == 4 and masked_out.shape[1] != 1:
+        raise ValueError(
+            "npu_fused_infer_attention_score takes one mask for all heads, not a per-head mask "
+            f"of shape {tuple(masked_out.shape)}; use {FA3_BSH!r} for per-head masks"
+        )
+    if masked_out.dim() == 2:
+        masked_out = masked_out[None, None]
+    if q_len == 1 and masked_out.shape[0] != batch:
+        masked_out = masked_out.expand(batch, 1, 1, kv_len).contiguous()
+    return masked_out
+
+
 def _check_inputs(
+    impl: Implementation,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     dropout: float,
     kwargs: dict[str, Any],
 ) -> None:
+    kernel = impl.torch_npu_function
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
             "query, key and value must be 4-D (batch, heads, seq, head_dim); got shapes "
@@ -141,8 +279,8 @@ def _check_inputs(
         )
     if key.shape != value.shape:
         raise ValueError(
-            f"npu_fusion_attention_v3 needs key and value of one shape; got {tuple(key.shape)} "
-            f"and {tuple(value.shape)}"
+            f"{kernel} needs key and value of one shape; got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
         )
     if query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
         raise ValueError(
@@ -159,36 +297,38 @@ def _check_inputs(
             f"grouped-query attention needs the query heads ({q_heads}) to be a whole multiple "
             f"of the key/value heads ({kv_heads})"
         )
-    if query.dtype not in _SUPPORTED_DTYPES or not query.dtype == key.dtype == value.dtype:
+    if query.dtype not in impl.dtypes or not query.dtype == key.dtype == value.dtype:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in impl.dtypes)
+        hint = f"; use {FA3_BSH!r} for float32 models" if impl.kernel == "infer_score" else ""
         raise TypeError(
-            "npu_fusion_attention_v3 needs query, key and value of one dtype among float16, "
-            f"bfloat16, float32; got {query.dtype}, {key.dtype}, {value.dtype}"
+            f"{kernel} ({impl.name}) needs query, key and value of one dtype among {allowed}; "
+            f"got {query.dtype}, {key.dtype}, {value.dtype}{hint}"
         )
     if dropout:
         raise ValueError(
-            f"attention dropout {dropout} is not supported by {ATTENTION_NAME} (built for "
-            "rollouts); call model.eval() or use another attention implementation for training"
+            f"attention dropout {dropout} is not supported by {impl.name} (built for rollouts); "
+            "call model.eval() or use another attention implementation for training"
         )
     for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(
-                f"{ATTENTION_NAME} does not support {unsupported!r} (logit soft-capping or "
-                "attention sinks); use the model's eager attention instead"
+                f"{impl.name} does not support {unsupported!r} (logit soft-capping or attention "
+                "sinks); use the model's eager attention instead"
             )
 
 
-def _torch_npu() -> Any:
+def _torch_npu(impl: Implementation) -> Any:
     module = importlib.import_module("torch_npu")
-    if not hasattr(module, "npu_fusion_attention_v3"):
+    if not hasattr(module, impl.torch_npu_function):
         raise RuntimeError(
-            "this torch_npu has no npu_fusion_attention_v3 (the graph-mode fused attention); "
-            "install a torch_npu release that provides it (2.14.0 does)"
+            f"this torch_npu has no {impl.torch_npu_function} (needed by {impl.name}); install "
+            "a torch_npu release that provides it (2.14.0 does)"
         )
     return module
 
 
 def register_attention(name: str = ATTENTION_NAME) -> str:
-    """Register the function and its mask function with transformers; returns ``name``.
+    """Register implementation ``name`` and its mask function with transformers; returns it.
 
     Both are needed: for an attention name with no mask function transformers builds no mask at
     all (``create_causal_mask`` returns None), so padding and causality would silently vanish.
@@ -198,6 +338,10 @@ def register_attention(name: str = ATTENTION_NAME) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(name, fusion_attention_forward)
+    if name not in FORWARDS:
+        raise ValueError(
+            f"unknown graphcap_npu attention {name!r}; choose one of {', '.join(FORWARDS)}"
+        )
+    AttentionInterface.register(name, FORWARDS[name])
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

@@ -19,12 +19,16 @@ import torch
 
 from graphcap.backend import Availability, Backend, MaskForm, device_graph_capture
 from graphcap.errors import BackendSelectionError
+from graphcap_npu.attention import FA3_BSH, IMPLEMENTATIONS
 from graphcap_npu.probe import (
     INSTALL_HINT,
     VISIBLE_DEVICES_VAR,
     probe_torch_npu,
     torch_npu_installed,
 )
+
+#: Environment variable naming the attention captured decode steps run on this backend.
+ATTENTION_VAR = "GRAPHCAP_NPU_ATTENTION"
 
 HINT = (
     "Work inside an ACL graph capture must not synchronise with the host (.item(), printing a "
@@ -100,6 +104,23 @@ class NPUBackend(Backend):
     # npu_fusion_attention_v3 takes a boolean mask; a float mask sends torch_npu's SDPA to a slow
     # unfused path.
     attention_mask_form: ClassVar[MaskForm] = "bool"
+    # The fused kernel in the layout the original NPU rollout work captured on hardware (BSH);
+    # an instance may choose another (``attention=`` or GRAPHCAP_NPU_ATTENTION).
+    graph_attention: ClassVar[str | None] = FA3_BSH
+
+    def __init__(self, index: int | None = None, attention: str | None = None) -> None:
+        """``attention``: the graphcap_npu implementation captured decode steps run (one of
+        :data:`graphcap_npu.attention.IMPLEMENTATIONS`); default: the ``GRAPHCAP_NPU_ATTENTION``
+        environment variable, else ``graphcap_npu_fa3`` (npu_fusion_attention_v3, BSH)."""
+        super().__init__(index)
+        choice = attention or os.environ.get(ATTENTION_VAR) or FA3_BSH
+        if choice not in IMPLEMENTATIONS:
+            where = "attention" if attention else ATTENTION_VAR
+            raise ValueError(
+                f"{where}={choice!r} is not a graphcap_npu attention; choose one of "
+                f"{', '.join(IMPLEMENTATIONS)}"
+            )
+        self.graph_attention = choice  # type: ignore[misc]  # per instance, over the class default
 
     @classmethod
     def availability(cls) -> Availability:

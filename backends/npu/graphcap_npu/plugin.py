@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from graphcap.backend import Backend
 from graphcap.hookspecs import PLUGIN_API_VERSION, hookimpl
-from graphcap_npu.attention import ATTENTION_NAME, fusion_attention_forward
+from graphcap_npu.attention import FA3_BNSD, FA3_BSH, FORWARDS
 from graphcap_npu.backend import NPUBackend
 
 
@@ -25,13 +25,15 @@ def graphcap_backends() -> list[type[Backend]]:
 
 @hookimpl
 def graphcap_attention_implementations(backend: Backend) -> dict[str, Callable[..., object]]:
-    """The fused graph-mode attention, offered only when the selected backend is ours.
+    """The fused attention, offered only when the selected backend is ours.
 
-    pluggy calls every plugin's implementation, so other backends get nothing from here. Its
-    mask function must be registered too (transformers passes no mask otherwise): it takes
-    masks in this backend's ``mask_form`` ("bool", transformers' ``sdpa_mask``);
-    :func:`graphcap_npu.attention.register_attention` does both.
+    Both layouts of ``npu_fusion_attention_v3`` (they run every dtype the conformance models
+    use), plus the backend's own ``graph_attention`` when it chose another implementation
+    (``npu_fused_infer_attention_score``, half precision only). pluggy calls every plugin's
+    implementation, so other backends get nothing from here. The engine registers each name with
+    transformers' ``sdpa_mask`` (this backend's ``mask_form`` is "bool").
     """
     if not isinstance(backend, NPUBackend):
         return {}
-    return {ATTENTION_NAME: fusion_attention_forward}
+    names = dict.fromkeys((FA3_BSH, FA3_BNSD, backend.graph_attention))
+    return {name: FORWARDS[name] for name in names if name is not None}

@@ -1,4 +1,4 @@
-"""fusion_attention_forward against SDPA, through the documented-semantics kernel double."""
+"""The NPU attention functions against SDPA, through the documented-semantics kernel doubles."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import fake_torch_npu
 import pytest
 import torch
 import torch.nn.functional as F
-from graphcap_npu.attention import ATTENTION_NAME, fusion_attention_forward, to_masked_out
+from graphcap_npu.attention import (
+    ATTENTION_NAME,
+    FA3_BNSD,
+    FA3_BSH,
+    FORWARDS,
+    IMPLEMENTATIONS,
+    fusion_attention_forward,
+    to_masked_out,
+)
 
 pytestmark = fake_torch_npu.without_real_torch_npu
 
@@ -45,20 +53,37 @@ def _padded_causal_attend(q_len: int, kv_len: int) -> torch.Tensor:
     return attend
 
 
-def test_bool_mask_matches_sdpa(fake_npu) -> None:
-    q, k, v = _qkv(3, 7)
+def _dtype(name: str) -> torch.dtype:
+    """npu_fused_infer_attention_score has no fp32: its tests run in bf16."""
+    return torch.bfloat16 if IMPLEMENTATIONS[name].kernel == "infer_score" else torch.float32
+
+
+def _calls(name: str) -> list[dict]:
+    if IMPLEMENTATIONS[name].kernel == "infer_score":
+        return fake_torch_npu.INFER_CALLS
+    return fake_torch_npu.FUSION_CALLS
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+def test_bool_mask_matches_sdpa(fake_npu, name: str) -> None:
+    dtype = _dtype(name)
+    q, k, v = (t.to(dtype) for t in _qkv(3, 7))
     attend = _padded_causal_attend(3, 7)
-    out, weights = fusion_attention_forward(_Attn(), q, k, v, attend)
+    attend[0, :, 0] = True  # no pad query row here: every row attends to something
+    out, weights = FORWARDS[name](_Attn(), q, k, v, attend)
     assert weights is None
-    assert out.shape == (B, 3, NQ, D)
-    torch.testing.assert_close(out, _sdpa(q, k, v, attend))
-    (call,) = fake_torch_npu.FUSION_CALLS
-    assert call["input_layout"] == "BNSD"
-    assert call["head_num"] == NQ
-    assert call["keep_prob"] == 1.0
+    assert out.shape == (B, 3, NQ, D) and out.dtype == dtype
+    expected = _sdpa(q.float(), k.float(), v.float(), attend)
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+    (call,) = _calls(name)
+    assert call["input_layout"] == IMPLEMENTATIONS[name].layout
+    assert call.get("head_num", call.get("num_heads")) == NQ
+    assert call.get("num_key_value_heads", NKV) == NKV
     assert call["scale"] == pytest.approx(1 / math.sqrt(D))
     assert call["atten_mask"].dtype == torch.bool
     assert torch.equal(call["atten_mask"], ~attend)
+    assert call["inner_precise"] == 2  # a masked multi-token query may hold empty rows
 
 
 @pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min])
@@ -98,14 +123,33 @@ def test_multi_head_attention_without_grouping(fake_npu) -> None:
     torch.testing.assert_close(out, _sdpa(q, k, v, attend))
 
 
-def test_fully_masked_rows_are_finite_and_leave_other_rows_exact(fake_npu) -> None:
-    q, k, v = _qkv(1, 6, seed=7)
-    attend = torch.ones(B, 1, 1, 6, dtype=torch.bool)
-    attend[1] = False  # an inactive slot: nothing to attend to
-    out, _ = fusion_attention_forward(_Attn(), q, k, v, attend)
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+def test_pad_query_rows_of_a_prefill_are_finite(fake_npu, name: str) -> None:
+    """A left-padded prefill's pad queries attend to nothing: inner_precise=2 keeps them finite."""
+    dtype = _dtype(name)
+    q, k, v = (t.to(dtype) for t in _qkv(4, 4, seed=7))
+    attend = torch.ones(4, 4, dtype=torch.bool).tril().expand(B, 1, 4, 4).clone()
+    attend[0, ..., :2] = False  # row 0: two left pads, so its first two queries see nothing
+    out, _ = FORWARDS[name](_Attn(), q, k, v, attend)
     assert torch.isfinite(out).all()
-    assert fake_torch_npu.FUSION_CALLS[-1]["inner_precise"] == 2
-    torch.testing.assert_close(out[0], _sdpa(q, k, v, attend)[0])
+    assert _calls(name)[-1]["inner_precise"] == 2
+    expected = _sdpa(q.float(), k.float(), v.float(), attend)
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out[0, 2:].float(), expected[0, 2:], **tolerance)
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+def test_decode_step_runs_without_invalid_row_correction(fake_npu, name: str) -> None:
+    """A single-token query always attends to its own key, so the slower mode is never asked."""
+    dtype = _dtype(name)
+    q, k, v = (t.to(dtype) for t in _qkv(1, 6, seed=12))
+    attend = torch.ones(B, 1, 1, 6, dtype=torch.bool)
+    attend[1, ..., :4] = False
+    out, _ = FORWARDS[name](_Attn(), q, k, v, attend)
+    assert _calls(name)[-1]["inner_precise"] == 0
+    expected = _sdpa(q.float(), k.float(), v.float(), attend)
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), expected, **tolerance)
 
 
 def test_double_does_lose_fully_masked_rows_without_inner_precise(fake_npu) -> None:
@@ -201,13 +245,13 @@ def test_capturable_in_a_cpu_graph(fake_npu) -> None:
         torch.testing.assert_close(out, _sdpa(q, k, v, attend))
 
 
-def test_registration_gives_transformers_a_mask(fake_npu) -> None:
+@pytest.mark.parametrize("name", [FA3_BSH, FA3_BNSD])
+def test_registration_gives_transformers_a_mask(fake_npu, name: str) -> None:
     """A tiny Llama with left padding: same logits as SDPA only if the mask function is there."""
     from graphcap_npu.attention import register_attention
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
     from transformers.masking_utils import AttentionMaskInterface
 
-    name = "graphcap_npu_fa3_test"
     try:
         assert register_attention(name) == name
         config = LlamaConfig(
@@ -240,4 +284,24 @@ def test_registration_gives_transformers_a_mask(fake_npu) -> None:
 
 
 def test_default_name() -> None:
-    assert ATTENTION_NAME == "graphcap_npu_fa3"
+    assert ATTENTION_NAME == FA3_BSH == "graphcap_npu_fa3"
+    assert fusion_attention_forward is FORWARDS[FA3_BSH]
+
+
+def test_unknown_name_is_refused() -> None:
+    from graphcap_npu.attention import register_attention
+
+    with pytest.raises(ValueError, match="unknown graphcap_npu attention 'graphcap_npu_fa2'"):
+        register_attention("graphcap_npu_fa2")
+
+
+def test_infer_kernel_refuses_fp32_and_per_head_masks(fake_npu) -> None:
+    from graphcap_npu.attention import FIAS_BSH
+
+    q, k, v = _qkv(1, 5)
+    with pytest.raises(TypeError, match=f"float16, bfloat16; got torch.float32.*{FA3_BSH}"):
+        FORWARDS[FIAS_BSH](_Attn(), q, k, v, None)
+    per_head = torch.ones(1, NQ, 1, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="one mask for all heads"):
+        FORWARDS[FIAS_BSH](_Attn(), q.bfloat16(), k.bfloat16(), v.bfloat16(), per_head)
+    assert fake_torch_npu.INFER_CALLS == []

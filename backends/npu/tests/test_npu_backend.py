@@ -9,8 +9,9 @@ import fake_torch_npu
 import pytest
 import torch
 from fake_torch_npu import without_real_torch_npu
-from graphcap_npu import ATTENTION_NAME, NPUBackend, fusion_attention_forward, plugin
+from graphcap_npu import ATTENTION_VAR, FA3_BNSD, FA3_BSH, FIAS_BNSD, NPUBackend, plugin
 from graphcap_npu import backend as npu_backend
+from graphcap_npu.attention import FORWARDS
 from graphcap_npu.probe import ProbeResult
 
 from graphcap.cpu.backend import CPUBackend
@@ -121,11 +122,32 @@ def test_registry_discovers_the_backend() -> None:
     assert NPUBackend.priority > CPUBackend.priority
 
 
-def test_attention_offered_only_to_the_npu_backend() -> None:
+def test_attention_offered_only_to_the_npu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ATTENTION_VAR, raising=False)
     assert plugin.graphcap_attention_implementations(CPUBackend()) == {}
     offered = plugin.graphcap_attention_implementations(NPUBackend())
-    assert offered == {ATTENTION_NAME: fusion_attention_forward}
+    assert offered == {FA3_BSH: FORWARDS[FA3_BSH], FA3_BNSD: FORWARDS[FA3_BNSD]}
+    # The half-precision inference kernel is offered when the backend was told to use it.
+    chosen = plugin.graphcap_attention_implementations(NPUBackend(attention=FIAS_BNSD))
+    assert chosen == {**offered, FIAS_BNSD: FORWARDS[FIAS_BNSD]}
     assert plugin.graphcap_backends() == [NPUBackend]
+
+
+def test_graph_attention_defaults_to_bsh_and_is_selectable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ATTENTION_VAR, raising=False)
+    assert NPUBackend().graph_attention == FA3_BSH
+    assert NPUBackend(attention=FA3_BNSD).graph_attention == FA3_BNSD
+    monkeypatch.setenv(ATTENTION_VAR, FA3_BNSD)
+    assert NPUBackend().graph_attention == FA3_BNSD
+    assert NPUBackend(attention=FA3_BSH).graph_attention == FA3_BSH  # the argument wins
+    assert NPUBackend.graph_attention == FA3_BSH  # the class default is untouched
+    monkeypatch.setenv(ATTENTION_VAR, "sdpa")
+    with pytest.raises(ValueError, match=f"{ATTENTION_VAR}='sdpa' is not a graphcap_npu"):
+        NPUBackend()
+    with pytest.raises(ValueError, match="attention='bnsd' is not a graphcap_npu attention"):
+        NPUBackend(attention="bnsd")
 
 
 # ---- with the torch_npu double ----------------------------------------------------------------
@@ -150,6 +172,7 @@ def test_capabilities(fake_npu) -> None:
     assert caps.capture_needs_side_stream is True
     assert caps.rng_in_graph is True
     assert caps.collectives_in_graph is False
+    assert caps.graph_attention == FA3_BSH
 
 
 def test_create_graph_is_a_real_npu_graph(fake_npu) -> None:
