@@ -90,7 +90,7 @@ PLANTS = (
     ),
     Plant(
         "strides left out of the signature",
-        "graphcap/rollout/signature.py",
+        "graphcap/rollout/scan.py",
         "tuple(t.shape), tuple(t.stride()), t.dtype",
         "tuple(t.shape), (), t.dtype",
         ("tests/test_rollout_stale_state.py",),

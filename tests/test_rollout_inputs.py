@@ -20,7 +20,7 @@ from graphcap.rollout import (
 )
 from graphcap.rollout.inputs import request_bytes, vocab_size
 from graphcap.rollout.sampling import sanitise
-from graphcap.rollout.signature import model_dtype
+from graphcap.rollout.scan import scan_model
 
 
 def _engine(model, **config) -> RolloutEngine:
@@ -162,7 +162,7 @@ def test_request_that_cannot_fit_is_refused_with_its_size():
     ids, mask = prompts(3)
     with pytest.raises(ValueError, match=r"would allocate at least [0-9.]+ GiB.*available on cpu"):
         _engine(model).generate(ids, mask, SamplingParams(max_new_tokens=10**9))
-    need = request_bytes(model, 3, 16, 3, 6)
+    need = request_bytes(model, scan_model(model).dtype, 3, 16, 3, 6)
     engine = _engine(model, max_request_bytes=need - 1)
     with pytest.raises(ValueError, match=r"RolloutConfig\.max_request_bytes"):
         engine.generate(ids, mask, SamplingParams(max_new_tokens=10))
@@ -231,7 +231,7 @@ def test_meta_inputs_and_meta_parameters_are_refused():
 def test_bf16_embedding_with_fp32_layers_matches_generate():
     model = tiny_model("llama", fresh=True)
     model.model.embed_tokens.to(torch.bfloat16)
-    assert model_dtype(model) == torch.float32
+    assert scan_model(model).dtype == torch.float32
     ids, mask = prompts(3)
     want = generate_padded(model, ids, mask, ids.shape[1] + 6, max_new_tokens=6)
     for graph in (False, True):

@@ -19,7 +19,6 @@ from graphcap.rollout import load_weights_in_place
 from graphcap.rollout.cache import LayerSpec, StaticKVCache
 from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
-from graphcap.rollout.plan import non_resident_reason
 from graphcap.rollout.sampling import (
     RowSettings,
     block_stops,
@@ -27,6 +26,7 @@ from graphcap.rollout.sampling import (
     sanitise,
     warp,
 )
+from graphcap.rollout.scan import scan_model
 
 
 def _spec(heads: int = 2, dim: int = 4) -> LayerSpec:
@@ -205,17 +205,17 @@ def test_block_stops_uses_a_device_counter_and_per_row_minimums():
 # ---- refusal rules ------------------------------------------------------------------------------
 def test_non_resident_parameters_are_named():
     model = tiny_model("gpt2", fresh=True)
-    assert non_resident_reason(model) is None
+    assert scan_model(model).non_resident is None
     param = next(model.parameters())
     param.ds_id = 7  # what DeepSpeed ZeRO-3 attaches
-    assert "ZeRO-3" in non_resident_reason(model)
+    assert "ZeRO-3" in scan_model(model).non_resident
     del param.ds_id
 
     class FSDPLinear(torch.nn.Linear):
         pass
 
     model.extra = FSDPLinear(2, 2)
-    assert "FSDP" in non_resident_reason(model)
+    assert "FSDP" in scan_model(model).non_resident
 
 
 # ---- weights ----------------------------------------------------------------------------------

@@ -71,7 +71,9 @@ class ContinuousRollout:
         align, trim = config.align_decode_fronts, config.trim_cache
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
-        check_request(self.model, holder.backend, config, params, (prompts, width), slots, total)
+        check_request(
+            self.model, call.scan, holder.backend, config, params, (prompts, width), slots, total
+        )
         plan = plan_call(
             self.model,
             holder.backend,
@@ -83,6 +85,7 @@ class ContinuousRollout:
             prompt_width=width,
             sampler=holder.sampler_for(params),
             disabled_reason=holder.disabled_reason,
+            scan=call.scan,
         )
         stats = RolloutStats(path="continuous_eager")
         stats.batch_size, stats.total_len = slots, total

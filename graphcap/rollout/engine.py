@@ -34,6 +34,7 @@ from graphcap.rollout.inputs import (
 from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult
 from graphcap.rollout.sampling import generator_kept
+from graphcap.rollout.scan import scan_model
 from graphcap.rollout.signature import attention_implementation
 from graphcap.rollout.static import StaticRollout
 from graphcap.rollout.step import DecodeStep
@@ -92,14 +93,21 @@ class RolloutEngine:
             start = time.perf_counter()
             params = resolve_sampling(self.model, sampling)
             device = self.backend.device
+            scan = scan_model(self.model)
             input_ids, attention_mask = check_prompts(
-                self.model, device, input_ids, attention_mask, params
+                self.model, scan, device, input_ids, attention_mask, params
             )
             check_generator(generator, device)
             check_vocab_ids(self.model, params)
             per_prompt = row_settings(self.model, sampling, input_ids.shape[0])
             call = Call(
-                input_ids, attention_mask, params, per_prompt, generator, request_max_new_tokens
+                input_ids,
+                attention_mask,
+                params,
+                scan,
+                per_prompt,
+                generator,
+                request_max_new_tokens,
             )
             with (
                 torch.no_grad(),

@@ -206,12 +206,18 @@ def _changes(old: HostState, new: HostState) -> Iterator[str]:
             yield f"{where}.{', '.join(keys)}"
 
 
-def host_state(model: torch.nn.Module) -> HostState:
-    """The host-side state ``model``'s forward reads, cheap enough to take on every call."""
+def host_state(
+    model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]] | None = None
+) -> HostState:
+    """The host-side state ``model``'s forward reads, cheap enough to take on every call.
+
+    ``modules``: ``model.named_modules(remove_duplicate=False)`` when the caller has it already.
+    """
     keep: list[Any] = []
-    modules = tuple(
-        (path, _hooks(module, keep), _attributes(module, keep))
-        for path, module in model.named_modules(remove_duplicate=False)
+    if modules is None:
+        modules = list(model.named_modules(remove_duplicate=False))
+    module_state = tuple(
+        (path, _hooks(module, keep), _attributes(module, keep)) for path, module in modules
     )
     config = getattr(model, "config", None)
     config_state: tuple[tuple[str, Any], ...] = ()
@@ -226,4 +232,4 @@ def host_state(model: torch.nn.Module) -> HostState:
         _hook_entries(pre, (), keep),
         _hook_entries(post, (with_kwargs, always), keep),
     )
-    return HostState(modules, config_state, global_hooks, tuple(keep))
+    return HostState(module_state, config_state, global_hooks, tuple(keep))

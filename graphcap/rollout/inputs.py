@@ -10,7 +10,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import chain
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
@@ -24,7 +23,7 @@ from graphcap.rollout.config import (
     unsupported_generation_fields,
 )
 from graphcap.rollout.sampling import per_prompt_params
-from graphcap.rollout.signature import model_dtype
+from graphcap.rollout.scan import ModelScan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,6 +82,7 @@ class Call:
     input_ids: torch.Tensor  # (R, W) long, on the backend's device
     attention_mask: torch.Tensor  # (R, W) 0/1 long
     params: SamplingParams  # the call's summary (whole-call fields; do_sample = any row)
+    scan: ModelScan  # the call's one pass over the model
     per_prompt: list[SamplingParams]  # one per prompt row
     generator: torch.Generator | None
     request_max_new_tokens: Sequence[int] | None  # continuous path only
@@ -169,10 +169,9 @@ def infer_attention_mask(input_ids: torch.Tensor, params: SamplingParams | None)
     return (input_ids != pad).long()
 
 
-def check_model_device(model: torch.nn.Module, device: torch.device) -> None:
+def check_model_device(scan: ModelScan, device: torch.device) -> None:
     """Every parameter and buffer must live on the backend's device (none on ``meta``)."""
-    named = chain(model.named_parameters(), model.named_buffers())
-    misplaced = [(name, t.device) for name, t in named if t.device != device]
+    misplaced = scan.misplaced(device)
     if not misplaced:
         return
     meta = [name for name, where in misplaced if where.type == "meta"]
@@ -191,12 +190,14 @@ def check_model_device(model: torch.nn.Module, device: torch.device) -> None:
 
 def check_prompts(
     model: PreTrainedModel,
+    scan: ModelScan,
     device: torch.device,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     params: SamplingParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts as (long ids, 0/1 long mask) on ``device``.
+    """Left-padded prompts as (long ids, 0/1 long mask) on ``device``; ``scan``: the call's
+    pass over the model (its tensors must all be on ``device``).
 
     ``attention_mask=None`` is inferred from ``params.pad_token_id`` as generate infers it.
     """
@@ -209,7 +210,7 @@ def check_prompts(
     for name, tensor in (("input_ids", input_ids), ("attention_mask", attention_mask)):
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
             raise ValueError(f"{name} is on the meta device and holds no values")
-    check_model_device(model, device)
+    check_model_device(scan, device)
     vocab = vocab_size(model)
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab:
@@ -325,6 +326,7 @@ def check_positions(model: PreTrainedModel, width: int, max_new_tokens: int) -> 
 
 def request_bytes(
     model: PreTrainedModel,
+    dtype: torch.dtype,
     batch: int,
     total: int,
     prompt_rows: int,
@@ -335,7 +337,7 @@ def request_bytes(
     prefill's (``prompt_rows x width``), the decode buffers and the per-step scores. K/V heads
     are divided over ``shards`` tensor-parallel ranks."""
     config = model.config.get_text_config()
-    itemsize = model_dtype(model).itemsize
+    itemsize = dtype.itemsize
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
@@ -351,6 +353,7 @@ def request_bytes(
 
 def check_request(
     model: PreTrainedModel,
+    scan: ModelScan,
     backend: Backend,
     config: RolloutConfig,
     params: SamplingParams,
@@ -369,7 +372,7 @@ def check_request(
     slots = config.continuous_batch_size  # the continuous path allocates every slot
     decode_batch = slots if slots is not None else batch
     shards = dist.get_world_size(config.process_group) if config.process_group else 1
-    need = request_bytes(model, decode_batch, total, rows, width, shards)
+    need = request_bytes(model, scan.dtype, decode_batch, total, rows, width, shards)
     source = " = RolloutConfig.continuous_batch_size" if slots is not None else ""
     limits = [(config.max_request_bytes, "RolloutConfig.max_request_bytes")]
     limits.append((backend.memory_available(), f"available on {backend.device}"))

@@ -22,11 +22,11 @@ from graphcap.errors import GraphUnsupportedModelError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.masks import layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import SamplerShape
+from graphcap.rollout.scan import ModelScan
 from graphcap.rollout.signature import (
     GraphSignature,
     attention_implementation,
     autocast_state,
-    is_dtensor,
     signature_of,
 )
 
@@ -46,34 +46,14 @@ def check_attention(model: torch.nn.Module) -> None:
         )
 
 
-def non_resident_reason(model: torch.nn.Module) -> str | None:
-    """Why the model's parameters are not resident on this rank, or ``None`` if they are.
-
-    Graph replay reads fixed addresses; parameters gathered in forward hooks (ZeRO-3, FSDP) or
-    zero-size placeholders live at addresses the signature cannot see. Tensor-parallel shards
-    (``DTensor`` parameters outside FSDP) are resident: the step reads the rank's local shard,
-    whose address the signature records.
-    """
-    for name, module in model.named_modules():
-        kind = type(module).__name__
-        if kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
-            return f"module {name or '<root>'!r} is FSDP-managed ({kind}; gathered during forward)"
-    for name, param in model.named_parameters():
-        if hasattr(param, "ds_id") or hasattr(param, "ds_status"):
-            return f"parameter {name!r} is managed by DeepSpeed ZeRO-3 (gathered during forward)"
-        if param.numel() == 0:
-            return f"parameter {name!r} is a zero-size placeholder (not resident)"
-    return None
-
-
-def check_sharded_group(model: torch.nn.Module, config: RolloutConfig) -> None:
+def check_sharded_group(scan: ModelScan, config: RolloutConfig) -> None:
     """Raise if the model is sharded over ranks that ``config.process_group`` does not cover.
 
     A tensor-parallel forward runs collectives over the parameters' device mesh; a rank that
     stopped decoding (or replayed while another captured) without agreeing first would leave
     the others waiting in a collective forever.
     """
-    mesh = next((p.device_mesh for p in model.parameters() if is_dtensor(p)), None)
+    mesh = scan.mesh
     if mesh is None or mesh.size() == 1:
         return
     ranks = set(mesh.mesh.flatten().tolist())
@@ -92,15 +72,14 @@ def check_sharded_group(model: torch.nn.Module, config: RolloutConfig) -> None:
         )
 
 
-def graph_refusal(model: torch.nn.Module, backend: Backend) -> str | None:
+def graph_refusal(model: torch.nn.Module, backend: Backend, scan: ModelScan) -> str | None:
     """Why this call must run eagerly although graphs were requested, or ``None``."""
     if not backend.supports_graph_capture:
         return f"backend {backend.name!r} cannot capture graphs (create_graph() returned None)"
     if getattr(model, "_is_stateful", False):
         return f"{type(model).__name__} is stateful (_is_stateful); its state is not in the cache"
-    reason = non_resident_reason(model)
-    if reason:
-        return reason
+    if scan.non_resident:
+        return scan.non_resident
     unsupported = unsupported_layer_types(getattr(model, "config", None))
     if unsupported:
         return (
@@ -201,9 +180,11 @@ def plan_call(
     prompt_width: int,
     sampler: SamplerShape,
     disabled_reason: str | None,
+    scan: ModelScan,
 ) -> Plan:
     """The plan of one call (pure: reads the model and settings, changes nothing).
 
+    ``scan``: the call's one pass over the model (:func:`~graphcap.rollout.scan.scan_model`).
     ``sampler``: the sampler shape the step needs (the holder's, widened by this call);
     ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
     """
@@ -212,12 +193,12 @@ def plan_call(
     reason = None
     attention = attention_implementation(model)
     compiled = False
-    check_sharded_group(model, config)
+    check_sharded_group(scan, config)
     if config.enable_graph_capture:
         check_attention(model)
         reason = (
             disabled_reason
-            or graph_refusal(model, backend)
+            or graph_refusal(model, backend, scan)
             or capability_refusal(backend, params, config)
             or request_refusal(params)
         )
@@ -230,7 +211,7 @@ def plan_call(
             path = "static_graph" if reason else "per_position_graph"
     windows = layer_windows(model.config)
     signature = signature_of(
-        model,
+        scan,
         batch_size=batch_size,
         total_len=total_len,
         device=backend.device,

@@ -14,39 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcap.rollout.fingerprint import HostState, host_state
+from graphcap.rollout.fingerprint import HostState
 from graphcap.rollout.sampling import SamplerShape
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = None  # type: ignore[assignment,misc]
-
-TensorFacts = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
-
-
-def tensor_facts(model: torch.nn.Module) -> tuple[TensorFacts, ...]:
-    """Name, address, shape, strides, dtype and device of every parameter and buffer.
-
-    A sharded parameter (a ``DTensor``) is read through its local shard: that is the memory the
-    step reads (``to_local()`` shares its storage), whatever the global shape.
-    """
-    named = list(model.named_parameters(remove_duplicate=False))
-    named += list(model.named_buffers(remove_duplicate=False))
-    return tuple(
-        (name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-        for name, t in ((name, local_shard(t)) for name, t in named)
-    )
-
-
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a ``DTensor`` (sharded or replicated over a device mesh)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own part of ``tensor``: the local shard of a ``DTensor``, else itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
+from graphcap.rollout.scan import ModelScan, TensorFacts
 
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None, bool]:
@@ -101,7 +71,7 @@ class GraphSignature:
 
 
 def signature_of(
-    model: torch.nn.Module,
+    scan: ModelScan,
     *,
     batch_size: int,
     total_len: int,
@@ -121,9 +91,9 @@ def signature_of(
         batch_size=batch_size,
         total_len=total_len,
         device=device,
-        dtype=model_dtype(model),
-        tensors=tensor_facts(model),
-        training=tuple(m.training for m in model.modules()),
+        dtype=scan.dtype,
+        tensors=scan.tensors,
+        training=scan.training,
         autocast=autocast_state(device.type),
         # buffers made under inference mode cannot be written outside it (and vice versa)
         inference_mode=torch.is_inference_mode_enabled(),
@@ -133,23 +103,8 @@ def signature_of(
         mask_form=mask_form,
         windows=tuple(sorted(windows.items())),
         generator_id=None if generator is None else id(generator),
-        host_state=host_state(model),
+        host_state=scan.host_state,
         prompt_width=prompt_width,
         decode_steps=decode_steps,
         compiled=compiled,
     )
-
-
-def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The floating dtype attention computes in (masks are built in it): that of the first
-    floating parameter outside the token and output embeddings, which may be kept in another
-    dtype than the layers; float32 if the model has no floating parameter."""
-    embeddings: set[int] = set()
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, getter, None)
-        module = module() if callable(module) else None
-        if isinstance(module, torch.nn.Module):
-            embeddings.update(id(p) for p in module.parameters())
-    floating = [p for p in model.parameters() if p.is_floating_point()]
-    inner = [p for p in floating if id(p) not in embeddings]
-    return (inner or floating)[0].dtype if floating else torch.float32

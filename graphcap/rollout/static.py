@@ -40,6 +40,7 @@ class StaticRollout:
         padded_total = bucket_size(total, self.config.length_buckets)
         check_request(
             self.model,
+            call.scan,
             self.holder.backend,
             self.config,
             params,
@@ -58,6 +59,7 @@ class StaticRollout:
             prompt_width=width,
             sampler=self.holder.sampler_for(params),
             disabled_reason=self.holder.disabled_reason,
+            scan=call.scan,
         )
         stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
         stats.fallback_reason = plan.reason

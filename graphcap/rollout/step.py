@@ -33,7 +33,6 @@ from graphcap.rollout.sampling import (
     process_scores,
     select,
 )
-from graphcap.rollout.signature import model_dtype
 
 if TYPE_CHECKING:
     from graphcap.rollout.config import SamplingParams
@@ -167,7 +166,7 @@ class DecodeStep:
         device, batch, total = sig.device, sig.batch_size, sig.total_len
         cache = StaticKVCache(specs, batch, total)
         masks = MaskBuffers.for_model(
-            model.config, batch, total, model_dtype(model), device, plan.windows, sig.mask_form
+            model.config, batch, total, sig.dtype, device, plan.windows, sig.mask_form
         )
         eos, pad = params.eos_ids, int(params.pad_token_id)
         state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
