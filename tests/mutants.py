@@ -75,10 +75,10 @@ PLANTS = (
         ("tests/test_rollout_continuous.py",),
     ),
     Plant(
-        "finished continuous rows keep advancing",
+        "finished continuous rows' position ids keep advancing",
         "graphcap/rollout/slots.py",
-        "        wp.copy_(torch.where(s.finished, self.sink, wp + 1))\n",
-        "        wp.copy_((wp + 1).clamp(max=self.cache.max_len - 1))\n",
+        "        s.positions.add_((~s.finished).to(torch.long).view(-1, 1))\n",
+        "        s.positions.add_(1)\n",
         ("tests/test_rollout_continuous.py",),
     ),
     Plant(
