@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Last H200 call of the session: the device tests and the conformance suite on the final tree,
+# then the decode-kernel cases run C left out (llama-1b at batch 256; compile=True at batch 1).
+set -uo pipefail
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+python3 -m venv /tmp/env-new
+purelib=$(/tmp/env-new/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_machine.pth"
+py=/tmp/env-new/bin/python
+$py -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda
+$py -m pytest -q -rs -m device tests backends/cuda/tests -p no:cacheprovider >"$out/device-tests-final.log" 2>&1
+tail -3 "$out/device-tests-final.log"
+$py -m graphcap.testing -q --graphcap-json "$out/cuda-h200.json" >"$out/conformance-final.log" 2>&1
+tail -2 "$out/conformance-final.log"
+$py benchmarks/decode_kernels_h200.py "$out/decode-kernels-llama-1b-bs256.json" --models llama-1b \
+    --batch-sizes 256 --budget-s 60 >"$out/decode-kernels-rest.log" 2>&1
+$py benchmarks/decode_kernels_h200.py "$out/decode-kernels-compile.json" --models llama-8b \
+    --batch-sizes 1 --with-compile --budget-s 150 >>"$out/decode-kernels-rest.log" 2>&1
+grep -E "step|budget|compile" "$out/decode-kernels-rest.log" | tail -12
