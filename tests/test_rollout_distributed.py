@@ -8,21 +8,17 @@ spawn of two processes (start-up dominates); each test checks one scenario's rec
 
 from __future__ import annotations
 
-import datetime
-import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from rollout_models import prompts, run, tiny_model
+from spawned_ranks import records, spawn_ranks
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
-WORLD = 2
 DEADLINE_S = 120
 NO_EOS = {"eos_token_id": []}
 
@@ -179,53 +175,10 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=20),
-    )
-    records = {}
-    try:
-        for name, scenario in SCENARIOS.items():
-            try:
-                records[name] = scenario(rank)
-            except Exception as exc:  # kept, so the other scenarios' tests still report
-                records[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        torch.save(records, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Each rank's records of every scenario (one spawn of two gloo processes)."""
-    root = tmp_path_factory.mktemp("tp")
-    context = mp.start_processes(
-        _worker,
-        args=(str(root / "init"), str(root)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the two ranks did not finish within {DEADLINE_S} s (diverged?)")
-    return [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
-
-
-def records(ranks: list[dict], scenario: str) -> list[dict]:
-    """Both ranks' records of one scenario; a scenario that raised fails its test here."""
-    found = [r[scenario] for r in ranks]
-    for rank, rec in enumerate(found):
-        assert "error" not in rec, f"rank {rank}: {rec.get('error')}"
-    return found
+    return spawn_ranks(__name__, tmp_path_factory.mktemp("ranks"), DEADLINE_S, timeout_s=20)
 
 
 def test_same_inputs_give_eager_tokens_with_graphs(ranks):

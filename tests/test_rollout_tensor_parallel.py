@@ -10,17 +10,15 @@ tokens or a gloo error / timeout. All scenarios run in one spawn of two processe
 
 from __future__ import annotations
 
-import datetime
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fakes import NoCollectivesGraphBackend
 from rollout_models import make_engine, prompts, run, tiny_model
+from spawned_ranks import WORLD, records, spawn_ranks
 from torch.distributed.tensor import DTensor
 
 from graphcap.cpu import CPUBackend
@@ -28,7 +26,6 @@ from graphcap.cpu.graph import CPUGraph
 from graphcap.errors import GraphCaptureError
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
-WORLD = 2
 DEADLINE_S = 180
 NO_EOS = {"eos_token_id": []}
 
@@ -255,26 +252,9 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    records = {}
-    try:
-        model = _tp_model(model_dir)
-        for name, scenario in SCENARIOS.items():
-            try:
-                records[name] = scenario(rank, model)
-            except Exception as exc:  # kept, so the other scenarios' tests still report
-                records[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        torch.save(records, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+def prepare(rank: int, out_dir: str) -> tuple[torch.nn.Module]:
+    """The model every scenario runs: the saved tiny Llama, sharded over the two ranks."""
+    return (_tp_model(os.path.join(out_dir, "model")),)
 
 
 @pytest.fixture(scope="module")
@@ -282,27 +262,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     """Each rank's records of every scenario (one spawn of two gloo processes)."""
     root = tmp_path_factory.mktemp("tp")
     tiny_model("llama").save_pretrained(root / "model")
-    context = mp.start_processes(
-        _worker,
-        args=(str(root / "init"), str(root / "model"), str(root)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the two ranks did not finish within {DEADLINE_S} s (diverged?)")
-    return [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
-
-
-def records(ranks: list[dict], scenario: str) -> list[dict]:
-    found = [r.get(scenario, {"error": "not run (the model did not load?)"}) for r in ranks]
-    for rank, rec in enumerate(found):
-        assert "error" not in rec, f"rank {rank}: {rec.get('error')}"
-    return found
+    return spawn_ranks(__name__, root, DEADLINE_S, timeout_s=30)
 
 
 def test_transformers_tp_plan_shards_the_projections(ranks):
