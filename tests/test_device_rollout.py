@@ -100,14 +100,35 @@ def test_sampling_graph_equals_eager_equals_generate(backend, case):
     assert torch.equal(outs[True].sequences, reference)
 
 
+#: Largest |log-prob| difference allowed between a captured half-precision step and the same
+#: tokens recomputed by one teacher-forced forward (different kernels round differently).
+HALF_LOGPROB_TOLERANCE = {torch.float16: 0.05, torch.bfloat16: 0.25}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_graph_equals_eager(backend, dtype):
+def test_half_precision_graph_matches_teacher_forced_logprobs(backend, dtype):
+    """In half precision near-tied logits may flip free-running tokens, so the graph's chosen
+    tokens are scored again by one teacher-forced forward and the log-probs compared within a
+    tolerance (free-running equality with the eager loop is printed as information only)."""
     model = on_device(tiny_model("llama", fresh=True), backend, dtype)
     ids, mask = (t.to(backend.device) for t in prompts(8, seed=2))
-    graph = run(model, ids, mask, backend, True, max_new_tokens=NEW, **NO_EOS)
-    eager = run(model, ids, mask, backend, False, max_new_tokens=NEW, **NO_EOS)
+    params = {"max_new_tokens": NEW, "return_logprobs": True, "logprobs_mode": "raw", **NO_EOS}
+    graph = run(model, ids, mask, backend, True, **params)
     assert graph.stats.path == "static_graph", graph.stats.fallback_reason
-    assert torch.equal(graph.sequences, eager.sequences)
+    width = ids.shape[1]
+    full_mask = torch.cat([mask, graph.response_mask.to(mask.dtype)], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(graph.sequences, attention_mask=full_mask, position_ids=positions).logits
+    forced = torch.log_softmax(logits[:, width - 1 : -1].float(), dim=-1)
+    forced = forced.gather(-1, graph.sequences[:, width:, None]).squeeze(-1)
+    difference = (forced - graph.logprobs).abs().max().item()
+    eager = run(model, ids, mask, backend, False, **params)
+    print(
+        f"{dtype}: max |log-prob difference| {difference:.4f}; free-running tokens equal to "
+        f"eager: {torch.equal(graph.sequences, eager.sequences)}"
+    )
+    assert difference < HALF_LOGPROB_TOLERANCE[dtype]
 
 
 def test_in_place_weight_update_reuses_the_graph(backend):
