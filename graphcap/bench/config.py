@@ -55,8 +55,7 @@ class BenchConfig:
     continuous_slots: int | None = option(
         "slots of graphcap-continuous (default: one per row)", type=int
     )
-    # One thread on the CPU: a tiny model's matmuls gain nothing from more, and on a busy machine
-    # extra threads make every step several times slower and the timings noisy.
+    # One thread on the CPU: more gain a tiny model nothing and make timings noisy when busy.
     threads: int | None = option("torch intra-op threads (0: torch's)", type=int, cpu=1, device=0)
     seed: int = option("weights and prompts seed", 0, type=int)
     peak_bandwidth: float | None = option(

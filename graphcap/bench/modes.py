@@ -172,8 +172,7 @@ class DecodeCompiledForward:
         return (self.compiled if decode else self.eager)(*args, **kwargs)
 
 
-# transformers decides itself whether hf-static-compile compiles (on some device types only); the
-# runner counts compiled graphs, so "compiled nothing" and steady recompiles are reported.
+# transformers decides whether hf-static-compile compiles; the runner counts compiled graphs.
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
