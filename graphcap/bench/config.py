@@ -55,7 +55,7 @@ class BenchConfig:
     continuous_slots: int | None = option(
         "slots of graphcap-continuous (default: one per row)", type=int
     )
-    # One thread on the CPU: more gain a tiny model nothing and make timings noisy when busy.
+    # One thread on the CPU: more do not speed up a tiny model and add noise on a busy machine.
     threads: int | None = option("torch intra-op threads (0: torch's)", type=int, cpu=1, device=0)
     seed: int = option("weights and prompts seed", 0, type=int)
     peak_bandwidth: float | None = option(
