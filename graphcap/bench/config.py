@@ -1,12 +1,10 @@
-"""What a bench run measures: one dataclass, from which ``graphcap bench``'s options are built.
-
-Each field's ``metadata`` holds its help, its parser (``type``) and its defaults without / with
-an accelerator (``cpu`` / ``device``), so a setting is declared once; ``None`` means the default.
-"""
+"""What a bench run measures: one dataclass whose fields' metadata (help, ``type``, defaults on
+``cpu`` / ``device``; ``None`` means the default) also builds ``graphcap bench``'s options."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -57,8 +55,7 @@ class BenchConfig:
     continuous_slots: int | None = option(
         "slots of graphcap-continuous (default: one per row)", type=int
     )
-    # One thread on the CPU: a tiny model's matmuls gain nothing from more, and on a busy machine
-    # extra threads make every step several times slower and the timings noisy.
+    # One thread on the CPU: more do not speed up a tiny model and add noise on a busy machine.
     threads: int | None = option("torch intra-op threads (0: torch's)", type=int, cpu=1, device=0)
     seed: int = option("weights and prompts seed", 0, type=int)
     peak_bandwidth: float | None = option(
@@ -84,7 +81,7 @@ def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
                 f" (default: {f.metadata['cpu']} on CPU, {f.metadata['device']} on a device)"
             )
         if "type" in kwargs:
-            kwargs["type"] = _argparse_type(kwargs["type"])
+            kwargs["type"] = functools.partial(_usage_error, kwargs["type"])
         if isinstance(f.default, bool):
             kwargs["action"] = "store_true"
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
@@ -95,14 +92,11 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
-def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:  # keeps parse's message in argparse's usage error
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
+def _usage_error(parse: Callable[[str], Any], text: str) -> Any:
+    try:  # keeps parse's message in argparse's usage error
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:

@@ -1,10 +1,6 @@
-"""Benchmark models and prompts, and the weight-bandwidth roofline.
-
-Nothing is downloaded: presets reproduce the *shapes* of real checkpoints (a decode step's cost
-depends on the shapes) with random weights. At transformers' default initialisation a random
-greedy model repeats one token, which would make token agreement vacuous, so presets use a
-larger, width-scaled std (``INIT_SCALE / sqrt(hidden)``): varied, context-dependent tokens.
-"""
+"""Benchmark models and prompts, and the weight-bandwidth roofline. Presets have real checkpoints'
+shapes (which set a step's cost) and random weights with a std of ``INIT_SCALE / sqrt(hidden)``:
+at transformers' default a greedy random model repeats one token, making agreement vacuous."""
 
 from __future__ import annotations
 
@@ -52,12 +48,15 @@ def default_dtype_name(model: str, device_type: str) -> str:
 
 
 def build_model(
-    model: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0,
+    model: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
     backend_seed: Callable[[int], None] | None = None,
-) -> PreTrainedModel:  # fmt: skip
-    """A preset (seeded random weights, built on the device: an 8B model initialised on the host
-    would take minutes) or a local model directory; greedy with EOS off, so that every mode
-    generates exactly ``max_new_tokens`` (a checkpoint's own generation defaults are dropped)."""
+) -> PreTrainedModel:
+    """A preset (random weights, built on the device) or a local model directory, with EOS off
+    so that every mode generates exactly ``max_new_tokens``."""
     torch.manual_seed(seed)
     if backend_seed is not None:
         backend_seed(seed)
@@ -99,17 +98,14 @@ def make_prompts(
     return ids.to(device), torch.ones_like(ids).to(device)
 
 
-# A decode step at small batch is bound by reading every weight once, so weight bytes / step time
-# against the device's peak bandwidth says how much of the hardware a mode leaves on the table.
-#: Peak memory bandwidth in bytes/s by device-name fragment (vendor datasheets); the first
-#: fragment found (case-insensitively) in the device's name wins.
+#: Peak memory bandwidth (bytes/s, datasheets) by device-name fragment, first match wins: a
+#: small-batch decode step reads every weight once, so this bounds its speed.
 PEAK_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
 PEAK_BANDWIDTH += (("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12))
 
 
 def weight_bytes_per_step(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads: every parameter once, except lookup tables
-    (``nn.Embedding``) that are not also the output projection (a step gathers a few rows)."""
+    """Bytes of weights a decode step reads: all but embeddings that are not the output layer."""
     output = getattr(model.get_output_embeddings(), "weight", None)
     lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - {id(output)}
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookup)

@@ -1,9 +1,5 @@
-"""The generation modes a benchmark compares, and how a call is timed.
-
-A mode is opened for one batch (:meth:`Mode.session`), called repeatedly, and closed (engines are
-dropped, so the next mode starts from the same memory). Every timed call is bracketed by device
-synchronisation, since device work is asynchronous.
-"""
+"""The generation modes a benchmark compares, each opened for one batch, called repeatedly and
+closed (so the next mode starts from the same memory), and how a call is timed."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ def spread(values: Iterable[float | None]) -> tuple[float | None, float | None, 
 
 
 def compile_counts() -> tuple[int, int]:
-    """(graphs compiled, graph breaks) so far in this process: dynamo counts every compiled graph
-    (recompilations too), so a difference around a call says whether it compiled anything."""
+    """(graphs compiled, recompilations included; graph breaks) so far in this process."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
@@ -67,20 +62,19 @@ class Workload:
 
 @dataclass
 class CallOutput:
-    """One call: response tokens (host), prefill and decode step times, the engine's stats."""
+    """One call: response tokens (host), prefill and decode step times, the engine's stats (None
+    for transformers' generate), and the call's wall time (set by the runner)."""
 
     tokens: torch.Tensor
     prefill_s: float | None
     decode_step_s: float | None
-    stats: RolloutStats | None = None  # None for transformers' generate
+    stats: RolloutStats | None = None
+    seconds: float | None = None
 
 
 class StepClock(StoppingCriteria):
-    """A ``generate()`` stopping criterion that timestamps every token and never stops.
-
-    ``generate`` reads a device flag on the host after every token anyway, so synchronising here
-    adds no stall: the first token's time is the prefill, the later intervals are decode steps.
-    """
+    """A ``generate()`` stopping criterion that timestamps every token and never stops (generate
+    syncs on every token anyway); the first interval is the prefill, the later ones decode steps."""
 
     def __init__(self, sync: Callable[[], None]) -> None:
         self.sync, self.stamps, self.false = sync, [0.0], torch.zeros(0, dtype=torch.bool)
@@ -94,12 +88,10 @@ class StepClock(StoppingCriteria):
 
     def generate(self, work: Workload, **kwargs: Any) -> CallOutput:
         self.stamps = [time.perf_counter()]
+        kwargs.update(attention_mask=work.attention_mask, max_new_tokens=work.new_tokens)
+        kwargs.update(min_new_tokens=0, do_sample=False, pad_token_id=0, stopping_criteria=[self])
         with torch.no_grad():
-            out = work.model.generate(
-                work.input_ids, attention_mask=work.attention_mask, max_new_tokens=work.new_tokens,
-                min_new_tokens=0, do_sample=False, pad_token_id=0, stopping_criteria=[self],
-                **kwargs,
-            )  # fmt: skip
+            out = work.model.generate(work.input_ids, **kwargs)
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
         step = statistics.median(gaps[1:]) if len(gaps) > 1 else None
         return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0] if gaps else None, step)
@@ -108,8 +100,7 @@ class StepClock(StoppingCriteria):
 @dataclass(frozen=True)
 class Mode:
     """transformers' ``generate`` with ``hf_kwargs``, or graphcap's engine on ``expected_path``
-    (None: graphs off; any other path reported is a fallback). ``compiles``: the first call
-    compiles (tens of seconds per batch size on a device)."""
+    (None: graphs off; another path is a fallback); ``compiles``: the first call compiles."""
 
     name: str
     expected_path: str | None = None
@@ -137,14 +128,17 @@ class Mode:
                 clock = StepClock(work.backend.synchronize)
                 yield functools.partial(clock.generate, work, **self.hf_kwargs)
                 return
+            path = self.expected_path
             slots = min(work.continuous_slots or work.batch_size, work.batch_size)
-            engine = RolloutEngine(work.model, RolloutConfig(
-                backend=work.backend, enable_graph_capture=self.expected_path is not None,
-                continuous_batch_size=slots if self.expected_path == "continuous_graph" else None,
-                per_position_graphs=self.expected_path == "per_position_graph",
-            ))  # fmt: skip
+            config = RolloutConfig(
+                backend=work.backend,
+                enable_graph_capture=path is not None,
+                continuous_batch_size=slots if path == "continuous_graph" else None,
+                per_position_graphs=path == "per_position_graph",
+            )
+            engine = RolloutEngine(work.model, config)
             # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.
-            pin = work.new_tokens if self.expected_path == "per_position_graph" else 0
+            pin = work.new_tokens if path == "per_position_graph" else 0
             sampling = SamplingParams(
                 max_new_tokens=work.new_tokens, min_new_tokens=pin, do_sample=False, pad_token_id=0
             )
@@ -165,12 +159,8 @@ class Mode:
 
 
 class DecodeCompiledForward:
-    """A model forward whose single-token (decode) calls run ``torch.compile``'d code.
-
-    Prefill stays eager (as in transformers' own auto-compile): one compilation, not two. It
-    happens in the warm-up step before capture, and the capture records the compiled kernels;
-    whether that worked is read from the result (a failed capture is a fallback), not assumed.
-    """
+    """A forward whose decode (single-token) calls run ``torch.compile``'d code, compiled in the
+    warm-up before capture; prefill stays eager, so it compiles once, not twice."""
 
     def __init__(self, forward: Any) -> None:
         self.eager, self.compiled = forward, torch.compile(forward, dynamic=False)
@@ -182,8 +172,7 @@ class DecodeCompiledForward:
         return (self.compiled if decode else self.eager)(*args, **kwargs)
 
 
-# transformers decides itself whether hf-static-compile compiles (on some device types only); the
-# runner counts compiled graphs, so "compiled nothing" and steady recompiles are reported.
+# transformers decides whether hf-static-compile compiles; the runner counts compiled graphs.
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (

@@ -1,8 +1,5 @@
-"""The benchmark report (one JSON-serialisable record per mode and batch size), rendered.
-
-All rendering lives here: the text tables (:func:`render_table` lays out each) and the optional
-PNG plot (matplotlib). Ratios are only taken between modes measured in the same run.
-"""
+"""The benchmark report (one JSON-serialisable record per mode and batch size), and its
+rendering as text tables and an optional PNG plot (matplotlib)."""
 
 from __future__ import annotations
 
@@ -110,13 +107,16 @@ class BenchReport:
         return json.dumps(asdict(self), indent=2)
 
     def write_json(self, path: str | Path) -> Path:
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(self.to_json() + "\n")
+        (target := _target(path)).write_text(self.to_json() + "\n")
         return target
 
     def result(self, mode: str, batch_size: int) -> ModeResult | None:
         return next((r for r in self.results if (r.mode, r.batch_size) == (mode, batch_size)), None)
+
+
+def _target(path: str | Path) -> Path:
+    (target := Path(path)).parent.mkdir(parents=True, exist_ok=True)
+    return target
 
 
 # ---- text -------------------------------------------------------------------------------------
@@ -169,12 +169,16 @@ def _row(r: ModeResult) -> tuple[str, ...]:
 
 
 def _rl_lines(res: RLLoopResult) -> list[str]:
-    rows = [
-        (str(i.iteration), _ms((i.generate_s,)), _ms((i.train_step_s,)), _num(i.captures, "d"),
-         str(i.path), _num(i.peak_memory_bytes, ".2f", 2**-30, "G"), str(i.tokens_match_eager),
-         "n/a" if i.tokens_changed is None else str(i.tokens_changed))
-        for i in res.iterations
-    ]  # fmt: skip
+    rows = []
+    for i in res.iterations:
+        cells = (
+            str(i.iteration),
+            _ms((i.generate_s,)),
+            _ms((i.train_step_s,)),
+            _num(i.captures, "d"),
+        )
+        mem, same = _num(i.peak_memory_bytes, ".2f", 2**-30, "G"), str(i.tokens_match_eager)
+        rows.append((*cells, str(i.path), mem, same, _num(i.tokens_changed, "")))
     later = _ms(spread(i.generate_s for i in res.iterations[1:]))
     train = _ms(spread(i.train_step_s for i in res.iterations))
     return [
@@ -202,8 +206,8 @@ def format_table(report: BenchReport) -> str:
     ]
     for res in report.rl_loop:
         lines += ["", *_rl_lines(res)]
-    notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in report.results]
-    notes = [n for n, r in zip(notes, report.results, strict=True) if r.reason]
+    rs = report.results
+    notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
     notes += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines + (["", *notes] if notes else []))
 
@@ -214,7 +218,7 @@ class PlotUnavailableError(RuntimeError):
 
 
 def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend; call it early to fail before a long run."""
+    """matplotlib.pyplot on the file-only Agg backend; called early to fail before a long run."""
     try:
         import matplotlib
     except ImportError:
@@ -222,7 +226,7 @@ def pyplot() -> Any:
             "--plot needs matplotlib, which is not installed: pip install matplotlib, or drop "
             "--plot (the JSON report holds the same figures)"
         ) from None
-    matplotlib.use("Agg")  # files only; never needs a display
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
@@ -245,17 +249,13 @@ def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.minorticks_off()
-    ax.set_yscale("log")
-    ax.set(xlabel="batch size", ylabel="generated tokens/s (steady state)")
-    cfg = report["config"]
-    ax.set_title(
-        f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
-        f"{report['backend'].get('device_name')}"
-    )
+    cfg, device = report["config"], report["backend"].get("device_name")
+    title = f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
+    ax.set(yscale="log", xlabel="batch size", ylabel="generated tokens/s (steady state)")
+    ax.set_title(title + str(device))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = _target(path)
     fig.tight_layout()
     fig.savefig(target, dpi=120)
     plt.close(fig)

@@ -1,21 +1,15 @@
-"""The RL loop: generate -> a training step that updates the weights in place -> generate.
-
-The case graphs must survive in RL: the optimizer writes into the same parameter tensors, so a
-captured graph must see the new weights without recapturing. Each iteration generates with an
-eager and a graph engine on the *same* weights (their tokens must match), then takes one
-policy-gradient step on the graph's rollout.
-"""
+"""The RL loop (generate, then a training step updating the weights in place): a captured graph
+must see the new weights without recapturing, and match an eager engine on the same weights."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 
 import torch
 from torch import nn
 
-from graphcap.bench.modes import MODES, Workload, timed_call
+from graphcap.bench.modes import MODES, Workload, spread, timed_call
 from graphcap.bench.report import RLIteration, RLLoopResult
 
 
@@ -34,8 +28,7 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.op
 def policy_gradient_step(
     model: nn.Module, opt: torch.optim.Optimizer, seqs: torch.Tensor, prompt: int, adv: torch.Tensor
 ) -> float:
-    """One REINFORCE-style update (each row's log-likelihood weighted by its advantage, so some
-    rollouts go up and others down, as in RL); returns the loss."""
+    """One REINFORCE-style update (log-likelihoods weighted by per-row advantages); the loss."""
     model.train()
     try:
         logits = model(input_ids=seqs).logits[:, prompt - 1 : -1].float()
@@ -52,8 +45,8 @@ def policy_gradient_step(
 def run_rl_loop(
     work: Workload, *, iterations: int, optimizer: str = "sgd", lr: float = 1e-3, seed: int = 0
 ) -> tuple[list[RLLoopResult], list[str]]:
-    """``iterations`` (>= 1) rounds of eager generate, graph generate, training step; the
-    results, and what broke the invariants (reallocated weights, a graph captured again)."""
+    """``iterations`` rounds of eager generate, graph generate, training step; the results and
+    :func:`rl_warnings`."""
     model, backend, sync = work.model, work.backend, work.backend.synchronize
     opt = make_optimizer(optimizer, list(model.parameters()), lr)
     adv = torch.randn(work.batch_size, generator=torch.Generator().manual_seed(seed))
@@ -77,20 +70,18 @@ def run_rl_loop(
             train_peak, eager = backend.max_memory_allocated(), runs[names[0]][1].tokens
             for name, (seconds, out, peak) in runs.items():
                 changed = None if previous is None else not torch.equal(out.tokens, previous)
-                stats, same = out.stats, torch.equal(out.tokens, eager)
-                results[name].iterations.append(RLIteration(
-                    it, seconds, train_s, loss, stats.captures, stats.path, peak, train_peak, same,
-                    changed,
-                ))  # fmt: skip
+                row = RLIteration(it, seconds, train_s, loss, out.stats.captures, out.stats.path)
+                row.peak_memory_bytes, row.train_peak_memory_bytes = peak, train_peak
+                row.tokens_match_eager, row.tokens_changed = torch.equal(out.tokens, eager), changed
+                results[name].iterations.append(row)
             previous = rollout
     moved = addresses != [(p.data_ptr(), p.shape) for p in model.parameters()]
     for res in results.values():
         its, res.parameters_reallocated = res.iterations, moved
         res.captures_final, res.first_generate_s = its[-1].captures, its[0].generate_s
-        later = [i.generate_s for i in its[1:]]
-        res.steady_generate_median_s = statistics.median(later) if later else None
-        res.train_step_median_s = statistics.median(i.train_step_s for i in its)
-        res.iteration_median_s = statistics.median(i.generate_s + i.train_step_s for i in its)
+        res.steady_generate_median_s = spread(i.generate_s for i in its[1:])[0]
+        res.train_step_median_s = spread(i.train_step_s for i in its)[0]
+        res.iteration_median_s = spread(i.generate_s + i.train_step_s for i in its)[0]
     return list(results.values()), rl_warnings(list(results.values()))
 
 
