@@ -1,6 +1,7 @@
 """Decode kernels on one H200 (issue 11): graph step time with the model's own SDPA vs the CUDA
-plugin's grouped-query attention, against the bandwidth roofline; bf16 teacher-forced logits of
-the two; fp32 tokens graph vs eager on small models. One process, one JSON.
+plugin's attentions (grouped-query SDPA, split-KV Triton kernel), against the bandwidth
+roofline; bf16 teacher-forced logits of each against SDPA; fp32 tokens graph vs eager on small
+models. One process, one JSON.
 
     python3 benchmarks/decode_kernels_h200.py RESULTS.json [--new-tokens 512] [--budget-s 330]
 
@@ -32,7 +33,11 @@ HBM_BYTES_PER_S = 4.8e12
 MODELS = ("llama-8b", "llama-1b")
 BATCHES = (1, 64, 256)
 #: (label, RolloutConfig.graph_attention): the model's own SDPA, then the plugin's.
-ATTENTIONS = (("sdpa", None), ("gqa_sdpa", "graphcap_gqa_sdpa"))
+ATTENTIONS = (
+    ("sdpa", None),
+    ("gqa_sdpa", "graphcap_gqa_sdpa"),
+    ("split_kv", "graphcap_split_kv"),
+)
 
 
 def main() -> int:
@@ -40,6 +45,9 @@ def main() -> int:
     parser.add_argument("json", type=Path, help="where to write the results")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCHES)))
+    parser.add_argument(
+        "--attentions", default=",".join(label for label, _ in ATTENTIONS), help="labels to time"
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (at most)")
@@ -50,17 +58,18 @@ def main() -> int:
     parser.add_argument(
         "--with-compile",
         action="store_true",
-        help="also time gqa_sdpa with compile=True at batch 1 and 64 (cold compiles)",
+        help="also time the last attention with compile=True at batch 1 and 64 (cold compiles)",
     )
     args = parser.parse_args()
     start = time.perf_counter()
 
     import transformers
-    from graphcap_cuda.attention import register_attention
+    from graphcap_cuda.attention import IMPLEMENTATIONS, register_attention
 
     import graphcap
 
-    register_attention()
+    for implementation in IMPLEMENTATIONS:
+        register_attention(implementation)
     backend = graphcap.get_backend("cuda")
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -91,9 +100,11 @@ def main() -> int:
         if model is None:
             continue
         guarded(report, "logits_bf16", lambda m=model, n=name: logits_diff(m, n), save)
-        attentions = [(label, choice, False) for label, choice in ATTENTIONS]
+        chosen = args.attentions.split(",")
+        attentions = [(label, choice, False) for label, choice in ATTENTIONS if label in chosen]
         if args.with_compile:
-            attentions.append(("gqa_sdpa+compile", "graphcap_gqa_sdpa", True))
+            label, choice, _ = attentions[-1]
+            attentions.append((f"{label}+compile", choice, True))
         for batch in batches:
             for label, choice, compiled in attentions:
                 if compiled and batch > 64:
@@ -223,9 +234,9 @@ def print_case(case: dict[str, Any]) -> None:
         print(f"{head} {case.get('skipped') or case.get('error')}", flush=True)
 
 
-def logits_diff(model, name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> dict:
-    """bf16 teacher-forced logits, model's SDPA vs the grouped-query attention: the prefill's
-    last position, then ``steps`` single-token decodes with the engine's 4-D additive mask."""
+def logits_diff(model, name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> list:
+    """bf16 teacher-forced logits, model's SDPA vs each plugin attention: the prefill's last
+    position, then ``steps`` single-token decodes with the engine's 4-D additive mask."""
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(3, vocab, (batch, prompt), device="cuda", generator=gen)
@@ -234,16 +245,22 @@ def logits_diff(model, name: str, batch: int = 8, prompt: int = 128, steps: int 
         mask[row, : 7 * row] = 0  # left padding
     follow = torch.randint(3, vocab, (batch, steps), device="cuda", generator=gen)
     own = teacher_forced(model, "sdpa", ids, mask, follow)
-    gqa = teacher_forced(model, "graphcap_gqa_sdpa", ids, mask, follow)
-    diff = (own - gqa).abs()
-    return {
-        "model": name,
-        "batch": batch,
-        "prefill_max_abs_diff": diff[:, 0].max().item(),
-        "decode_max_abs_diff": diff[:, 1:].max().item(),
-        "logits_max_abs": own.abs().max().item(),
-        "argmax_agreement": (own.argmax(-1) == gqa.argmax(-1)).float().mean().item(),
-    }
+    rows = []
+    for label, choice in ATTENTIONS[1:]:
+        other = teacher_forced(model, choice, ids, mask, follow)
+        diff = (own - other).abs()
+        rows.append(
+            {
+                "model": name,
+                "attention": label,
+                "batch": batch,
+                "prefill_max_abs_diff": diff[:, 0].max().item(),
+                "decode_max_abs_diff": diff[:, 1:].max().item(),
+                "logits_max_abs": own.abs().max().item(),
+                "argmax_agreement": (own.argmax(-1) == other.argmax(-1)).float().mean().item(),
+            }
+        )
+    return rows
 
 
 def teacher_forced(model, attention: str, ids, mask, follow) -> torch.Tensor:

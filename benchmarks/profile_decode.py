@@ -29,7 +29,7 @@ from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 FAMILIES = {
     "gemm": ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "cublas"),
-    "attention": ("attention", "fmha", "flash", "softmax"),
+    "attention": ("attention", "fmha", "flash", "softmax", "split_kv"),
 }
 
 

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: Name under which the CUDA plugin offers the function (``graphcap_attention_implementations``).
+#: Names under which the CUDA plugin offers the functions (``graphcap_attention_implementations``).
 GQA_SDPA = "graphcap_gqa_sdpa"
+SPLIT_KV = "graphcap_split_kv"
 
 
 def gqa_sdpa_forward(
@@ -86,6 +87,66 @@ def gqa_sdpa_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def split_kv_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers ``AttentionInterface`` function for captured decode steps: a one-token query
+    with the engine's (batch, 1, 1, L) mask runs the split-KV Triton kernel
+    (:mod:`graphcap_cuda.split_kv`), which reads only the cache blocks the mask opens; anything
+    else (prefill, no mask, per-head masks, sinks, position bias, dropout) is
+    :func:`gqa_sdpa_forward`'s."""
+    decode = (
+        query.shape[2] == 1
+        and attention_mask is not None
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == attention_mask.shape[2] == 1
+        and kwargs.get("s_aux") is None
+        and kwargs.get("position_bias") is None
+        and not (dropout and module.training)
+        and query.shape[1] % key.shape[1] == 0
+    )
+    if not decode:
+        return gqa_sdpa_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout,
+            scaling,
+            is_causal,
+            softcap,
+            **kwargs,
+        )
+    from graphcap_cuda.split_kv import split_kv_decode
+
+    mask = attention_mask[:, 0, 0, : key.shape[2]]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = split_kv_decode(
+        _unit_stride(query[:, :, 0]),
+        _unit_stride(key),
+        _unit_stride(value),
+        _unit_stride(mask),
+        scale,
+        softcap or 0.0,
+    )
+    return out.unsqueeze(1), None
+
+
+def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dimension densely (cache tensors and masks already are)."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def softcapped_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -127,7 +188,8 @@ def softcapped_attention(
 
 
 def register_attention(name: str = GQA_SDPA) -> str:
-    """Register the function and transformers' SDPA mask function under ``name``; returns it.
+    """Register the function offered as ``name`` (:data:`GQA_SDPA` or :data:`SPLIT_KV`) and
+    transformers' SDPA mask function under that name; returns it.
 
     The engine does this through the plugin hook; call it directly to load a model with
     ``attn_implementation=name``. (Without a mask function transformers builds no mask at all.)
@@ -135,6 +197,10 @@ def register_attention(name: str = GQA_SDPA) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(name, gqa_sdpa_forward)
+    AttentionInterface.register(name, IMPLEMENTATIONS[name])
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
+
+
+#: Every attention function the plugin offers, by name.
+IMPLEMENTATIONS = {GQA_SDPA: gqa_sdpa_forward, SPLIT_KV: split_kv_forward}

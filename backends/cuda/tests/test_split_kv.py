@@ -1,0 +1,131 @@
+"""The split-KV Triton decode kernel equals SDPA, skips only blocks its mask closes, and serves
+captured rollout steps token-equal to eager ones.
+
+Off the GPU it runs under Triton's interpreter (conftest.py sets ``TRITON_INTERPRET=1``), which
+cannot multiply bfloat16 (its NumPy emulation returns garbage), so bf16 is checked on the GPU
+(test_gqa_attention_cuda.py) and fp32 / fp16 here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip(
+    "triton", reason="the split-KV kernel needs Triton (CUDA builds of torch ship it)"
+)
+
+from graphcap_cuda import CUDABackend, plugin
+from graphcap_cuda.attention import SPLIT_KV, register_attention, softcapped_attention
+from graphcap_cuda.split_kv import BLOCK_N, split_kv_decode
+from test_gqa_attention import MODELS
+
+from graphcap.cpu import CPUBackend
+from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+register_attention(SPLIT_KV)
+
+#: Under the interpreter the kernel takes CPU tensors; compiled, it takes CUDA ones.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+
+def _case(rows, heads, kv_heads, length, dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, heads, dim, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(rows, kv_heads, length, dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(rows, kv_heads, length, dim, generator=gen).to(DEVICE, dtype)
+    valid = (torch.rand(rows, length, generator=gen) > 0.2).to(DEVICE)
+    valid[0, : 2 * BLOCK_N] = False  # left padding over whole blocks
+    valid[-1, length // 2 :] = False  # unwritten columns
+    valid[:, -1] = True
+    return q, k, v, valid
+
+
+def _reference(q, k, v, valid, scale, softcap=0.0):
+    q, k, v = q[:, :, None].double(), k.double(), v.double()
+    if softcap:
+        out = softcapped_attention(q, k, v, valid[:, None, None], scale, softcap, causal=False)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=valid[:, None, None], scale=scale, enable_gqa=True
+        )
+    return out[:, :, 0]
+
+
+@pytest.mark.parametrize(
+    "rows,heads,kv_heads,length,dim",
+    [(3, 8, 2, 300, 16), (2, 4, 4, 70, 80), (1, 32, 8, 5 * BLOCK_N, 64), (4, 6, 1, 130, 32)],
+)
+@pytest.mark.parametrize("form", ["bool", "additive"])
+def test_kernel_equals_sdpa(rows, heads, kv_heads, length, dim, form):
+    for dtype, tol in ((torch.float32, 2e-6), (torch.float16, 2e-3)):
+        q, k, v, valid = _case(rows, heads, kv_heads, length, dim, dtype, seed=length + dim)
+        mask = valid if form == "bool" else torch.where(valid, 0.0, torch.finfo(dtype).min)
+        out = split_kv_decode(q, k, v, mask.to(dtype) if form != "bool" else mask, 0.3, 0.0)
+        assert out.dtype == dtype and out.shape == q.shape
+        torch.testing.assert_close(
+            out.double(), _reference(q, k, v, valid, 0.3), rtol=tol, atol=tol
+        )
+
+
+def test_softcapping_equals_the_eager_formula():
+    q, k, v, valid = _case(2, 8, 2, 200, 32, torch.float32, seed=3)
+    out = split_kv_decode(q * 4, k, v, valid, 0.25, 5.0)
+    expected = _reference(q * 4, k, v, valid, 0.25, softcap=5.0)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-6)
+
+
+def test_closed_blocks_are_never_read():
+    """NaN in every block the mask closes, for every row: a kernel that read them returns NaN."""
+    q, k, v, valid = _case(3, 8, 2, 6 * BLOCK_N, 16, torch.float32, seed=5)
+    valid[:, 2 * BLOCK_N : 4 * BLOCK_N] = False  # two whole blocks of every row
+    valid[1, : 2 * BLOCK_N] = False
+    blocks = valid.view(3, -1, BLOCK_N).any(-1).repeat_interleave(BLOCK_N, 1)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k.masked_fill_(~blocks[:, None, :, None], float("nan"))
+    poisoned_v.masked_fill_(~blocks[:, None, :, None], float("nan"))
+    out = split_kv_decode(q, poisoned_k, poisoned_v, valid, 0.3, 0.0)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, valid, 0.3), rtol=2e-6, atol=2e-6)
+
+
+def test_a_row_with_nothing_to_attend_gets_zeros():
+    q, k, v, valid = _case(2, 4, 2, 100, 16, torch.float32, seed=7)
+    valid[1] = False
+    out = split_kv_decode(q, k, v, valid, 0.3, 0.0)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[0].double(), _reference(q, k, v, valid, 0.3)[0])
+
+
+class SplitKVBackend(CPUBackend):
+    """The CPU reference backend selecting the split-KV kernel for captured steps."""
+
+    graph_attention = SPLIT_KV
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU models need the interpreter (GPU: *_cuda.py)")
+@pytest.mark.parametrize("family", list(MODELS))
+def test_captured_steps_with_the_kernel_are_token_equal_to_eager(family):
+    from rollout_models import prompts
+
+    model = MODELS[family]()
+    ids, mask = prompts(4, width=7)
+    params = SamplingParams(max_new_tokens=8, eos_token_id=[])
+    graph = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=SplitKVBackend()))
+    result = graph.generate(ids, mask, params)
+    assert result.stats.path == "static_graph", result.stats.fallback_reason
+    assert result.stats.attention == SPLIT_KV
+    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(ids, mask, params)
+    assert torch.equal(result.sequences, eager.sequences)
+    assert len(set(result.sequences[:, 7:].flatten().tolist())) > 3  # tokens vary
+
+
+def test_plugin_offers_both_attentions_to_the_cuda_backend_only():
+    assert plugin.graphcap_attention_implementations(CPUBackend()) == {}
+    assert set(plugin.graphcap_attention_implementations(CUDABackend())) == {
+        "graphcap_gqa_sdpa",
+        SPLIT_KV,
+    }
