@@ -107,9 +107,9 @@ def time_one(batch, heads, kv_heads, dim, written, settings) -> dict:
 def sweep() -> list[dict]:
     rows = []
     default = (split_kv.BLOCK_N, split_kv.NUM_WARPS, split_kv.PROGRAMS_PER_SM)
-    for block_n in (32, 64, 128):
+    for block_n in (64, 128):
         for warps in (2, 4, 8):
-            for programs in (2, 4, 8):
+            for programs in (1, 2, 4):
                 split_kv.BLOCK_N, split_kv.NUM_WARPS, split_kv.PROGRAMS_PER_SM = (
                     block_n,
                     warps,

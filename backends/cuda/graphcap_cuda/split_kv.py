@@ -33,11 +33,32 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _open_columns(mask_ptr, cols, inside, blocked, MASK_BOOL: tl.constexpr):
+    """Which of ``cols`` the row may attend, and the additive bias of each (-inf if not)."""
+    seen = tl.load(mask_ptr + cols, mask=inside, other=0)
+    if MASK_BOOL:
+        allowed = inside & (seen != 0)
+        bias = tl.where(allowed, 0.0, float("-inf"))
+    else:
+        bias = seen.to(tl.float32)
+        allowed = inside & (bias > blocked)
+        bias = tl.where(allowed, bias, float("-inf"))
+    return allowed, bias
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """fp32 operands multiply in IEEE fp32 (Triton's default would be TF32)."""
+    return tl.dot(a, b, input_precision="ieee") if IEEE else tl.dot(a, b)
+
+
+@triton.jit
 def _split_kv_partial(
     q_ptr,
     k_ptr,
     v_ptr,
     mask_ptr,
+    out_ptr,
     acc_ptr,
     max_ptr,
     sum_ptr,
@@ -50,6 +71,8 @@ def _split_kv_partial(
     stride_vh,
     stride_vn,
     stride_mb,
+    stride_ob,
+    stride_oh,
     kv_heads,
     groups,
     length,
@@ -61,6 +84,7 @@ def _split_kv_partial(
     MASK_BOOL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
+    DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -75,6 +99,18 @@ def _split_kv_partial(
     n = tl.arange(0, BLOCK_N)
     g_ok = g < groups
     d_ok = d < head_dim
+    mask_row = mask_ptr + row * stride_mb
+    start = split * chunk
+    stop = tl.minimum(start + chunk, length)
+    # The open span [lo, hi) of this chunk, from the mask alone (2 bytes a column): K/V outside
+    # it are never read, and the loop below has no branch, so Triton can pipeline its loads.
+    lo = stop
+    hi = start
+    for first in range(start, stop, BLOCK_N):
+        cols = first + n
+        allowed, _ = _open_columns(mask_row, cols, cols < stop, blocked, MASK_BOOL)
+        lo = tl.minimum(lo, tl.min(tl.where(allowed, cols, stop), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(allowed, cols + 1, start), axis=0))
     q = tl.load(
         q_ptr + row * stride_qb + (head * groups + g)[:, None] * stride_qh + d[None, :],
         mask=g_ok[:, None] & d_ok[None, :],
@@ -85,45 +121,37 @@ def _split_kv_partial(
     best = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    start = split * chunk
-    stop = tl.minimum(start + chunk, length)
-    for first in range(start, stop, BLOCK_N):
+    for first in range(lo, hi, BLOCK_N):
         cols = first + n
-        inside = cols < stop
-        seen = tl.load(mask_ptr + row * stride_mb + cols, mask=inside, other=0)
-        if MASK_BOOL:
-            allowed = inside & (seen != 0)
-            bias = tl.where(allowed, 0.0, float("-inf"))
-        else:
-            bias = seen.to(tl.float32)
-            allowed = inside & (bias > blocked)
-            bias = tl.where(allowed, bias, float("-inf"))
-        if tl.max(allowed.to(tl.int32), axis=0) > 0:
-            kv_mask = inside[:, None] & d_ok[None, :]
-            k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = scores * scale
-            if SOFTCAP:  # tanh(x / c) * c, with tanh(y) = 1 - 2 / (exp(2y) + 1)
-                scores = softcap - 2.0 * softcap / (tl.exp(2.0 * scores / softcap) + 1.0)
-            scores = scores + bias[None, :]
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            keep = tl.exp(best - new_best)
-            weights = tl.exp(scores - new_best[:, None])
-            total = total * keep + tl.sum(weights, axis=1)
-            if IEEE:
-                update = tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-            else:
-                update = tl.dot(weights.to(v.dtype), v)
-            acc = acc * keep[:, None] + update
-            best = new_best
-    out = (row_head * splits + split) * BLOCK_G + g
-    tl.store(acc_ptr + out[:, None] * BLOCK_D + d[None, :], acc)
-    tl.store(max_ptr + out, best)
-    tl.store(sum_ptr + out, total)
+        inside = cols < hi
+        allowed, bias = _open_columns(mask_row, cols, inside, blocked, MASK_BOOL)
+        kv_mask = allowed[:, None] & d_ok[None, :]  # closed columns inside the span: not read
+        k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), IEEE) * scale
+        if SOFTCAP:  # tanh(x / c) * c, with tanh(y) = 1 - 2 / (exp(2y) + 1)
+            scores = softcap - 2.0 * softcap / (tl.exp(2.0 * scores / softcap) + 1.0)
+        scores = tl.where(allowed[None, :], scores + bias[None, :], float("-inf"))
+        # the first block holds column lo, which is open: maxima are finite from then on
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        keep = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best[:, None])
+        total = total * keep + tl.sum(weights, axis=1)
+        acc = acc * keep[:, None] + _dot(weights.to(v.dtype), v, IEEE)
+        best = new_best
+    rows_ok = g_ok[:, None] & d_ok[None, :]
+    if DIRECT:  # one chunk per row: normalise and write the output here
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(
+            out_ptr + row * stride_ob + (head * groups + g)[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=rows_ok,
+        )
+    else:
+        at = (row_head * splits + split) * BLOCK_G + g
+        tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc, mask=rows_ok)
+        tl.store(max_ptr + at, best, mask=g_ok)
+        tl.store(sum_ptr + at, total, mask=g_ok)
 
 
 @triton.jit
@@ -148,21 +176,25 @@ def _split_kv_combine(
     d = tl.arange(0, BLOCK_D)
     base = row_head * splits * BLOCK_G
     best = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    g_ok = g < groups
+    rows_ok = g_ok[:, None] & (d < head_dim)[None, :]
     for split in range(0, splits):
-        best = tl.maximum(best, tl.load(max_ptr + base + split * BLOCK_G + g))
+        best = tl.maximum(best, tl.load(max_ptr + base + split * BLOCK_G + g, mask=g_ok, other=0.0))
     anchor = tl.where(best == float("-inf"), 0.0, best)  # a row with nothing to attend
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for split in range(0, splits):
         at = base + split * BLOCK_G + g
-        weight = tl.exp(tl.load(max_ptr + at) - anchor)
-        total += weight * tl.load(sum_ptr + at)
-        acc += weight[:, None] * tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :])
+        weight = tl.exp(tl.load(max_ptr + at, mask=g_ok, other=float("-inf")) - anchor)
+        total += weight * tl.load(sum_ptr + at, mask=g_ok, other=0.0)
+        acc += weight[:, None] * tl.load(
+            acc_ptr + at[:, None] * BLOCK_D + d[None, :], mask=rows_ok, other=0.0
+        )
     out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(
         out_ptr + row * stride_ob + (head * groups + g)[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=(g < groups)[:, None] & (d < head_dim)[None, :],
+        mask=rows_ok,
     )
 
 
@@ -197,11 +229,18 @@ def split_kv_decode(
     splits = split_count(rows, kv_heads, length, query.device)
     chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(length, chunk)
-    stats = (rows * kv_heads, splits, block_g)
-    acc = torch.empty(*stats, block_d, dtype=torch.float32, device=query.device)
-    best = torch.empty(stats, dtype=torch.float32, device=query.device)
-    total = torch.empty(stats, dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    direct = splits == 1  # no partial results to combine
+    stats = (rows * kv_heads, splits, block_g)
+    acc, best, total = (
+        (out, out, out)
+        if direct
+        else (
+            torch.empty(*stats, block_d, dtype=torch.float32, device=query.device),
+            torch.empty(stats, dtype=torch.float32, device=query.device),
+            torch.empty(stats, dtype=torch.float32, device=query.device),
+        )
+    )
     mask_bool = mask.dtype == torch.bool
     blocked = float("-inf") if mask_bool else torch.finfo(mask.dtype).min
     _split_kv_partial[(rows * kv_heads, splits)](
@@ -209,6 +248,7 @@ def split_kv_decode(
         key,
         value,
         mask,
+        out,
         acc,
         best,
         total,
@@ -221,6 +261,8 @@ def split_kv_decode(
         value.stride(1),
         value.stride(2),
         mask.stride(0),
+        out.stride(0),
+        out.stride(1),
         kv_heads,
         groups,
         length,
@@ -232,11 +274,14 @@ def split_kv_decode(
         MASK_BOOL=mask_bool,
         SOFTCAP=bool(softcap),
         IEEE=query.dtype == torch.float32,
+        DIRECT=direct,
         BLOCK_G=block_g,
         BLOCK_N=BLOCK_N,
         BLOCK_D=block_d,
         num_warps=NUM_WARPS,
     )
+    if direct:
+        return out
     _split_kv_combine[(rows * kv_heads,)](
         acc,
         best,

@@ -18,7 +18,7 @@ pytest.importorskip(
     "triton", reason="the split-KV kernel needs Triton (CUDA builds of torch ship it)"
 )
 
-from graphcap_cuda import CUDABackend, plugin
+from graphcap_cuda import CUDABackend, plugin, split_kv
 from graphcap_cuda.attention import SPLIT_KV, register_attention, softcapped_attention
 from graphcap_cuda.split_kv import BLOCK_N, split_kv_decode
 from test_gqa_attention import MODELS
@@ -79,20 +79,23 @@ def test_softcapping_equals_the_eager_formula():
     torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-6)
 
 
-def test_closed_blocks_are_never_read():
-    """NaN in every block the mask closes, for every row: a kernel that read them returns NaN."""
+@pytest.mark.parametrize("programs_per_sm", [4, 0])  # 0: one chunk per row, no combine
+def test_closed_columns_are_never_read(programs_per_sm, monkeypatch):
+    """NaN in every column the mask closes: a kernel that read one returns NaN."""
+    monkeypatch.setattr(split_kv, "PROGRAMS_PER_SM", programs_per_sm)
     q, k, v, valid = _case(3, 8, 2, 6 * BLOCK_N, 16, torch.float32, seed=5)
     valid[:, 2 * BLOCK_N : 4 * BLOCK_N] = False  # two whole blocks of every row
     valid[1, : 2 * BLOCK_N] = False
-    blocks = valid.view(3, -1, BLOCK_N).any(-1).repeat_interleave(BLOCK_N, 1)
     poisoned_k, poisoned_v = k.clone(), v.clone()
-    poisoned_k.masked_fill_(~blocks[:, None, :, None], float("nan"))
-    poisoned_v.masked_fill_(~blocks[:, None, :, None], float("nan"))
+    poisoned_k.masked_fill_(~valid[:, None, :, None], float("nan"))
+    poisoned_v.masked_fill_(~valid[:, None, :, None], float("nan"))
     out = split_kv_decode(q, poisoned_k, poisoned_v, valid, 0.3, 0.0)
     torch.testing.assert_close(out.double(), _reference(q, k, v, valid, 0.3), rtol=2e-6, atol=2e-6)
 
 
-def test_a_row_with_nothing_to_attend_gets_zeros():
+@pytest.mark.parametrize("programs_per_sm", [4, 0])
+def test_a_row_with_nothing_to_attend_gets_zeros(programs_per_sm, monkeypatch):
+    monkeypatch.setattr(split_kv, "PROGRAMS_PER_SM", programs_per_sm)
     q, k, v, valid = _case(2, 4, 2, 100, 16, torch.float32, seed=7)
     valid[1] = False
     out = split_kv_decode(q, k, v, valid, 0.3, 0.0)
