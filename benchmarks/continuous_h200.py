@@ -127,14 +127,20 @@ def latency(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) -> d
     return out
 
 
-def staggered(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) -> dict[str, Any]:
-    """Many requests of different lengths through a few slots, eager vs graph."""
+def workload(shape: dict, vocab: int) -> tuple[torch.Tensor, list[int]]:
+    """The staggered workload's prompts (on the CPU) and per-request budgets (seeded)."""
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (shape["requests"], shape["prompt"]), generator=gen)
-    ids = ids.to(backend.device)
     low, high = shape["budget"]
     budgets = torch.randint(low, high + 1, (shape["requests"],), generator=gen).tolist()
+    return ids, budgets
+
+
+def staggered(model: torch.nn.Module, backend: graphcap.Backend, shape: dict) -> dict[str, Any]:
+    """Many requests of different lengths through a few slots, eager vs graph."""
+    ids, budgets = workload(shape, model.config.vocab_size)
+    ids = ids.to(backend.device)
+    high = shape["budget"][1]
     params = SamplingParams(max_new_tokens=high, eos_token_id=[], pad_token_id=0)
     out: dict[str, Any] = {"budgets": budgets, "slots": shape["slots"]}
     for interval in shape["intervals"]:
