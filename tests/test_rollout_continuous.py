@@ -385,7 +385,7 @@ def test_benchmark_staggered_workload_reaches_target_occupancy():
     model = tiny_model("llama", max_position_embeddings=128)
     ids, budgets = bench.workload(shape, model.config.vocab_size)
     ids = ids[:, :4]
-    engine = engine_for(model, graph=False, slots=shape["slots"], interval=shape["intervals"][0])
+    engine = engine_for(model, graph=True, slots=shape["slots"], interval=shape["intervals"][0])
     params = SamplingParams(max_new_tokens=shape["budget"][1], eos_token_id=[])
     result = engine.generate(ids, torch.ones_like(ids), params, request_max_new_tokens=budgets)
     useful = sum(budgets) - len(budgets)
