@@ -262,7 +262,7 @@ def test_benchmark_script_tiny_workloads_agree():
     bench = benchmark_script()
     backend = CPUBackend()
     model = bench.build_model("tiny-gpt2", backend)
-    shape = {**bench.TINY, "repeats": 1, "intervals": (3,)}
+    shape = {**bench.TINY, "repeats": 1, "staggered_repeats": 1, "intervals": (3,)}
     with torch.no_grad():
         latency = bench.latency(model, backend, shape)
         staggered = bench.staggered(model, backend, shape)
@@ -272,6 +272,11 @@ def test_benchmark_script_tiny_workloads_agree():
     assert runs["continuous_graph"]["path"] == "continuous_graph"
     assert runs["continuous_graph"]["token_equal_to_eager"]
     assert runs["continuous_graph"]["tokens"] == sum(staggered["budgets"])
+    for name in ("static_graph_one_batch", "static_graph_slot_batches"):
+        static = staggered[name]
+        assert static["path"] == "static_graph" and static["captured_on_first_call"]
+        # fp32 on CPU: the static path's budgeted tokens are the continuous path's
+        assert static["requests_equal_to_continuous"] == shape["requests"]
 
 
 def test_capture_failure_finishes_eagerly_with_equal_tokens():
