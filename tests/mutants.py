@@ -82,6 +82,42 @@ PLANTS = (
         ("tests/test_rollout_continuous.py",),
     ),
     Plant(
+        "budget-finished slots wait for the refill check",
+        "graphcap/rollout/continuous.py",
+        "            if check or self._due(table, queue, stats.steps):\n",
+        "            if check:\n",
+        (
+            "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
+        ),
+    ),
+    Plant(
+        "queue taken in request order",
+        "graphcap/rollout/continuous.py",
+        "key=lambda r: -self.limits[r]",
+        "key=lambda r: 0",
+        (
+            "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
+        ),
+    ),
+    Plant(
+        "budget refills read the device flags",
+        "graphcap/rollout/continuous.py",
+        "align, trim, read=check)",
+        "align, trim, read=True)",
+        (
+            "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
+        ),
+    ),
+    Plant(
+        "slot retired one step before its budget is used",
+        "graphcap/rollout/continuous.py",
+        "now + queue.limits[request] - 1",
+        "now + queue.limits[request] - 2",
+        (
+            "tests/test_rollout_continuous.py::test_eos_and_stop_token_rows_retire_at_the_check_graph_equals_eager_equals_alone",
+        ),
+    ),
+    Plant(
         "one attention span for every per-position graph",
         "graphcap/rollout/runners.py",
         "step = self.eager.with_span((0, self.width + position + 1))",

@@ -17,6 +17,7 @@ from graphcap.rollout import (
     SamplingParams,
     load_weights_in_place,
 )
+from graphcap.rollout.agreement import RankAgreement
 
 NEW = 10
 SLOTS = 3
@@ -249,14 +250,19 @@ def test_graph_unsafe_attention_and_bad_input_are_refused():
         RolloutConfig(continuous_batch_size=0)
 
 
-def test_benchmark_script_tiny_workloads_agree():
+def benchmark_script():
     path = Path(__file__).parents[1] / "benchmarks" / "continuous_h200.py"
     spec = importlib.util.spec_from_file_location("continuous_h200", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_script_tiny_workloads_agree():
+    bench = benchmark_script()
     backend = CPUBackend()
     model = bench.build_model("tiny-gpt2", backend)
-    shape = {**bench.TINY, "repeats": 1, "intervals": (3,)}
+    shape = {**bench.TINY, "repeats": 1, "staggered_repeats": 1, "intervals": (3,)}
     with torch.no_grad():
         latency = bench.latency(model, backend, shape)
         staggered = bench.staggered(model, backend, shape)
@@ -266,6 +272,11 @@ def test_benchmark_script_tiny_workloads_agree():
     assert runs["continuous_graph"]["path"] == "continuous_graph"
     assert runs["continuous_graph"]["token_equal_to_eager"]
     assert runs["continuous_graph"]["tokens"] == sum(staggered["budgets"])
+    for name in ("static_graph_one_batch", "static_graph_slot_batches"):
+        static = staggered[name]
+        assert static["path"] == "static_graph" and static["captured_on_first_call"]
+        # fp32 on CPU: the static path's budgeted tokens are the continuous path's
+        assert static["requests_equal_to_continuous"] == shape["requests"]
 
 
 def test_capture_failure_finishes_eagerly_with_equal_tokens():
@@ -286,3 +297,102 @@ def test_capture_failure_finishes_eagerly_with_equal_tokens():
     assert failed.stats.path == "continuous_eager" and not failed.stats.captured
     assert "capture failed" in failed.stats.fallback_reason
     assert torch.equal(failed.sequences, continuous(model, ids, mask, graph=False).sequences)
+
+
+@pytest.fixture
+def finished_reads(monkeypatch):
+    """Counts the host reads of the slots' ``finished`` flags (the refill check's one read)."""
+    reads = []
+    original = RankAgreement.finished_rows
+
+    def counted(self, finished):
+        reads.append(finished.shape[0])
+        return original(self, finished)
+
+    monkeypatch.setattr(RankAgreement, "finished_rows", counted)
+    return reads
+
+
+#: (slots, budgets, steps, occupancy) worked out by hand. Longest budget first; a request of
+#: budget b holds its slot for b - 1 decode steps (its first token comes from the prefill) and
+#: its slot is refilled right after its last one. 3 slots, LIMITS: the 9, 9, 8 step requests
+#: start; 7 at step 8, 6 and 6 at 9 (all end at 15); then 5, 4, 3 (end 20, 19, 18); 2 at 18 and
+#: 1 at 19 end at 20, where the budget-1 request comes and goes: 60 of 3 x 20 slot-steps.
+#: 2 slots, budgets 2, 6, 3, 1: 6 and 3 start; 2 at step 2 (ends 3), then budget 1; 6 ends at 5.
+KNOWN = [(SLOTS, LIMITS, 20, 1.0), (2, [2, 6, 3, 1], 5, 0.8)]
+
+
+@pytest.mark.parametrize(("slots", "limits", "steps", "occupancy"), KNOWN)
+@pytest.mark.parametrize("interval", [1, 3, 100])
+def test_budget_finishes_refill_at_their_step_whatever_the_check_interval(
+    slots, limits, steps, occupancy, interval, finished_reads
+):
+    model = tiny_model("llama")
+    ids, mask = prompts(len(limits), seed=4)
+    outs = {}
+    for graph in (True, False):
+        finished_reads.clear()
+        outs[graph] = continuous(
+            model, ids, mask, graph, limits=limits, slots=slots, interval=interval
+        )
+        result = outs[graph]
+        assert result.stats.steps == steps
+        assert result.stats.occupancy == occupancy
+        assert result.stats.slots_refilled == len(limits) - slots
+        assert result.response_lengths.tolist() == limits  # request order
+        # budget refills need no device read: one read per check interval, no more
+        assert len(finished_reads) == steps // interval
+    assert outs[True].stats.path == "continuous_graph", outs[True].stats.fallback_reason
+    assert torch.equal(outs[True].sequences, outs[False].sequences)
+    assert torch.equal(outs[True].response_mask, outs[False].response_mask)
+
+
+def test_eos_and_stop_token_rows_retire_at_the_check_graph_equals_eager_equals_alone(
+    finished_reads,
+):
+    model = tiny_model("llama")
+    ids, mask = prompts(REQUESTS, seed=7)
+    eos, stop = staggered_eos(model, ids, mask)
+    width, interval = ids.shape[1], 3
+    params = SamplingParams(max_new_tokens=NEW, eos_token_id=[eos], stop_token_ids=[stop])
+    outs = {}
+    for graph in (True, False):
+        finished_reads.clear()
+        engine = engine_for(model, graph, interval=interval)
+        outs[graph] = engine.generate(ids, mask, params, request_max_new_tokens=LIMITS)
+        assert len(finished_reads) == outs[graph].stats.steps // interval
+    graph, eager = outs[True], outs[False]
+    assert graph.stats.path == "continuous_graph", graph.stats.fallback_reason
+    assert torch.equal(graph.sequences, eager.sequences)
+    assert torch.equal(graph.response_mask, eager.response_mask)
+    assert graph.stats.steps == eager.stats.steps
+    assert {"eos", "stop", "length"} <= set(graph.finish_reasons)
+    for row, limit in enumerate(LIMITS):
+        alone = run(
+            model,
+            ids[row : row + 1],
+            mask[row : row + 1],
+            False,
+            max_new_tokens=limit,
+            eos_token_id=[eos],
+            stop_token_ids=[stop],
+        )
+        assert torch.equal(graph.sequences[row, : width + limit], alone.sequences[0]), row
+        assert graph.finish_reasons[row] == alone.finish_reasons[0], row
+
+
+def test_benchmark_staggered_workload_reaches_target_occupancy():
+    """The H200 benchmark's 64 requests (budgets 8..64) through 16 slots: occupancy is a step
+    count, so a tiny model and short prompts give the accelerator's figure exactly (without EOS
+    it does not depend on the check interval: the test above)."""
+    bench = benchmark_script()
+    shape = bench.FULL
+    model = tiny_model("llama", max_position_embeddings=128)
+    ids, budgets = bench.workload(shape, model.config.vocab_size)
+    ids = ids[:, :4]
+    engine = engine_for(model, graph=True, slots=shape["slots"], interval=shape["intervals"][0])
+    params = SamplingParams(max_new_tokens=shape["budget"][1], eos_token_id=[])
+    result = engine.generate(ids, torch.ones_like(ids), params, request_max_new_tokens=budgets)
+    useful = sum(budgets) - len(budgets)
+    assert result.stats.steps == 143  # before: 208 at interval 16, 176 at interval 4
+    assert result.stats.occupancy == useful / (16 * 143) >= 0.9

@@ -1,10 +1,13 @@
 """Continuous batching: a queue of requests through a fixed number of slots (docs/continuous.md).
 
 The decode step always runs over all ``N`` slots, so a captured graph sees one batch shape and
-one set of tensor addresses. Every ``eos_check_interval`` steps the host reads the slots'
-device ``finished`` flags (the only device read while decoding), copies finished requests'
-rows out, clears those slots and refills them with queued requests (prefilled eagerly, their
-K/V written into the slot's cache row, their first token chosen by the same commit math).
+one set of tensor addresses. The queue runs longest budget first (results still come back in
+request order). A request that uses its whole budget finishes at a step the host computes, so
+its slot is retired and refilled right after that step, without a device read; one that stops
+early (EOS, stop token) is seen every ``eos_check_interval`` steps, when the host reads the
+slots' device ``finished`` flags (the only device read while decoding). Retiring copies the
+request's rows out and clears the slot; refilling prefills queued requests eagerly, writes
+their K/V into the slot's cache row and chooses their first token by the same commit math.
 Graph and eager loops share this schedule, so they produce the same tokens bit for bit.
 """
 
@@ -30,8 +33,10 @@ from graphcap.rollout.slots import ContinuousStep, SlotTable, clear_slots, shift
 
 @dataclass
 class _Queue:
-    """The requests of one call, in request order: request ``r`` is sample ``r % repeats`` of
-    prompt ``r // repeats``."""
+    """The requests of one call: request ``r`` is sample ``r % repeats`` of prompt
+    ``r // repeats``. They are taken longest budget first (stable, so a prompt's samples stay
+    together): the long ones start early and the short ones fill the gaps, which keeps the
+    tail after the queue empties short (docs/continuous.md, "Occupancy")."""
 
     ids: torch.Tensor  # (P, W) prompts
     mask: torch.Tensor  # (P, W)
@@ -40,11 +45,14 @@ class _Queue:
     pads: list[int]  # left-pad columns per prompt (host copy, taken before decoding)
     next: int = 0
 
+    def __post_init__(self) -> None:
+        self.order = sorted(range(len(self.limits)), key=lambda r: -self.limits[r])
+
     def prompt(self, request: int) -> int:
         return request // self.repeats
 
     def take(self, count: int) -> list[int]:
-        taken = list(range(self.next, min(self.next + count, len(self.limits))))
+        taken = self.order[self.next : self.next + count]
         self.next += len(taken)
         return taken
 
@@ -112,7 +120,10 @@ class ContinuousRollout:
         assert isinstance(step, ContinuousStep)
         step.state.set_stop_ids(params.stop_ids)
         clear_slots(step, torch.arange(slots, device=device))
-        self._fill(step, table, queue, first, prefill)
+        self._fill(step, table, queue, first, 0, prefill)
+        outputs = (out_seq, out_resp, out_logp)
+        if table.due_by(0):  # budget-1 requests are done at their first token
+            self._service(step, table, queue, outputs, 0, align, trim, read=False)
         stats.prefill_s = time.perf_counter() - start
 
         runner: Runner = step
@@ -139,8 +150,9 @@ class ContinuousRollout:
             stats.steps += 1
             for slot in table.occupied():
                 table.column[slot] = min(table.column[slot] + 1, total - 2)
-            if stats.steps % interval == 0:
-                self._service(step, table, queue, (out_seq, out_resp, out_logp), align, trim)
+            check = stats.steps % interval == 0
+            if check or self._due(table, queue, stats.steps):
+                self._service(step, table, queue, outputs, stats.steps, align, trim, read=check)
         holder.backend.synchronize()
         stats.decode_s = time.perf_counter() - t_decode
         step.span = None
@@ -155,10 +167,12 @@ class ContinuousRollout:
         table: SlotTable,
         queue: _Queue,
         requests: list[int],
+        now: int,
         prefill: Prefill | None = None,
         front: int | None = None,
     ) -> None:
-        """Put ``requests`` into free slots (prefilled together, first token chosen)."""
+        """Put ``requests`` into free slots after decode step ``now`` (prefilled together,
+        first token chosen)."""
         if not requests:
             return
         if prefill is None:
@@ -186,6 +200,7 @@ class ContinuousRollout:
             table.request[slot] = request
             table.start[slot] = 0
             table.column[slot] = width
+            table.due[slot] = now + queue.limits[request] - 1  # the first token is chosen here
             if front is not None:
                 _shift(step, table, slot, front - width)
         plan = self._rows
@@ -199,30 +214,51 @@ class ContinuousRollout:
         prompts = list(dict.fromkeys(queue.prompt(r) for r in requests))
         return run_prefill(self.model, queue.ids[prompts], queue.mask[prompts])
 
+    @staticmethod
+    def _due(table: SlotTable, queue: _Queue, now: int) -> bool:
+        """Whether to retire between checks: a slot's budget ran out and a queued request can
+        take it, or every busy slot is done (the call ends without waiting for a check). With
+        an empty queue and others still busy, retiring early would free nothing useful."""
+        due = table.due_by(now)
+        return bool(due) and (not queue.empty or len(due) == len(table.occupied()))
+
     def _service(
         self,
         step: ContinuousStep,
         table: SlotTable,
         queue: _Queue,
         outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        now: int,
         align: bool,
         trim: bool,
+        read: bool,
     ) -> None:
-        """The refill check: retire finished slots, then refill them from the queue."""
-        # the one device read of the check; agreed over a process group (a row retires once it
-        # is finished on every rank, so on the same step everywhere)
-        finished = self.holder.agreement.finished_rows(step.state.finished)
-        done = [i for i in table.occupied() if finished[i]]
-        if done:
-            self._retire(step, table, done, outputs, queue)
-        requests = queue.take(len(table.free()))
-        front = None
-        if align:
-            front = self._align(step, table, queue, trim, bool(requests))
-        elif trim:
-            self._trim(step, table, queue)
-        table.refilled += len(requests)
-        self._fill(step, table, queue, requests, front=front)
+        """Retire finished slots after decode step ``now``, then refill them from the queue.
+
+        Slots whose budget ran out are known on the host; with ``read`` (the refill check) the
+        device ``finished`` flags add those stopped early. Requests of budget 1 are done at their
+        first token, so their slots are retired and refilled again at once.
+        """
+        done = table.due_by(now)
+        if read:
+            # the one device read of the check; agreed over a process group (a row retires once
+            # it is finished on every rank, so on the same step everywhere)
+            finished = self.holder.agreement.finished_rows(step.state.finished)
+            done = [i for i in table.occupied() if finished[i] or i in done]
+        while True:
+            if done:
+                self._retire(step, table, done, outputs, queue)
+            requests = queue.take(len(table.free()))
+            front = None
+            if align:
+                front = self._align(step, table, queue, trim, bool(requests))
+            elif trim:
+                self._trim(step, table, queue)
+            table.refilled += len(requests)
+            self._fill(step, table, queue, requests, now, front=front)
+            done = table.due_by(now)
+            if not done:
+                return
 
     @staticmethod
     def _retire(

@@ -98,21 +98,28 @@ class ContinuousStep(DecodeStep):
 
 @dataclass
 class SlotTable:
-    """Which request each slot serves (host side; the host learns of finished slots only at
-    the refill check, from one read of the device ``finished`` flags)."""
+    """Which request each slot serves (host side). A slot's request uses up its budget at a
+    step the host computes (``due``); one that stops earlier (EOS, stop token) is seen only at
+    the refill check, from one read of the device ``finished`` flags."""
 
     request: list[int]
     start: list[int]
     column: list[int]  # each busy slot's write column (exact while its request is active)
+    due: list[int]  # the decode step after which each busy slot's request has its budget
     refilled: int = 0
     moved_columns: int = 0
 
     @classmethod
     def empty(cls, slots: int) -> SlotTable:
-        return cls(request=[-1] * slots, start=[0] * slots, column=[0] * slots)
+        return cls(request=[-1] * slots, start=[0] * slots, column=[0] * slots, due=[0] * slots)
 
     def occupied(self) -> list[int]:
         return [i for i, r in enumerate(self.request) if r >= 0]
+
+    def due_by(self, step: int) -> list[int]:
+        """Busy slots whose request has generated its whole budget after decode step ``step``
+        (finished on the device without the host reading it)."""
+        return [i for i in self.occupied() if self.due[i] <= step]
 
     def free(self) -> list[int]:
         return [i for i, r in enumerate(self.request) if r < 0]
