@@ -1,17 +1,18 @@
 """Split-KV decode attention in Triton: grouped-query K/V read as they are, and only the cache
-blocks the mask lets a row attend to.
+columns the mask lets a row attend to.
 
 A decode step's query is one token per row; the static cache holds every column the rollout
-will ever write. This kernel splits each row's columns into chunks (enough programs to fill the
-device even at batch 1), and each program walks its chunk in blocks of ``BLOCK_N`` columns: it
-reads the block's mask first and skips the block's K/V when no column of it may be attended
-(unwritten columns, left padding, outside a sliding window). The per-row lengths thus live on
-the device, in the mask the engine updates each step, so one captured graph serves every step.
-All query heads that share a K/V head are computed together from one read of that head.
+will ever write. The columns are split into chunks (enough programs to fill the device even at
+batch 1). Each program first reads its chunk's mask (2 bytes a column) to find the span from
+the first to the last open column, then walks only that span in blocks of columns, loading K/V
+of open columns alone: unwritten columns, left padding and columns outside a sliding window are
+never read. The per-row lengths thus live on the device, in the mask the engine updates each
+step, so one captured graph serves every step; and the walk has no branch, so Triton pipelines
+its loads. The query heads that share a K/V head are computed together from one read of it.
 
-A second kernel combines the chunks' partial softmaxes. Accumulation is fp32; fp32 inputs use
-IEEE (not TF32) products so fp32 results match SDPA to rounding. A row with no column to attend
-gets zeros (SDPA would average V; such rows are idle slots whose output is never used).
+With several chunks a second kernel combines their partial softmaxes. Accumulation is fp32;
+fp32 inputs use IEEE (not TF32) products so fp32 results match SDPA to rounding. A row with no
+column to attend gets zeros (SDPA would average V; such rows are idle slots, never read).
 
 The launcher is a torch custom op (``graphcap_cuda::split_kv_decode``) so that graph recorders
 that work on operators (graphcap's CPU reference graph) and ``torch.compile`` see one opaque
@@ -24,8 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-#: Columns per block: the unit of skipping and of each K/V load.
+#: Columns per block (the unit of each K/V load) when the rows and K/V heads alone fill the
+#: device, and when they do not (batch 1: fewer, longer chunks). Measured on the H200
+#: (benchmarks/split_kv_h200.py's sweep, docs/benchmarks.md).
 BLOCK_N = 64
+BLOCK_N_FEW_ROWS = 128
 #: Programs to aim for per launch (a few per multiprocessor) when choosing the split count.
 PROGRAMS_PER_SM = 4
 #: Warps per program of the partial kernel.
@@ -198,15 +202,16 @@ def _split_kv_combine(
     )
 
 
-def split_count(rows: int, kv_heads: int, length: int, device: torch.device) -> int:
-    """Chunks per (row, K/V head): enough programs to fill the device, whole blocks each."""
+def launch_shape(rows: int, kv_heads: int, length: int, device: torch.device) -> tuple[int, int]:
+    """(columns per block, chunks per row and K/V head): enough programs to fill the device."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 132  # an H100/H200's count: the interpreter on CPU needs some number
-    blocks = triton.cdiv(length, BLOCK_N)
+    block_n = BLOCK_N if rows * kv_heads >= sms else BLOCK_N_FEW_ROWS
+    blocks = triton.cdiv(length, block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, rows * kv_heads)
-    return max(1, min(blocks, wanted))
+    return block_n, max(1, min(blocks, wanted))
 
 
 @torch.library.custom_op("graphcap_cuda::split_kv_decode", mutates_args=())
@@ -226,8 +231,8 @@ def split_kv_decode(
     groups = heads // kv_heads
     block_g = max(16, triton.next_power_of_2(groups))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    splits = split_count(rows, kv_heads, length, query.device)
-    chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    block_n, splits = launch_shape(rows, kv_heads, length, query.device)
+    chunk = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
     splits = triton.cdiv(length, chunk)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     direct = splits == 1  # no partial results to combine
@@ -276,7 +281,7 @@ def split_kv_decode(
         IEEE=query.dtype == torch.float32,
         DIRECT=direct,
         BLOCK_G=block_g,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=NUM_WARPS,
     )

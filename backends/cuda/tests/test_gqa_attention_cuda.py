@@ -43,10 +43,10 @@ def test_fp32_logits_and_captured_tokens_equal_sdpa(family):
         atol=1e-5,
     )
     params = SamplingParams(max_new_tokens=16, eos_token_id=[])
-    graph = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend="cuda"))
-    result = graph.generate(ids, mask, params)
+    config = RolloutConfig(enable_graph_capture=True, backend="cuda", graph_attention=GQA_SDPA)
+    result = RolloutEngine(model, config).generate(ids, mask, params)
     assert result.stats.path == "static_graph", result.stats.fallback_reason
-    assert result.stats.attention == GQA_SDPA  # the CUDA backend's default for captured steps
+    assert result.stats.attention == GQA_SDPA
     eager = RolloutEngine(model, RolloutConfig(backend="cuda")).generate(ids, mask, params)
     assert torch.equal(result.sequences, eager.sequences)
 

@@ -49,7 +49,7 @@ def test_fp32_captured_tokens_equal_eager(family):
     model = MODELS[family]().cuda()
     ids, mask = (t.cuda() for t in prompts(4, width=8))
     params = SamplingParams(max_new_tokens=16, eos_token_id=[])
-    config = RolloutConfig(enable_graph_capture=True, backend="cuda", graph_attention=SPLIT_KV)
+    config = RolloutConfig(enable_graph_capture=True, backend="cuda")  # the default attention
     result = RolloutEngine(model, config).generate(ids, mask, params)
     assert result.stats.path == "static_graph", result.stats.fallback_reason
     assert result.stats.attention == SPLIT_KV
