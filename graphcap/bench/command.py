@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from graphcap.bench.config import BenchConfig, add_fields, from_args, option
-from graphcap.bench.report import PlotUnavailableError, format_table, plot_throughput, pyplot
+from graphcap.bench.report import format_table, plot_throughput, pyplot
 from graphcap.bench.run import run_benchmark
 from graphcap.errors import GraphcapError
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.plot:
             pyplot()  # fail now, not after a long run
         report = run_benchmark(from_args(BenchConfig, args), progress=say)
-    except (ValueError, GraphcapError, PlotUnavailableError) as exc:
+    except (ValueError, ImportError, GraphcapError) as exc:
         print(f"graphcap bench: {exc}", file=sys.stderr)
         return 2
     print(format_table(report))

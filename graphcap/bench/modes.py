@@ -93,8 +93,7 @@ class StepClock(StoppingCriteria):
         with torch.no_grad():
             out = work.model.generate(work.input_ids, **kwargs)
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
-        step = statistics.median(gaps[1:]) if len(gaps) > 1 else None
-        return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0] if gaps else None, step)
+        return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0], spread(gaps[1:])[0])
 
 
 @dataclass(frozen=True)
@@ -122,13 +121,13 @@ class Mode:
             torch._dynamo.reset()  # a cold start: earlier compilations must not help this one
         if self.compiles and self.expected_path:  # shadows the class's forward; popped below
             work.model.forward = DecodeCompiledForward(work.model.forward)
-        engine = None
+        path, engine = self.expected_path, None
         try:
             if self.hf_kwargs is not None:
-                clock = StepClock(work.backend.synchronize)
-                yield functools.partial(clock.generate, work, **self.hf_kwargs)
+                yield functools.partial(
+                    StepClock(work.backend.synchronize).generate, work, **self.hf_kwargs
+                )
                 return
-            path = self.expected_path
             slots = min(work.continuous_slots or work.batch_size, work.batch_size)
             config = RolloutConfig(
                 backend=work.backend,
@@ -140,7 +139,7 @@ class Mode:
             # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.
             pin = work.new_tokens if path == "per_position_graph" else 0
             sampling = SamplingParams(
-                max_new_tokens=work.new_tokens, min_new_tokens=pin, do_sample=False, pad_token_id=0
+                max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0
             )
 
             def call() -> CallOutput:

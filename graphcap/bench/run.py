@@ -51,9 +51,7 @@ def run_benchmark(
         peak = models.peak_bandwidth(name, config.peak_bandwidth)
         report = BenchReport(
             environment={
-                "graphcap": graphcap.__version__,
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
+                **{m.__name__: m.__version__ for m in (graphcap, torch, transformers)},
                 "python": platform.python_version(),
                 "platform": platform.platform(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -122,11 +120,9 @@ def _run_mode(
 ) -> tuple[ModeResult, Any]:
     """Measure one mode at one batch size; also return its first and last call's output."""
     r, mode, backend = ModeResult(name, work.batch_size), MODES[name], work.backend
-    r.reason = mode.unsupported(backend)
-    if r.reason is not None:
-        r.status = UNSUPPORTED
-        say(f"  unsupported: {r.reason}")
-        return r, None
+    if (reason := mode.unsupported(backend)) is not None:
+        say(f"  unsupported: {reason}")
+        return ModeResult(name, work.batch_size, UNSUPPORTED, reason), None
     gc.collect()
     backend.empty_cache()
     backend.reset_peak_memory_stats()
@@ -152,8 +148,7 @@ def _run_mode(
     graphs2, breaks2 = compile_counts()
     r.compiled_graphs_first_call, r.recompiles_steady = graphs1 - graphs0, graphs2 - graphs1
     r.graph_breaks, r.first_call_s = breaks2 - breaks0, first.seconds
-    if held is not None and before is not None:
-        r.engine_memory_bytes = held - before  # what the engine keeps between calls
+    r.engine_memory_bytes = None if None in (held, before) else held - before  # kept by the engine
     r.peak_memory_bytes = backend.max_memory_allocated()
     r.steady_s = [c.seconds for c in calls]
     r.steady_median_s, r.steady_min_s, r.steady_max_s = spread(r.steady_s)
@@ -162,17 +157,15 @@ def _run_mode(
     r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s = spread(
         c.decode_step_s for c in calls
     )
-    stats = calls[-1].stats
-    r.path = "hf" if stats is None else stats.path
-    if stats is not None:
+    if (stats := calls[-1].stats) is not None:
         r.captures, r.replays_per_call = stats.captures, stats.replays
         r.occupancy = spread(c.stats.occupancy for c in calls)[0]
+    r.path = "hf" if stats is None else stats.path
     if mode.expected_path is not None and r.path != mode.expected_path:
         r.status = FALLBACK
         r.reason = f"ran eagerly: {stats.fallback_reason or 'no graph was captured'}"
     elif name == "hf-static-compile" and not r.compiled_graphs_first_call:
-        r.status = FALLBACK
-        r.reason = "generate() compiled nothing on this device (ran uncompiled)"
+        r.status, r.reason = FALLBACK, "generate() compiled nothing here (ran uncompiled)"
     elif name == "hf-static-compile" and r.recompiles_steady:
         r.reason = (
             f"recompiled {r.recompiles_steady} graph(s) after the first call: a broken "
