@@ -1,5 +1,7 @@
-"""``graphcap bench`` (``graphcap.cli`` hands it its arguments): every option is a field of
-:class:`BenchConfig` (what to measure) or :class:`Outputs` (where the results go)."""
+"""Compare rollout speed with and without graphs on this machine: transformers' generate (eager,
+static cache + torch.compile) against graphcap's eager and graph paths, one process, one model.
+Every option is a field of BenchConfig (what to measure) or Outputs (where the results go). See
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -19,17 +21,12 @@ class Outputs:
     plot: str | None = option(
         "write tokens/s vs batch size (PNG, needs matplotlib)", metavar="PATH"
     )
-    quiet: bool = option("no progress lines on stderr", False)
+    quiet: bool = option("no progress lines on stderr", False, action="store_true")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; table on stdout, progress on stderr. Returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="graphcap bench",
-        description="Compare rollout speed with and without graphs on this machine: "
-        "transformers' generate (eager, static cache + torch.compile) against graphcap's eager "
-        "and graph paths, one process, one model. See docs/benchmarks.md.",
-    )
+    parser = argparse.ArgumentParser(prog="graphcap bench", description=__doc__)
     add_fields(parser, BenchConfig)
     add_fields(parser, Outputs)
     args = parser.parse_args(argv)

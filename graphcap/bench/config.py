@@ -77,15 +77,12 @@ class BenchConfig:
 def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--field-name`` option per field of the dataclass ``cls``."""
     for f in fields(cls):
-        kwargs = {k: v for k, v in f.metadata.items() if k not in ("cpu", "device", "ge")}
-        if "cpu" in f.metadata:
-            kwargs["help"] += (
-                f" (default: {f.metadata['cpu']} on CPU, {f.metadata['device']} on a device)"
-            )
+        m = f.metadata
+        kwargs = {k: v for k, v in m.items() if k not in ("cpu", "device", "ge")}
+        if "cpu" in m:
+            kwargs["help"] += f" (default: {m['cpu']} on CPU, {m['device']} on a device)"
         if "type" in kwargs:
             kwargs["type"] = functools.partial(_usage_error, kwargs["type"])
-        if isinstance(f.default, bool):
-            kwargs["action"] = "store_true"
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
 
 
@@ -109,12 +106,13 @@ def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
     c.dtype = c.dtype or default_dtype_name(c.model, backend.device.type)
     c.modes = parse_modes(",".join(c.modes or default_modes(backend)))
     c.rl_batch_size = c.batch_sizes[0] if c.rl_batch_size is None else c.rl_batch_size
-    if c.dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {c.dtype!r}; choose one of {sorted(DTYPES)}")
-    for f in (f for f in fields(c) if "ge" in f.metadata):
-        value, least = getattr(c, f.name), f.metadata["ge"]
-        if value is not None and min(value if isinstance(value, list) else [value]) < least:
-            raise ValueError(f"{f.name.replace('_', ' ')} must be >= {least}, got {value}")
+    for f in fields(c):
+        value, m, what = getattr(c, f.name), f.metadata, f.name.replace("_", " ")
+        if "choices" in m and value not in m["choices"]:
+            raise ValueError(f"unknown {what} {value!r}; choose one of {list(m['choices'])}")
+        least = min(value) if isinstance(value, list) else value
+        if "ge" in m and least is not None and least < m["ge"]:
+            raise ValueError(f"{what} must be >= {m['ge']}, got {value}")
     if c.budget_s is not None and c.budget_s <= 0:
         raise ValueError(f"the time budget must be positive, got {c.budget_s}")
     return c

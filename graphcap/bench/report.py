@@ -128,10 +128,6 @@ def _ms(values: tuple[float | None, ...], spec: str = ".1f") -> str:
     return "{} [{}-{}]".format(*(_num(v, spec, 1e3) for v in values))
 
 
-def _gib(n: int | None) -> str:
-    return _num(n, ".2f", 2**-30, "G")
-
-
 #: header -> cell, for a mode that ran (the others show their status after the batch size).
 COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "mode": lambda r: r.mode if r.status == OK else f"{r.mode} [{r.status}]",
@@ -143,7 +139,7 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     ),
     "tok/s": lambda r: _num(r.tokens_per_s, ".0f"),
     "BW%": lambda r: _num(r.bandwidth_fraction, ".0f", 100),
-    "peak mem": lambda r: _gib(r.peak_memory_bytes),
+    "peak mem": lambda r: _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
     "capt": lambda r: _num(r.captures, "d"),
     "tokens": lambda r: "same" if r.tokens_identical else _num(r.token_agreement, ".1f", 100, "%"),
     "x hf-eager": lambda r: _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
@@ -155,7 +151,7 @@ RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
     "train(ms)": lambda i: _num(i.train_step_s, ".1f", 1e3),
     "captures": lambda i: _num(i.captures, "d"),
     "path": lambda i: str(i.path),
-    "peak mem": lambda i: _gib(i.peak_memory_bytes),
+    "peak mem": lambda i: _num(i.peak_memory_bytes, ".2f", 2**-30, "G"),
     "=eager": lambda i: str(i.tokens_match_eager),
     "changed": lambda i: _num(i.tokens_changed, ""),
 }
@@ -215,17 +211,16 @@ def format_table(report: BenchReport) -> str:
 
 # ---- plot (optional: matplotlib) --------------------------------------------------------------
 def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend; called early to fail before a long run."""
+    """matplotlib.pyplot on the file-only Agg backend, else an ImportError saying how to get it;
+    called early to fail before a long run."""
     try:
-        import matplotlib
+        import matplotlib.pyplot as plt
     except ImportError:
         raise ImportError(
             "--plot needs matplotlib, which is not installed: pip install matplotlib, or drop "
             "--plot (the JSON report holds the same figures)"
         ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt.switch_backend("Agg")
     return plt
 
 
@@ -241,10 +236,7 @@ def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in series.items():
         ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label)
-    batches = sorted({b for points in series.values() for b, _ in points})
     ax.set_xscale("log", base=2)
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.minorticks_off()
     ax.set(yscale="log", xlabel="batch size", ylabel="generated tokens/s (steady state)")
     ax.set_title(
         f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
@@ -252,7 +244,6 @@ def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(target := _target(path), dpi=120)
+    fig.savefig(target := _target(path), dpi=120, bbox_inches="tight")
     plt.close(fig)
     return target

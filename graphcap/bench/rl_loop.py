@@ -20,9 +20,7 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.op
             "AdamW on fp16 weights underflows its epsilon (NaN weights); use --rl-optimizer sgd "
             "or --dtype bf16/fp32"
         )
-    if name not in ("sgd", "adamw"):
-        raise ValueError(f"unknown optimizer {name!r}; choose 'sgd' or 'adamw'")
-    return (torch.optim.SGD if name == "sgd" else torch.optim.AdamW)(params, lr=lr)
+    return {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[name](params, lr=lr)
 
 
 def policy_gradient_step(
