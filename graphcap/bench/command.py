@@ -18,9 +18,7 @@ from graphcap.errors import GraphcapError
 @dataclass
 class Outputs:
     json: str | None = option("write the full report as JSON", metavar="PATH")
-    plot: str | None = option(
-        "write tokens/s vs batch size (PNG, needs matplotlib)", metavar="PATH"
-    )
+    plot: str | None = option("plot tokens/s vs batch size (PNG, needs matplotlib)", metavar="PATH")
     quiet: bool = option("no progress lines on stderr", False, action="store_true")
 
 

@@ -160,9 +160,7 @@ RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
 def render_table(
     columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = ""
 ) -> list[str]:
-    """Left-aligned columns two spaces apart, a dashed rule under the header; a short row ends in
-    empty cells."""
-    rows = [[*row, *[""] * (len(columns) - len(row))] for row in rows]
+    """Left-aligned columns two spaces apart, a dashed rule under the header."""
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
     return [
         indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -173,7 +171,7 @@ def render_table(
 def _mode_row(r: ModeResult) -> list[str]:
     if r.status in (OK, FALLBACK):
         return [cell(r) for cell in COLUMNS.values()]
-    return [r.mode, str(r.batch_size), r.status]
+    return [r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3)]
 
 
 def format_table(report: BenchReport) -> str:
