@@ -1,7 +1,6 @@
 """Compare rollout speed with and without graphs on this machine: transformers' generate (eager,
 static cache + torch.compile) against graphcap's eager and graph paths, one process, one model.
-Every option is a field of BenchConfig (what to measure) or Outputs (where the results go). See
-docs/benchmarks.md."""
+See docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -17,6 +16,8 @@ from graphcap.errors import GraphcapError
 
 @dataclass
 class Outputs:
+    """Where the results go (the other options are :class:`BenchConfig`'s fields)."""
+
     json: str | None = option("write the full report as JSON", metavar="PATH")
     plot: str | None = option("plot tokens/s vs batch size (PNG, needs matplotlib)", metavar="PATH")
     quiet: bool = option("no progress lines on stderr", False, action="store_true")

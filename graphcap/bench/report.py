@@ -11,9 +11,6 @@ from typing import Any
 
 from graphcap.bench.modes import spread
 
-#: 2: steady_max_s and decode_step_min_s / _max_s added, graph_pool_bytes (never set) removed.
-SCHEMA_VERSION = 2
-
 OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
 
 
@@ -101,7 +98,8 @@ class BenchReport:
     rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
-    schema_version: int = SCHEMA_VERSION
+    #: 2: steady_max_s and decode_step_min_s / _max_s added, graph_pool_bytes (never set) removed.
+    schema_version: int = 2
 
     def write_json(self, path: str | Path) -> Path:
         (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -234,7 +232,10 @@ def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in series.items():
         ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label)
+    batches = sorted({b for points in series.values() for b, _ in points})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
     ax.set(yscale="log", xlabel="batch size", ylabel="generated tokens/s (steady state)")
     ax.set_title(
         f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
