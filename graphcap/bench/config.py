@@ -1,5 +1,6 @@
 """What a bench run measures: one dataclass whose fields' metadata (help, ``type``, defaults on
-``cpu`` / ``device``; ``None`` means the default) also builds ``graphcap bench``'s options."""
+``cpu`` / ``device`` where ``None`` means the default, ``ge`` the least value) also builds
+``graphcap bench``'s options."""
 
 from __future__ import annotations
 
@@ -16,10 +17,9 @@ from graphcap.bench.modes import MODES, default_modes, parse_modes
 
 def int_list(text: str) -> list[int]:
     """Comma-separated positive integers, e.g. ``1,8,32``."""
-    values = [int(v) for v in text.split(",") if v.strip().isdigit()]
-    if not values or len(values) != len(text.split(",")) or min(values) < 1:
+    if min(int(v) if v.strip().isdigit() else 0 for v in text.split(",")) < 1:
         raise ValueError(f"expected comma-separated positive integers such as 1,8,32, got {text!r}")
-    return values
+    return [int(v) for v in text.split(",")]
 
 
 def option(help: str, default: Any = None, **metadata: Any) -> Any:
@@ -40,23 +40,25 @@ class BenchConfig:
         "weights dtype (default: fp32 on CPU, fp16 for gpt2 presets, bf16 otherwise)",
         choices=sorted(DTYPES),
     )
-    batch_sizes: list[int] | None = option("e.g. 1,8,32,64", type=int_list, cpu=[1, 4], device=[1])
+    batch_sizes: list[int] | None = option(
+        "e.g. 1,8,32,64", type=int_list, cpu=[1, 4], device=[1], ge=1
+    )
     compile_batch_sizes: list[int] | None = option(
         "run the compiling modes only at these batch sizes (default: all)", type=int_list
     )
-    prompt_len: int | None = option("prompt tokens per row", type=int, cpu=16, device=128)
-    new_tokens: int | None = option("new tokens per row (EOS off)", type=int, cpu=16, device=128)
-    repeats: int | None = option("steady-state calls", type=int, cpu=3, device=5)
-    warmup: int | None = option("discarded calls after the first", type=int, cpu=1, device=2)
+    prompt_len: int | None = option("prompt tokens per row", type=int, cpu=16, device=128, ge=1)
+    new_tokens: int | None = option("generated tokens per row", type=int, cpu=16, device=128, ge=2)
+    repeats: int | None = option("steady-state calls", type=int, cpu=3, device=5, ge=1)
+    warmup: int | None = option("discarded calls after the first", type=int, cpu=1, device=2, ge=0)
     modes: list[str] | None = option(
         f"comma-separated subset of {', '.join(MODES)} (default: those that run here)",
         type=parse_modes,
     )
     continuous_slots: int | None = option(
-        "slots of graphcap-continuous (default: one per row)", type=int
+        "slots of graphcap-continuous (default: one per row)", type=int, ge=1
     )
     # One thread on the CPU: more do not speed up a tiny model and add noise on a busy machine.
-    threads: int | None = option("torch intra-op threads (0: torch's)", type=int, cpu=1, device=0)
+    threads: int | None = option("intra-op threads (0: torch's)", type=int, cpu=1, device=0, ge=0)
     seed: int = option("weights and prompts seed", 0, type=int)
     peak_bandwidth: float | None = option(
         "memory bandwidth for the roofline, e.g. 4.8TB/s (default: known devices)",
@@ -66,8 +68,8 @@ class BenchConfig:
         "time limit for the mode sweep; pairs not started in time are reported skipped", type=float
     )
     backend: str | None = option("graphcap backend name (default: $GRAPHCAP_BACKEND)")
-    rl_loop: int = option("also run N generate -> train step iterations", 0, type=int, metavar="N")
-    rl_batch_size: int | None = option("RL loop batch (default: the first batch size)", type=int)
+    rl_loop: int = option("also run N generate -> train iterations", 0, type=int, metavar="N", ge=0)
+    rl_batch_size: int | None = option("RL loop batch size (default: the first)", type=int, ge=1)
     rl_optimizer: str = option("RL loop optimizer", "sgd", choices=("sgd", "adamw"))
     rl_lr: float = option("RL loop learning rate", 1e-3, type=float)
 
@@ -75,15 +77,12 @@ class BenchConfig:
 def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--field-name`` option per field of the dataclass ``cls``."""
     for f in fields(cls):
-        kwargs = {k: v for k, v in f.metadata.items() if k not in ("cpu", "device")}
-        if "cpu" in f.metadata:
-            kwargs["help"] += (
-                f" (default: {f.metadata['cpu']} on CPU, {f.metadata['device']} on a device)"
-            )
+        m = f.metadata
+        kwargs = {k: v for k, v in m.items() if k not in ("cpu", "device", "ge")}
+        if "cpu" in m:
+            kwargs["help"] += f" (default: {m['cpu']} on CPU, {m['device']} on a device)"
         if "type" in kwargs:
             kwargs["type"] = functools.partial(_usage_error, kwargs["type"])
-        if isinstance(f.default, bool):
-            kwargs["action"] = "store_true"
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
 
 
@@ -107,21 +106,13 @@ def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
     c.dtype = c.dtype or default_dtype_name(c.model, backend.device.type)
     c.modes = parse_modes(",".join(c.modes or default_modes(backend)))
     c.rl_batch_size = c.batch_sizes[0] if c.rl_batch_size is None else c.rl_batch_size
-    if c.dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {c.dtype!r}; choose one of {sorted(DTYPES)}")
-    for what, value, least in (
-        ("batch sizes", min(c.batch_sizes), 1),
-        ("prompt length", c.prompt_len, 1),
-        ("new tokens (the prefill token plus at least one step)", c.new_tokens, 2),
-        ("repeats", c.repeats, 1),
-        ("warmup", c.warmup, 0),
-        ("continuous slots", c.continuous_slots, 1),
-        ("threads", c.threads, 0),
-        ("--rl-loop", c.rl_loop, 0),
-        ("RL batch size", c.rl_batch_size, 1),
-    ):
-        if value is not None and value < least:
-            raise ValueError(f"{what} must be >= {least}, got {value}")
+    for f in fields(c):
+        value, m, what = getattr(c, f.name), f.metadata, f.name.replace("_", " ")
+        if "choices" in m and value not in m["choices"]:
+            raise ValueError(f"unknown {what} {value!r}; choose one of {list(m['choices'])}")
+        least = min(value) if isinstance(value, list) else value
+        if "ge" in m and least is not None and least < m["ge"]:
+            raise ValueError(f"{what} must be >= {m['ge']}, got {value}")
     if c.budget_s is not None and c.budget_s <= 0:
         raise ValueError(f"the time budget must be positive, got {c.budget_s}")
     return c

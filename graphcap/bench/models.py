@@ -68,9 +68,8 @@ def build_model(
         built = built.to(device)
     else:
         raise ValueError(
-            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local model "
-            "directory containing config.json; nothing is downloaded, so pass a preset name or "
-            "the path of a model saved with save_pretrained()"
+            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory "
+            "with config.json (from save_pretrained(); nothing is downloaded)"
         )
     built.eval().config.eos_token_id = None
     built.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
@@ -79,12 +78,11 @@ def build_model(
 
 def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     """Architecture, shape, distinct parameter count (a tied weight counts once) and dtype."""
-    shape = {k: getattr(model.config, k, None) for k in SHAPE}
     return {
         "architecture": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        **{k: v for k, v in shape.items() if v is not None},
+        **{k: v for k in SHAPE if (v := getattr(model.config, k, None)) is not None},
     }
 
 
@@ -92,9 +90,8 @@ def make_prompts(
     vocab: int, batch: int, length: int, seed: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random full-length token prompts (no padding), the same for every mode."""
-    ids = torch.randint(
-        0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed + batch)
-    )
+    generator = torch.Generator().manual_seed(seed + batch)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator)
     return ids.to(device), torch.ones_like(ids).to(device)
 
 

@@ -8,7 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,14 +50,11 @@ class Workload:
     attention_mask: torch.Tensor
     new_tokens: int
     continuous_slots: int | None = None
+    batch_size: int = field(init=False)
+    prompt_width: int = field(init=False)
 
-    @property
-    def batch_size(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def prompt_width(self) -> int:
-        return int(self.input_ids.shape[1])
+    def __post_init__(self) -> None:
+        self.batch_size, self.prompt_width = self.input_ids.shape
 
 
 @dataclass
@@ -93,8 +90,7 @@ class StepClock(StoppingCriteria):
         with torch.no_grad():
             out = work.model.generate(work.input_ids, **kwargs)
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
-        step = statistics.median(gaps[1:]) if len(gaps) > 1 else None
-        return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0] if gaps else None, step)
+        return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0], spread(gaps[1:])[0])
 
 
 @dataclass(frozen=True)
@@ -121,14 +117,12 @@ class Mode:
         if self.compiles:
             torch._dynamo.reset()  # a cold start: earlier compilations must not help this one
         if self.compiles and self.expected_path:  # shadows the class's forward; popped below
-            work.model.forward = DecodeCompiledForward(work.model.forward)
-        engine = None
+            work.model.forward = decode_compiled(work.model.forward)
+        path, engine, sync = self.expected_path, None, work.backend.synchronize
         try:
             if self.hf_kwargs is not None:
-                clock = StepClock(work.backend.synchronize)
-                yield functools.partial(clock.generate, work, **self.hf_kwargs)
+                yield functools.partial(StepClock(sync).generate, work, **self.hf_kwargs)
                 return
-            path = self.expected_path
             slots = min(work.continuous_slots or work.batch_size, work.batch_size)
             config = RolloutConfig(
                 backend=work.backend,
@@ -140,7 +134,7 @@ class Mode:
             # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.
             pin = work.new_tokens if path == "per_position_graph" else 0
             sampling = SamplingParams(
-                max_new_tokens=work.new_tokens, min_new_tokens=pin, do_sample=False, pad_token_id=0
+                max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0
             )
 
             def call() -> CallOutput:
@@ -158,18 +152,17 @@ class Mode:
                 torch._dynamo.reset()
 
 
-class DecodeCompiledForward:
-    """A forward whose decode (single-token) calls run ``torch.compile``'d code, compiled in the
+def decode_compiled(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` whose decode (single-token) calls run ``torch.compile``'d code, compiled in the
     warm-up before capture; prefill stays eager, so it compiles once, not twice."""
+    compiled = torch.compile(forward, dynamic=False)
 
-    def __init__(self, forward: Any) -> None:
-        self.eager, self.compiled = forward, torch.compile(forward, dynamic=False)
-        functools.update_wrapper(self, forward)  # the engine inspects forward's parameters
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(forward)  # the engine inspects forward's parameters
+    def routed(*args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        decode = ids is not None and ids.shape[-1] == 1
-        return (self.compiled if decode else self.eager)(*args, **kwargs)
+        return (compiled if ids is not None and ids.shape[-1] == 1 else forward)(*args, **kwargs)
+
+    return routed
 
 
 # transformers decides whether hf-static-compile compiles; the runner counts compiled graphs.

@@ -4,15 +4,12 @@ rendering as text tables and an optional PNG plot (matplotlib)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from graphcap.bench.modes import spread
-
-#: 2: steady_max_s and decode_step_min_s / _max_s added, graph_pool_bytes (never set) removed.
-SCHEMA_VERSION = 2
 
 OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
 
@@ -101,13 +98,11 @@ class BenchReport:
     rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
-    schema_version: int = SCHEMA_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+    #: 2: steady_max_s and decode_step_min_s / _max_s added, graph_pool_bytes (never set) removed.
+    schema_version: int = 2
 
     def write_json(self, path: str | Path) -> Path:
-        (target := _target(path)).write_text(self.to_json() + "\n")
+        (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")
         return target
 
     def result(self, mode: str, batch_size: int) -> ModeResult | None:
@@ -120,73 +115,61 @@ def _target(path: str | Path) -> Path:
 
 
 # ---- text -------------------------------------------------------------------------------------
-def render_table(
-    columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = ""
-) -> list[str]:
-    """Left-aligned columns two spaces apart, a dashed rule under the header."""
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
-    rule = ["-" * w for w in widths]
-    return [
-        indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in (columns, rule, *rows)
-    ]
-
-
 def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
 def _ms(values: tuple[float | None, ...], spec: str = ".1f") -> str:
     """``median [min-max]`` in ms, from (median, min, max); the median alone without a spread."""
-    if None in values[1:] or len(values) == 1:
+    if None in values[1:]:
         return _num(values[0], spec, 1e3)
     return "{} [{}-{}]".format(*(_num(v, spec, 1e3) for v in values))
 
 
-COLUMNS = ("mode", "bs", "first(s)", "steady ms [min-max]", "step ms [min-max]", "tok/s", "BW%")
-COLUMNS += ("peak mem", "capt", "tokens", "x hf-eager", "x hf-static")
-RL_COLUMNS = ("iter", "generate(ms)", "train(ms)", "captures", "path", "peak mem", "=eager")
-RL_COLUMNS += ("changed",)
+#: header -> cell, for a mode that ran (the others show their status after the batch size).
+COLUMNS: dict[str, Callable[[ModeResult], str]] = {
+    "mode": lambda r: r.mode if r.status == OK else f"{r.mode} [{r.status}]",
+    "bs": lambda r: str(r.batch_size),
+    "first(s)": lambda r: _num(r.first_call_s, ".2f"),
+    "steady ms [min-max]": lambda r: _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s)),
+    "step ms [min-max]": lambda r: _ms(
+        (r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"
+    ),
+    "tok/s": lambda r: _num(r.tokens_per_s, ".0f"),
+    "BW%": lambda r: _num(r.bandwidth_fraction, ".0f", 100),
+    "peak mem": lambda r: _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
+    "capt": lambda r: _num(r.captures, "d"),
+    "tokens": lambda r: "same" if r.tokens_identical else _num(r.token_agreement, ".1f", 100, "%"),
+    "x hf-eager": lambda r: _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
+    "x hf-static": lambda r: _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
+}
+RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
+    "iter": lambda i: str(i.iteration),
+    "generate(ms)": lambda i: _num(i.generate_s, ".1f", 1e3),
+    "train(ms)": lambda i: _num(i.train_step_s, ".1f", 1e3),
+    "captures": lambda i: _num(i.captures, "d"),
+    "path": lambda i: str(i.path),
+    "peak mem": lambda i: _num(i.peak_memory_bytes, ".2f", 2**-30, "G"),
+    "=eager": lambda i: str(i.tokens_match_eager),
+    "changed": lambda i: _num(i.tokens_changed, ""),
+}
 
 
-def _row(r: ModeResult) -> tuple[str, ...]:
-    if r.status in (UNSUPPORTED, ERROR, SKIPPED):
-        return (r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3))
-    return (
-        r.mode if r.status == OK else f"{r.mode} [{r.status}]",
-        str(r.batch_size),
-        _num(r.first_call_s, ".2f"),
-        _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s)),
-        _ms((r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"),
-        _num(r.tokens_per_s, ".0f"),
-        _num(r.bandwidth_fraction, ".0f", 100),
-        _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
-        _num(r.captures, "d"),
-        "same" if r.tokens_identical else _num(r.token_agreement, ".1f", 100, "%"),
-        _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
-        _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
-    )
-
-
-def _rl_lines(res: RLLoopResult) -> list[str]:
-    rows = []
-    for i in res.iterations:
-        cells = (
-            str(i.iteration),
-            _ms((i.generate_s,)),
-            _ms((i.train_step_s,)),
-            _num(i.captures, "d"),
-        )
-        mem, same = _num(i.peak_memory_bytes, ".2f", 2**-30, "G"), str(i.tokens_match_eager)
-        rows.append((*cells, str(i.path), mem, same, _num(i.tokens_changed, "")))
-    later = _ms(spread(i.generate_s for i in res.iterations[1:]))
-    train = _ms(spread(i.train_step_s for i in res.iterations))
+def render_table(
+    columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = ""
+) -> list[str]:
+    """Left-aligned columns two spaces apart, a dashed rule under the header."""
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
     return [
-        f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
-        f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; "
-        f"generate after the first {later} ms, train step {train} ms",
-        *render_table(RL_COLUMNS, rows, indent="  "),
+        indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in (columns, ["-" * w for w in widths], *rows)
     ]
+
+
+def _mode_row(r: ModeResult) -> list[str]:
+    if r.status in (OK, FALLBACK):
+        return [cell(r) for cell in COLUMNS.values()]
+    return [r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3)]
 
 
 def format_table(report: BenchReport) -> str:
@@ -202,10 +185,20 @@ def format_table(report: BenchReport) -> str:
         f"bandwidth {_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')}",
         f"tokens: agreement with {report.reference_mode} at the same batch size",
         "",
-        *render_table(COLUMNS, [_row(r) for r in report.results]),
+        *render_table(list(COLUMNS), [_mode_row(r) for r in report.results]),
     ]
     for res in report.rl_loop:
-        lines += ["", *_rl_lines(res)]
+        its = res.iterations
+        lines += [
+            "",
+            f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
+            f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; "
+            f"generate after the first {_ms(spread(i.generate_s for i in its[1:]))} ms, train "
+            f"step {_ms(spread(i.train_step_s for i in its))} ms",
+            *render_table(
+                list(RL_COLUMNS), [[c(i) for c in RL_COLUMNS.values()] for i in its], "  "
+            ),
+        ]
     rs = report.results
     notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
     notes += [f"warning: {w}" for w in report.warnings]
@@ -213,32 +206,26 @@ def format_table(report: BenchReport) -> str:
 
 
 # ---- plot (optional: matplotlib) --------------------------------------------------------------
-class PlotUnavailableError(RuntimeError):
-    """matplotlib is not installed; the message says how to get it."""
-
-
 def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend; called early to fail before a long run."""
+    """matplotlib.pyplot on the file-only Agg backend, else an ImportError saying how to get it;
+    called early to fail before a long run."""
     try:
-        import matplotlib
+        import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotUnavailableError(
+        raise ImportError(
             "--plot needs matplotlib, which is not installed: pip install matplotlib, or drop "
             "--plot (the JSON report holds the same figures)"
         ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt.switch_backend("Agg")
     return plt
 
 
 def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
     """Write tokens/s vs batch size per mode of ``report`` (the JSON form) to ``path``."""
-    plt = pyplot()
-    series: dict[str, list[tuple[int, float]]] = {}
+    plt, cfg, series = pyplot(), report["config"], {}
     for r in report["results"]:
-        if r["status"] in ("ok", "fallback") and r["tokens_per_s"]:
-            label = r["mode"] + ("" if r["status"] == "ok" else " (fallback)")
+        if r["status"] in (OK, FALLBACK) and r["tokens_per_s"]:
+            label = r["mode"] + ("" if r["status"] == OK else " (fallback)")
             series.setdefault(label, []).append((r["batch_size"], r["tokens_per_s"]))
     if not series:
         raise ValueError("nothing to plot: no mode produced a steady-state figure")
@@ -249,14 +236,13 @@ def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.minorticks_off()
-    cfg, device = report["config"], report["backend"].get("device_name")
-    title = f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
     ax.set(yscale="log", xlabel="batch size", ylabel="generated tokens/s (steady state)")
-    ax.set_title(title + str(device))
+    ax.set_title(
+        f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
+        f"{report['backend'].get('device_name')}"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    target = _target(path)
-    fig.tight_layout()
-    fig.savefig(target, dpi=120)
+    fig.savefig(target := _target(path), dpi=120, bbox_inches="tight")
     plt.close(fig)
     return target

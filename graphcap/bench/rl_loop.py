@@ -20,9 +20,7 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.op
             "AdamW on fp16 weights underflows its epsilon (NaN weights); use --rl-optimizer sgd "
             "or --dtype bf16/fp32"
         )
-    if name not in ("sgd", "adamw"):
-        raise ValueError(f"unknown optimizer {name!r}; choose 'sgd' or 'adamw'")
-    return (torch.optim.SGD if name == "sgd" else torch.optim.AdamW)(params, lr=lr)
+    return {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[name](params, lr=lr)
 
 
 def policy_gradient_step(
@@ -52,37 +50,36 @@ def run_rl_loop(
     adv = torch.randn(work.batch_size, generator=torch.Generator().manual_seed(seed))
     adv = adv.to(backend.device)
     names = ["graphcap-eager", "graphcap-graph"][: 1 + backend.supports_graph_capture]
-    results = {n: RLLoopResult(n, work.batch_size, optimizer) for n in names}
-    addresses = [(p.data_ptr(), p.shape) for p in model.parameters()]
-    previous = None
+    results = [RLLoopResult(n, work.batch_size, optimizer) for n in names]
+    addresses, previous = [(p.data_ptr(), p.shape) for p in model.parameters()], None
     with contextlib.ExitStack() as stack:
-        calls = {n: stack.enter_context(MODES[n].session(work)) for n in names}
+        calls = [stack.enter_context(MODES[n].session(work)) for n in names]
         for it in range(iterations):
-            runs = {}
-            for name, call in calls.items():
+            runs = []
+            for call in calls:
                 backend.reset_peak_memory_stats()
-                runs[name] = (*timed_call(call, sync), backend.max_memory_allocated())
-            rollout = runs[names[-1]][1].tokens  # the graph engine's, when there is one
+                runs.append((*timed_call(call, sync), backend.max_memory_allocated()))
+            eager, rollout = runs[0][1].tokens, runs[-1][1].tokens  # the graph's, if there is one
             backend.reset_peak_memory_stats()
             seqs = torch.cat([work.input_ids, rollout.to(backend.device)], dim=1)
             step = functools.partial(policy_gradient_step, model, opt, seqs, work.prompt_width, adv)
             train_s, loss = timed_call(step, sync)
-            train_peak, eager = backend.max_memory_allocated(), runs[names[0]][1].tokens
-            for name, (seconds, out, peak) in runs.items():
+            train_peak = backend.max_memory_allocated()
+            for res, (seconds, out, peak) in zip(results, runs, strict=True):
                 changed = None if previous is None else not torch.equal(out.tokens, previous)
                 row = RLIteration(it, seconds, train_s, loss, out.stats.captures, out.stats.path)
                 row.peak_memory_bytes, row.train_peak_memory_bytes = peak, train_peak
                 row.tokens_match_eager, row.tokens_changed = torch.equal(out.tokens, eager), changed
-                results[name].iterations.append(row)
+                res.iterations.append(row)
             previous = rollout
     moved = addresses != [(p.data_ptr(), p.shape) for p in model.parameters()]
-    for res in results.values():
+    for res in results:
         its, res.parameters_reallocated = res.iterations, moved
         res.captures_final, res.first_generate_s = its[-1].captures, its[0].generate_s
         res.steady_generate_median_s = spread(i.generate_s for i in its[1:])[0]
         res.train_step_median_s = spread(i.train_step_s for i in its)[0]
         res.iteration_median_s = spread(i.generate_s + i.train_step_s for i in its)[0]
-    return list(results.values()), rl_warnings(list(results.values()))
+    return results, rl_warnings(results)
 
 
 def rl_warnings(results: list[RLLoopResult]) -> list[str]:

@@ -1,8 +1,6 @@
 """run_benchmark(): every selected mode, at every batch size, on one model and one prompt set.
-
 The first call of a mode (capture, compilation) is timed alone, ``warmup`` calls are dropped, and
-the steady state an RL run pays per rollout is the median, min and max of ``repeats`` calls.
-"""
+the steady state an RL run pays per rollout is the median, min and max of ``repeats`` calls."""
 
 from __future__ import annotations
 
@@ -38,32 +36,29 @@ def run_benchmark(
     """Every selected mode at every batch size (same process, model and prompts, so ratios are
     comparable); ``progress`` receives one line per step of the run."""
     backend = backend or graphcap.get_backend(config.backend if config else None)
-    config, say = resolve(config or BenchConfig(), backend), progress or (lambda _line: None)
-    threads, started = torch.get_num_threads(), time.monotonic()
-    torch.set_num_threads(config.threads or threads)
+    cfg, say = resolve(config or BenchConfig(), backend), progress or (lambda _line: None)
+    threads, started, device = torch.get_num_threads(), time.monotonic(), backend.device
+    torch.set_num_threads(cfg.threads or threads)
     try:
-        say(f"building {config.model} ({config.dtype}) on {backend.device}")
-        device, name = backend.device, models.device_name(backend)
-        dtype, seed = models.DTYPES[config.dtype], config.seed
+        say(f"building {cfg.model} ({cfg.dtype}) on {device}")
+        dtype, name = models.DTYPES[cfg.dtype], models.device_name(backend)
         model = models.build_model(
-            config.model, dtype=dtype, device=device, seed=seed, backend_seed=backend.manual_seed
+            cfg.model, dtype=dtype, device=device, seed=cfg.seed, backend_seed=backend.manual_seed
         )
-        peak = models.peak_bandwidth(name, config.peak_bandwidth)
+        peak = models.peak_bandwidth(name, cfg.peak_bandwidth)
         report = BenchReport(
             environment={
-                "graphcap": graphcap.__version__,
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
+                **{m.__name__: m.__version__ for m in (graphcap, torch, transformers)},
                 "python": platform.python_version(),
                 "platform": platform.platform(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             },
             backend={**backend.describe(), "device_name": name},
-            config=asdict(config),
+            config=asdict(cfg),
             model=models.describe_model(model),
             weight_bytes_per_step=models.weight_bytes_per_step(model),
             peak_bandwidth_gbps=None if peak is None else peak / 1e9,
-            reference_mode=next((m for m in REFERENCES if m in config.modes), None),
+            reference_mode=next((m for m in REFERENCES if m in cfg.modes), None),
         )
         with torch.no_grad():  # one forward first: the first mode must not pay device start-up
             model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
@@ -71,44 +66,42 @@ def run_benchmark(
 
         def workload(batch: int, slots: int | None = None) -> Workload:
             vocab = model.config.vocab_size
-            ids, mask = models.make_prompts(vocab, batch, config.prompt_len, config.seed, device)
-            return Workload(model, backend, ids, mask, config.new_tokens, slots)
+            ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
+            return Workload(model, backend, ids, mask, cfg.new_tokens, slots)
 
-        limit = config.compile_batch_sizes
+        compiled = cfg.compile_batch_sizes or cfg.batch_sizes
         pairs = [
-            (bs, m)
-            for bs in config.batch_sizes
-            for m in config.modes
-            if limit is None or bs in limit or not MODES[m].compiles
+            (b, m)
+            for b in cfg.batch_sizes
+            for m in cfg.modes
+            if b in compiled or not MODES[m].compiles
         ]
         outputs: dict[tuple[str, int], tuple[Any, Any]] = {}
         for done, (bs, mode) in enumerate(pairs):
-            if config.budget_s is not None and time.monotonic() - started > config.budget_s:
-                reason = f"time budget of {config.budget_s:g} s spent"
+            if cfg.budget_s is not None and time.monotonic() - started > cfg.budget_s:
+                reason = f"time budget of {cfg.budget_s:g} s spent"
                 report.results.append(ModeResult(mode, bs, SKIPPED, reason))
                 continue
             say(f"[{done + 1}/{len(pairs)}, {len(pairs) - done - 1} left] bs {bs}: {mode}")
-            result, calls = _run_mode(mode, workload(bs, config.continuous_slots), config, say)
+            result, calls = _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
             report.results.append(result)
             if calls is not None:
                 outputs[mode, bs] = calls
-            if result.decode_step_s:  # the roofline: weight bytes a step reads / step time
-                gbps = report.weight_bytes_per_step / result.decode_step_s / 1e9
-                result.weight_bandwidth_gbps = gbps
-                if report.peak_bandwidth_gbps is not None:
-                    result.bandwidth_fraction = gbps / report.peak_bandwidth_gbps
+            if step := result.decode_step_s:  # the roofline: weight bytes a step reads / step time
+                result.weight_bandwidth_gbps = gbps = report.weight_bytes_per_step / step / 1e9
+                result.bandwidth_fraction = None if peak is None else gbps * 1e9 / peak
         _agreement(report, outputs)
         fill_ratios(report.results)
-        if config.rl_loop:
+        if cfg.rl_loop:
             from graphcap.bench.rl_loop import run_rl_loop
 
-            say(f"rl-loop: {config.rl_loop} iterations at bs {config.rl_batch_size}")
+            say(f"rl-loop: {cfg.rl_loop} iterations at bs {cfg.rl_batch_size}")
             report.rl_loop, warnings = run_rl_loop(
-                workload(config.rl_batch_size),
-                iterations=config.rl_loop,
-                optimizer=config.rl_optimizer,
-                lr=config.rl_lr,
-                seed=seed,
+                workload(cfg.rl_batch_size),
+                iterations=cfg.rl_loop,
+                optimizer=cfg.rl_optimizer,
+                lr=cfg.rl_lr,
+                seed=cfg.seed,
             )
             report.warnings += warnings
         report.elapsed_s = time.monotonic() - started
@@ -122,11 +115,9 @@ def _run_mode(
 ) -> tuple[ModeResult, Any]:
     """Measure one mode at one batch size; also return its first and last call's output."""
     r, mode, backend = ModeResult(name, work.batch_size), MODES[name], work.backend
-    r.reason = mode.unsupported(backend)
-    if r.reason is not None:
-        r.status = UNSUPPORTED
-        say(f"  unsupported: {r.reason}")
-        return r, None
+    if (reason := mode.unsupported(backend)) is not None:
+        say(f"  unsupported: {reason}")
+        return ModeResult(name, work.batch_size, UNSUPPORTED, reason), None
     gc.collect()
     backend.empty_cache()
     backend.reset_peak_memory_stats()
@@ -152,8 +143,7 @@ def _run_mode(
     graphs2, breaks2 = compile_counts()
     r.compiled_graphs_first_call, r.recompiles_steady = graphs1 - graphs0, graphs2 - graphs1
     r.graph_breaks, r.first_call_s = breaks2 - breaks0, first.seconds
-    if held is not None and before is not None:
-        r.engine_memory_bytes = held - before  # what the engine keeps between calls
+    r.engine_memory_bytes = None if None in (held, before) else held - before  # kept by the engine
     r.peak_memory_bytes = backend.max_memory_allocated()
     r.steady_s = [c.seconds for c in calls]
     r.steady_median_s, r.steady_min_s, r.steady_max_s = spread(r.steady_s)
@@ -162,17 +152,15 @@ def _run_mode(
     r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s = spread(
         c.decode_step_s for c in calls
     )
-    stats = calls[-1].stats
-    r.path = "hf" if stats is None else stats.path
-    if stats is not None:
+    if (stats := calls[-1].stats) is not None:
         r.captures, r.replays_per_call = stats.captures, stats.replays
         r.occupancy = spread(c.stats.occupancy for c in calls)[0]
+    r.path = "hf" if stats is None else stats.path
     if mode.expected_path is not None and r.path != mode.expected_path:
         r.status = FALLBACK
         r.reason = f"ran eagerly: {stats.fallback_reason or 'no graph was captured'}"
     elif name == "hf-static-compile" and not r.compiled_graphs_first_call:
-        r.status = FALLBACK
-        r.reason = "generate() compiled nothing on this device (ran uncompiled)"
+        r.status, r.reason = FALLBACK, "generate() compiled nothing here (ran uncompiled)"
     elif name == "hf-static-compile" and r.recompiles_steady:
         r.reason = (
             f"recompiled {r.recompiles_steady} graph(s) after the first call: a broken "
@@ -194,18 +182,14 @@ def _agreement(report: BenchReport, outputs: dict[tuple[str, int], tuple[Any, An
     if ref is None:
         warn("no reference mode (graphcap-eager or hf-eager) selected: token agreement unchecked")
     for (name, bs), (first, last) in outputs.items():
-        r = report.result(name, bs)
+        r, expected = report.result(name, bs), outputs.get((ref, bs), (None, None))[1]
         r.distinct_tokens = int(torch.unique(last.tokens).numel())
-        if (ref, bs) not in outputs:
-            continue
-        expected = outputs[ref, bs][1].tokens
-        r.token_agreement = token_agreement(last.tokens, expected)
-        if r.token_agreement is None:
-            continue
-        r.tokens_identical = r.token_agreement == 1.0
-        r.first_call_tokens_identical = token_agreement(first.tokens, expected) == 1.0
         if name == ref and r.distinct_tokens < MIN_DISTINCT_TOKENS:
             warn(f"the reference output at bs {bs} has only {r.distinct_tokens} distinct tokens")
+        if expected is None or (agree := token_agreement(last.tokens, expected.tokens)) is None:
+            continue
+        r.token_agreement, r.tokens_identical = agree, agree == 1.0
+        r.first_call_tokens_identical = token_agreement(first.tokens, expected.tokens) == 1.0
         if r.status == OK and not r.tokens_identical:
             warn(f"{name} (bs {bs}) differs from {ref} in {(1 - r.token_agreement):.1%} of tokens")
 
