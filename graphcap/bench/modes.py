@@ -116,8 +116,6 @@ class Mode:
         """The mode opened on ``work``: yields the call to time, releases everything after."""
         if self.compiles:
             torch._dynamo.reset()  # a cold start: earlier compilations must not help this one
-        if self.compiles and self.expected_path:  # shadows the class's forward; popped below
-            work.model.forward = decode_compiled(work.model.forward)
         path, engine, sync = self.expected_path, None, work.backend.synchronize
         try:
             if self.hf_kwargs is not None:
@@ -129,6 +127,7 @@ class Mode:
                 enable_graph_capture=path is not None,
                 continuous_batch_size=slots if path == "continuous_graph" else None,
                 per_position_graphs=path == "per_position_graph",
+                compile=self.compiles and path is not None,  # the engine's compiled decode step
             )
             engine = RolloutEngine(work.model, config)
             # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.
@@ -147,22 +146,8 @@ class Mode:
         finally:
             if engine is not None:
                 engine.shutdown()
-            vars(work.model).pop("forward", None)
             if self.compiles:
                 torch._dynamo.reset()
-
-
-def decode_compiled(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` whose decode (single-token) calls run ``torch.compile``'d code, compiled in the
-    warm-up before capture; prefill stays eager, so it compiles once, not twice."""
-    compiled = torch.compile(forward, dynamic=False)
-
-    @functools.wraps(forward)  # the engine inspects forward's parameters
-    def routed(*args: Any, **kwargs: Any) -> Any:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        return (compiled if ids is not None and ids.shape[-1] == 1 else forward)(*args, **kwargs)
-
-    return routed
 
 
 # transformers decides whether hf-static-compile compiles; the runner counts compiled graphs.
