@@ -57,14 +57,13 @@ bench() {
         echo "== $name: skipped, only ${left}s of the script's ${LIMIT}s left" >&2
         return 0
     fi
-    local plot_args=()
-    if [[ ${#PLOT[@]} -gt 0 && $name == *sweep* ]]; then plot_args=(--plot "$OUT/$name.png"); fi
     echo "== $name (sweep budget ${budget}s, $(remaining)s of the script left)" >&2
     if ! python3 -m graphcap.bench --budget-s "$budget" --json "$OUT/$name.json" \
-        ${plot_args[@]+"${plot_args[@]}"} "$@" 2> >(tee "$OUT/$name.log" >&2) |
-        tee "$OUT/$name.txt"; then
+        "$@" 2> >(tee "$OUT/$name.log" >&2) | tee "$OUT/$name.txt"; then
         echo "== $name FAILED (see $OUT/$name.log); continuing" >&2
         FAILED=$((FAILED + 1))
+    elif [[ ${#PLOT[@]} -gt 0 && $name == *sweep* ]]; then
+        python3 benchmarks/plot_report.py "$OUT/$name.json" "$OUT/$name.png"
     fi
 }
 FAILED=0

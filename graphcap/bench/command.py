@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from graphcap.bench.config import BenchConfig, add_fields, from_args, option
-from graphcap.bench.report import format_table, plot_throughput, pyplot
+from graphcap.bench.report import format_table
 from graphcap.bench.run import run_benchmark
 from graphcap.errors import GraphcapError
 
@@ -19,7 +19,6 @@ class Outputs:
     """Where the results go (the other options are :class:`BenchConfig`'s fields)."""
 
     json: str | None = option("write the full report as JSON", metavar="PATH")
-    plot: str | None = option("plot tokens/s vs batch size (PNG, needs matplotlib)", metavar="PATH")
     quiet: bool = option("no progress lines on stderr", False, action="store_true")
 
 
@@ -32,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     out = from_args(Outputs, args)
     say = None if out.quiet else lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True)
     try:
-        if out.plot:
-            pyplot()  # fail now, not after a long run
         report = run_benchmark(from_args(BenchConfig, args), progress=say)
     except (ValueError, ImportError, GraphcapError) as exc:
         print(f"graphcap bench: {exc}", file=sys.stderr)
@@ -41,6 +38,4 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(report))
     if out.json:
         print(f"wrote {report.write_json(out.json)}", file=sys.stderr)
-    if out.plot:
-        print(f"wrote {plot_throughput(asdict(report), out.plot)}", file=sys.stderr)
     return 0

@@ -1,5 +1,5 @@
 """The benchmark report (one JSON-serialisable record per mode and batch size), and its
-rendering as text tables and an optional PNG plot (matplotlib)."""
+rendering as text tables (benchmarks/plot_report.py plots a saved report)."""
 
 from __future__ import annotations
 
@@ -203,46 +203,3 @@ def format_table(report: BenchReport) -> str:
     notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
     notes += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines + (["", *notes] if notes else []))
-
-
-# ---- plot (optional: matplotlib) --------------------------------------------------------------
-def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend, else an ImportError saying how to get it;
-    called early to fail before a long run."""
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError(
-            "--plot needs matplotlib, which is not installed: pip install matplotlib, or drop "
-            "--plot (the JSON report holds the same figures)"
-        ) from None
-    plt.switch_backend("Agg")
-    return plt
-
-
-def plot_throughput(report: dict[str, Any], path: str | Path) -> Path:
-    """Write tokens/s vs batch size per mode of ``report`` (the JSON form) to ``path``."""
-    plt, cfg, series = pyplot(), report["config"], {}
-    for r in report["results"]:
-        if r["status"] in (OK, FALLBACK) and r["tokens_per_s"]:
-            label = r["mode"] + ("" if r["status"] == OK else " (fallback)")
-            series.setdefault(label, []).append((r["batch_size"], r["tokens_per_s"]))
-    if not series:
-        raise ValueError("nothing to plot: no mode produced a steady-state figure")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, points in series.items():
-        ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label)
-    batches = sorted({b for points in series.values() for b, _ in points})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.minorticks_off()
-    ax.set(yscale="log", xlabel="batch size", ylabel="generated tokens/s (steady state)")
-    ax.set_title(
-        f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
-        f"{report['backend'].get('device_name')}"
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.savefig(target := _target(path), dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return target
