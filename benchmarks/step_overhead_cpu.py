@@ -35,8 +35,7 @@ def best_ms(fn, number: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e3
 
 
-@torch.no_grad()
-def measure(vocab: int, batch: int, width: int, new: int, number: int) -> dict[str, float]:
+def build_model(vocab: int, length: int) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=64,
@@ -44,59 +43,73 @@ def measure(vocab: int, batch: int, width: int, new: int, number: int) -> dict[s
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=width + new + 8,
+        max_position_embeddings=length + 8,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.randint(3, vocab, (batch, width))
-    mask = torch.ones_like(ids)
-    for row in range(batch):
-        mask[row, : row % 7] = 0
-        ids[row, : row % 7] = 0
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def time_setting(model, ids, mask, new: int, extra: dict, number: int) -> dict[str, float]:
+    """Per-step times of one sampling setting, half-way through a rollout."""
+    batch, width = ids.shape
+    total, vocab = width + new, model.config.vocab_size
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    total = width + new
+    params = SamplingParams(max_new_tokens=new, eos_token_id=[], pad_token_id=0, **extra)
+    shape = SamplerShape().widen([params])
+    cache = StaticKVCache(StaticKVCache.specs_of(out.past_key_values), batch, total)
+    windows = layer_windows(model.config)
+    masks = MaskBuffers.for_model(
+        model.config, batch, total, torch.float32, ids.device, windows, "additive"
+    )
+    state = DecodeState.allocate(batch, total, vocab, (), 0, ids.device)
+    step = DecodeStep(model, cache, masks, state, shape, shape.logprobs, None)
+    cache.load_prefill(out.past_key_values)
+    masks.reset(mask)
+    state.reset(ids, positions[:, -1] + 1, RowPlan.build([params] * batch, 1, batch))
+    logits = out.logits[:, -1]
+    step.commit(logits)
+    for _ in range(new // 2):  # fill half the generated columns: a mid-rollout step
+        step()
+    column = cache.write_pos
+
+    def render() -> None:
+        masks.attend(column)
+        masks.render(column)
+
+    def forward() -> None:
+        model(
+            input_ids=state.tokens,
+            attention_mask=masks.outputs["full_attention"],
+            position_ids=state.positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+
+    return {
+        "commit": best_ms(lambda: step.commit(logits), number),
+        "mask attend+render": best_ms(render, number),
+        "model forward": best_ms(forward, number),
+    }
+
+
+def measure(vocab: int, batch: int, width: int, new: int, number: int) -> dict[str, float]:
+    model = build_model(vocab, width + new)
+    ids = torch.randint(3, vocab, (batch, width))
+    mask = torch.ones_like(ids)
+    for row in range(batch):  # left padding of 0-6 columns
+        mask[row, : row % 7] = 0
+        ids[row, : row % 7] = 0
     times: dict[str, float] = {}
     for name, extra in SETTINGS.items():
-        params = SamplingParams(max_new_tokens=new, eos_token_id=[], pad_token_id=0, **extra)
-        shape = SamplerShape().widen([params])
-        cache = StaticKVCache(StaticKVCache.specs_of(out.past_key_values), batch, total)
-        windows = layer_windows(config)
-        masks = MaskBuffers.for_model(
-            config, batch, total, torch.float32, ids.device, windows, "additive"
-        )
-        state = DecodeState.allocate(batch, total, vocab, (), 0, ids.device)
-        step = DecodeStep(model, cache, masks, state, shape, shape.logprobs, None)
-        cache.load_prefill(out.past_key_values)
-        masks.reset(mask)
-        state.reset(ids, positions[:, -1] + 1, RowPlan.build([params] * batch, 1, batch))
-        logits = out.logits[:, -1]
-        step.commit(logits)
-        for _ in range(new // 2):  # fill half the generated columns: a mid-rollout step
-            step()
-        times[f"commit[{name}]"] = best_ms(lambda: step.commit(logits), number)
+        parts = time_setting(model, ids, mask, new, extra, number)
+        times[f"commit[{name}]"] = parts["commit"]
         if name == "neither":
-            column = cache.write_pos
-
-            def render() -> None:
-                masks.attend(column)
-                masks.render(column)
-
-            times["mask attend+render"] = best_ms(render, number)
-
-            def forward() -> None:
-                mask4 = masks.outputs["full_attention"]
-                model(
-                    input_ids=state.tokens,
-                    attention_mask=mask4,
-                    position_ids=state.positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-
-            times["model forward"] = best_ms(forward, number)
+            times["mask attend+render"] = parts["mask attend+render"]
+            times["model forward"] = parts["model forward"]
     return times
 
 
@@ -107,7 +120,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--number", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
     for vocab in args.vocab:
         times = measure(vocab, args.batch, args.width, args.new, args.number)

@@ -217,13 +217,19 @@ def repetition_penalty(
     return widened[:, :vocab]
 
 
+def stops_blocked(
+    stop_vocab: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor
+) -> torch.Tensor:
+    """(B, V) True at stop ids in rows that generated fewer than their ``min_new`` tokens
+    (``generated`` is the step counter: one for all rows, or one per row)."""
+    return stop_vocab[None, :] & (generated.view(-1) < min_new)[:, None]
+
+
 def block_stops(
     scores: torch.Tensor, stop_vocab: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor
 ) -> torch.Tensor:
-    """Forbid stop ids in rows that generated fewer than their ``min_new`` tokens (``generated``
-    is the step counter: one for all rows, or one per row)."""
-    blocked = stop_vocab[None, :] & (generated.view(-1) < min_new)[:, None]
-    return scores.masked_fill(blocked, -float("inf"))
+    """Forbid stop ids in rows that have not yet generated their ``min_new`` tokens."""
+    return scores.masked_fill(stops_blocked(stop_vocab, generated, min_new), -float("inf"))
 
 
 def process_scores(
@@ -236,11 +242,12 @@ def process_scores(
     penalise: bool = True,
 ) -> torch.Tensor:
     """generate()'s logits processors (penalty, min_new_tokens) on float32 scores: what greedy
-    rows take the argmax of. ``penalise=False`` (no row has a penalty) skips the penalty."""
-    scores = logits.float()
-    if penalise:
-        scores = repetition_penalty(scores, tokens, written, rows.penalty)
-    return block_stops(scores, stop_vocab, generated, rows.min_new)
+    rows take the argmax of. ``penalise=False`` (no row has a penalty) skips the penalty; with
+    it, the stop block is written into the penalty's fresh output, so one copy serves both."""
+    if not penalise:
+        return block_stops(logits.float(), stop_vocab, generated, rows.min_new)
+    scores = repetition_penalty(logits.float(), tokens, written, rows.penalty)
+    return scores.masked_fill_(stops_blocked(stop_vocab, generated, rows.min_new), -float("inf"))
 
 
 def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
@@ -323,20 +330,12 @@ def logprobs_of(
     chosen: torch.Tensor, drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
 ) -> torch.Tensor:
     """Log-prob of each chosen token (B,) under the row's ``logprobs_mode``: the distribution
-    it was drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``.
-
-    Only the chosen entry is needed: each row's normaliser (max and log-sum-exp) and that entry,
-    ``(x - max) - log(sum(exp(x - max)))`` as log-softmax computes it, without writing a
-    ``(B, V)`` log-softmax. "raw" divides by 1 (exact), so one division serves "temperature"
-    and "raw".
-    """
+    it was drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides
+    by 1 (exact), so one division and one selection serve the three modes."""
     mode = rows.logprobs_mode[:, None]
     divisor = torch.where(mode == 1, rows.logprob_temperature[:, None], 1.0)
     source = torch.where(mode == 0, drawn_from, logits.float() / divisor)
-    top = source.amax(dim=-1, keepdim=True)
-    log_total = torch.log(torch.exp(source - top).sum(dim=-1, keepdim=True))
-    picked = source.gather(1, chosen[:, None])
-    return (picked - top - log_total).squeeze(1)
+    return torch.log_softmax(source, dim=-1).gather(1, chosen[:, None]).squeeze(1)
 
 
 @contextmanager
