@@ -146,6 +146,27 @@ PLANTS = (
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
+        "repetition penalty counts left-pad slots",
+        "graphcap/rollout/sampling.py",
+        "    index = torch.where(written, tokens, vocab)\n",
+        "    index = tokens\n",
+        ("tests/test_rollout_penalty.py",),
+    ),
+    Plant(
+        "penalty left out of the step",
+        "graphcap/rollout/step.py",
+        "            penalise=self.sampler.penalty,\n",
+        "            penalise=False,\n",
+        ("tests/test_rollout_penalty.py",),
+    ),
+    Plant(
+        "refilled slot keeps the previous request's settings",
+        "graphcap/rollout/continuous.py",
+        "        step.configure_rows(\n",
+        "        (lambda *args: None)(\n",
+        ("tests/test_rollout_penalty.py",),
+    ),
+    Plant(
         "concurrent calls not serialised",
         "graphcap/rollout/engine.py",
         "        self._lock = threading.Lock()\n",

@@ -21,7 +21,9 @@ from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import (
     RowSettings,
+    SamplerShape,
     block_stops,
+    logprobs_of,
     repetition_penalty,
     sanitise,
     warp,
@@ -134,6 +136,32 @@ def test_repetition_penalty_matches_transformers_and_skips_unwritten_slots():
     assert torch.equal(repetition_penalty(scores, tokens, written, penalty), expected)
     penalty[1] = 1.0  # a neutral row is left exactly as it was
     assert torch.equal(repetition_penalty(scores, tokens, written, penalty)[1], scores[1])
+    before = scores.clone()
+    repetition_penalty(scores, tokens, written, penalty)
+    assert torch.equal(scores, before)  # the caller's logits are not written
+
+
+def test_logprobs_of_each_mode_equal_log_softmax_of_its_distribution():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=gen) * 4
+    drawn_from = logits / 0.7
+    drawn_from[:, ::3] = -float("inf")  # truncated entries, as top-k / top-p leave them
+    chosen = torch.tensor([1, 5, 38])
+    modes = ["sampling", "temperature", "raw"]
+    rows = _rows(*[SamplingParams(temperature=0.7, logprobs_mode=m) for m in modes], vocab=40)
+    expected = [drawn_from[0], logits[1] / 0.7, logits[2]]
+    got = logprobs_of(chosen, drawn_from, logits, rows)
+    for row in range(3):
+        reference = torch.log_softmax(expected[row], dim=-1)[chosen[row]]
+        torch.testing.assert_close(got[row], reference, rtol=0, atol=1e-6, msg=modes[row])
+
+
+def test_sampler_shape_grows_with_any_row():
+    greedy, penalised = SamplingParams(), SamplingParams(repetition_penalty=1.2)
+    assert SamplerShape().widen([greedy]) == SamplerShape()
+    shape = SamplerShape().widen([greedy, penalised])
+    assert shape.penalty and not shape.samples and not shape.logprobs
+    assert shape.widen([greedy]) == shape  # never narrows
 
 
 WARPER_CASES = [

@@ -91,7 +91,7 @@ class ContinuousRollout:
             batch_size=slots,
             total_len=total,
             prompt_width=width,
-            sampler=holder.sampler_for(params),
+            sampler=holder.sampler_for(call.per_prompt),
             disabled_reason=holder.disabled_reason,
             scan=call.scan,
         )

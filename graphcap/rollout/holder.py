@@ -10,7 +10,7 @@ graphs off for the engine after a failed capture. The static path holds one grap
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,9 +50,10 @@ class GraphHolder:
         #: replay one graph (docs/rollout.md, "One graph for any setting")
         self.sampler = SamplerShape()
 
-    def sampler_for(self, params: SamplingParams) -> SamplerShape:
-        """The sampler shape serving this call and every earlier one."""
-        self.sampler = self.sampler.widen(params)
+    def sampler_for(self, rows: Sequence[SamplingParams]) -> SamplerShape:
+        """The sampler shape serving this call (its per-row settings ``rows``) and every
+        earlier one."""
+        self.sampler = self.sampler.widen(rows)
         return self.sampler
 
     def release_stale(self, signature: GraphSignature) -> list[str]:

@@ -3,8 +3,8 @@
 Every sampling setting (greedy or sample, temperature, top-k, top-p, min-p, repetition penalty,
 min_new_tokens, seed, log-prob mode) is a per-row device tensor of :class:`RowSettings`, written
 before each call, so one captured step serves any mix of settings, also within one batch. Only
-two facts shape the graph (:class:`SamplerShape`): whether it can sample at all (the vocabulary
-sort, the draws) and whether it computes log-probs.
+three facts shape the graph (:class:`SamplerShape`): whether it can sample at all (the vocabulary
+sort, the draws), whether it computes log-probs and whether it applies the repetition penalty.
 
 The order and the arithmetic follow ``generate`` (repetition penalty, min_new_tokens,
 temperature, top-k, top-p, min-p, then ``multinomial(softmax(scores), 1)`` or argmax), which is
@@ -35,22 +35,25 @@ GOLDEN32 = 0x9E3779B9
 
 @dataclass(frozen=True)
 class SamplerShape:
-    """What the sampler adds to the graph signature: two facts that only ever grow per engine.
+    """What the sampler adds to the graph signature: three facts that only ever grow per engine.
 
     ``samples``: the step contains the sampling branch (one vocabulary sort per step for top-k /
     top-p, the shared generator's draw, the hash draw). A greedy-only engine never pays for it;
     the first call with a sampled row captures once more, and from then on every call, greedy
-    or not, replays that graph. ``logprobs``: the step computes log-probs (likewise).
+    or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty``: the
+    step applies the repetition penalty (some row had one; likewise).
     """
 
     samples: bool = False
     logprobs: bool = False
+    penalty: bool = False
 
-    def widen(self, params: SamplingParams) -> SamplerShape:
-        """The shape that serves both what this one served and ``params`` (the call summary)."""
+    def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
+        """The shape that serves both what this one served and every row of ``rows``."""
         return SamplerShape(
-            samples=self.samples or params.do_sample,
-            logprobs=self.logprobs or params.return_logprobs,
+            samples=self.samples or any(p.do_sample for p in rows),
+            logprobs=self.logprobs or any(p.return_logprobs for p in rows),
+            penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
         )
 
 
@@ -199,23 +202,34 @@ def repetition_penalty(
 ) -> torch.Tensor:
     """Penalise every token id present at a written position of ``tokens`` (B, L), per row.
 
-    Same per-element math as transformers (``score < 0 ? score * p : score / p``, once per
-    distinct token; a penalty of 1 is exact identity); presence is counted with ``scatter_add``
-    so unwritten or pad slots, which hold arbitrary ids, cannot collide with written ones.
+    transformers' own method and math: gather the scores of the present ids, penalise them
+    (``score < 0 ? score * p : score / p``; a penalty of 1 is exact identity) and scatter them
+    back, so a repeated id is penalised once. It touches ``B x L`` scores, not ``B x V``.
+    Unwritten or pad slots, which hold arbitrary ids, are routed to one extra column that is
+    dropped, so they cannot collide with written ones.
     """
-    counts = torch.zeros_like(scores).scatter_add_(1, tokens, written.to(scores.dtype))
+    vocab = scores.shape[-1]
+    index = torch.where(written, tokens, vocab)
+    widened = torch.nn.functional.pad(scores, (0, 1))
+    present = widened.gather(1, index)
     p = penalty[:, None]
-    penalised = torch.where(scores < 0, scores * p, scores / p)
-    return torch.where(counts > 0, penalised, scores)
+    widened.scatter_(1, index, torch.where(present < 0, present * p, present / p))
+    return widened[:, :vocab]
+
+
+def stops_blocked(
+    stop_vocab: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor
+) -> torch.Tensor:
+    """(B, V) True at stop ids in rows that generated fewer than their ``min_new`` tokens
+    (``generated`` is the step counter: one for all rows, or one per row)."""
+    return stop_vocab[None, :] & (generated.view(-1) < min_new)[:, None]
 
 
 def block_stops(
     scores: torch.Tensor, stop_vocab: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor
 ) -> torch.Tensor:
-    """Forbid stop ids in rows that generated fewer than their ``min_new`` tokens (``generated``
-    is the step counter: one for all rows, or one per row)."""
-    blocked = stop_vocab[None, :] & (generated.view(-1) < min_new)[:, None]
-    return scores.masked_fill(blocked, -float("inf"))
+    """Forbid stop ids in rows that have not yet generated their ``min_new`` tokens."""
+    return scores.masked_fill(stops_blocked(stop_vocab, generated, min_new), -float("inf"))
 
 
 def process_scores(
@@ -225,11 +239,15 @@ def process_scores(
     written: torch.Tensor,
     stop_vocab: torch.Tensor,
     generated: torch.Tensor,
+    penalise: bool = True,
 ) -> torch.Tensor:
     """generate()'s logits processors (penalty, min_new_tokens) on float32 scores: what greedy
-    rows take the argmax of."""
+    rows take the argmax of. ``penalise=False`` (no row has a penalty) skips the penalty; with
+    it, the stop block is written into the penalty's fresh output, so one copy serves both."""
+    if not penalise:
+        return block_stops(logits.float(), stop_vocab, generated, rows.min_new)
     scores = repetition_penalty(logits.float(), tokens, written, rows.penalty)
-    return block_stops(scores, stop_vocab, generated, rows.min_new)
+    return scores.masked_fill_(stops_blocked(stop_vocab, generated, rows.min_new), -float("inf"))
 
 
 def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
@@ -312,11 +330,11 @@ def logprobs_of(
     chosen: torch.Tensor, drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
 ) -> torch.Tensor:
     """Log-prob of each chosen token (B,) under the row's ``logprobs_mode``: the distribution
-    it was drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``."""
-    raw = logits.float()
+    it was drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides
+    by 1 (exact), so one division and one selection serve the three modes."""
     mode = rows.logprobs_mode[:, None]
-    tempered = raw / rows.logprob_temperature[:, None]
-    source = torch.where(mode == 0, drawn_from, torch.where(mode == 1, tempered, raw))
+    divisor = torch.where(mode == 1, rows.logprob_temperature[:, None], 1.0)
+    source = torch.where(mode == 0, drawn_from, logits.float() / divisor)
     return torch.log_softmax(source, dim=-1).gather(1, chosen[:, None]).squeeze(1)
 
 

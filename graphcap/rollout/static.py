@@ -57,7 +57,7 @@ class StaticRollout:
             batch_size=padded_batch,
             total_len=padded_total,
             prompt_width=width,
-            sampler=self.holder.sampler_for(params),
+            sampler=self.holder.sampler_for(call.per_prompt),
             disabled_reason=self.holder.disabled_reason,
             scan=call.scan,
         )

@@ -195,7 +195,13 @@ class DecodeStep:
         """Choose the next token from last-position ``logits`` (B, V) and record it."""
         s = self.state
         scores = process_scores(
-            logits, s.rows, s.sequences, self.masks.valid, s.stop_vocab, s.generated
+            logits,
+            s.rows,
+            s.sequences,
+            self.masks.valid,
+            s.stop_vocab,
+            s.generated,
+            penalise=self.sampler.penalty,
         )
         if self.sampler.samples:
             chosen, drawn_from = select(scores, s.rows, s.finished, s.generated, self.generator)
