@@ -14,8 +14,9 @@ Two workloads on a random-init GPT-2 medium shape (fp16 on an accelerator), gree
    its tokens/s is reported both for the requested tokens (the budgets' sum, what the
    continuous path generates) and for every token it generated.
 
-Every continuous graph result is checked token-equal to the eager loop's before it is
-reported; the static path's agreement (requests whose budgeted tokens equal the continuous
+Every continuous graph result is compared with the eager loop's tokens (`token_equal_to_eager`:
+bit-equal where both run the same attention; in half precision with the backend's graph
+attention, information only); the static path's agreement (requests whose budgeted tokens equal the continuous
 path's) is information only, since fp16 batches of different sizes may flip near-tied tokens.
 
     python benchmarks/continuous_h200.py OUT.json            # accelerator from get_backend()

@@ -8,7 +8,8 @@ early (EOS, stop token) is seen every ``eos_check_interval`` steps, when the hos
 slots' device ``finished`` flags (the only device read while decoding). Retiring copies the
 request's rows out and clears the slot; refilling prefills queued requests eagerly, writes
 their K/V into the slot's cache row and chooses their first token by the same commit math.
-Graph and eager loops share this schedule, so they produce the same tokens bit for bit.
+Graph and eager loops share this schedule, so they differ only in the kernels the step runs
+(bit-identical where both run the same attention; docs/continuous.md).
 """
 
 from __future__ import annotations
