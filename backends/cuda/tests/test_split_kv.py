@@ -126,6 +126,28 @@ def test_captured_steps_with_the_kernel_are_token_equal_to_eager(family):
     assert len(set(result.sequences[:, 7:].flatten().tolist())) > 3  # tokens vary
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="CPU models need the interpreter (GPU: *_cuda.py)")
+def test_continuous_slots_with_the_kernel_are_token_equal_to_eager():
+    """Refilled slots hold a new request's prompt in a row whose older columns are closed: the
+    kernel must attend to only what the slot's mask opens."""
+    from rollout_models import prompts
+
+    model = MODELS["mistral-window"]()
+    ids, mask = prompts(6, width=7)
+    params = SamplingParams(max_new_tokens=9, eos_token_id=[])
+    budgets = [9, 3, 6, 2, 8, 5]
+
+    def run(backend, graph):
+        config = RolloutConfig(enable_graph_capture=graph, backend=backend, continuous_batch_size=2)
+        engine = RolloutEngine(model, config)
+        return engine.generate(ids, mask, params, request_max_new_tokens=budgets)
+
+    result = run(SplitKVBackend(), True)
+    assert result.stats.path == "continuous_graph", result.stats.fallback_reason
+    assert result.stats.attention == SPLIT_KV and result.stats.slots_refilled >= 4
+    assert torch.equal(result.sequences, run(CPUBackend(), False).sequences)
+
+
 def test_plugin_offers_both_attentions_to_the_cuda_backend_only():
     assert plugin.graphcap_attention_implementations(CPUBackend()) == {}
     assert set(plugin.graphcap_attention_implementations(CUDABackend())) == {
