@@ -140,24 +140,25 @@ def test_model_logits_equal_its_own_attention(family):
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
-class GQABackend(CPUBackend):
-    """The CPU reference backend selecting the CUDA plugin's attention for captured steps."""
-
-    graph_attention = GQA_SDPA
+def check_captured_steps_equal_eager(family: str, attention: str) -> None:
+    """Captured steps running ``attention`` (selected as a backend's graph attention would be)
+    give the eager loop's tokens in fp32."""
+    backend = type("AttentionBackend", (CPUBackend,), {"graph_attention": attention})()
+    model = MODELS[family]()
+    ids, mask = prompts(4, width=7)
+    params = SamplingParams(max_new_tokens=8, eos_token_id=[])
+    graph = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=backend))
+    result = graph.generate(ids, mask, params)
+    assert result.stats.path == "static_graph", result.stats.fallback_reason
+    assert result.stats.attention == attention
+    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(ids, mask, params)
+    assert torch.equal(result.sequences, eager.sequences)
+    assert len(set(result.sequences[:, 7:].flatten().tolist())) > 3  # tokens vary
 
 
 @pytest.mark.parametrize("family", list(MODELS))
 def test_captured_steps_with_gqa_attention_are_token_equal_to_eager(family):
-    model = MODELS[family]()
-    ids, mask = prompts(4, width=7)
-    params = SamplingParams(max_new_tokens=10, eos_token_id=[])
-    graph = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=GQABackend()))
-    result = graph.generate(ids, mask, params)
-    assert result.stats.path == "static_graph", result.stats.fallback_reason
-    assert result.stats.attention == GQA_SDPA
-    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(ids, mask, params)
-    assert torch.equal(result.sequences, eager.sequences)
-    assert len(set(result.sequences[:, 7:].flatten().tolist())) > 3  # tokens vary
+    check_captured_steps_equal_eager(family, GQA_SDPA)
 
 
 def test_backend_default_attention_is_the_plugins():

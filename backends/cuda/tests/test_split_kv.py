@@ -21,7 +21,7 @@ pytest.importorskip(
 from graphcap_cuda import CUDABackend, plugin, split_kv
 from graphcap_cuda.attention import SPLIT_KV, register_attention, softcapped_attention
 from graphcap_cuda.split_kv import BLOCK_N, split_kv_decode
-from test_gqa_attention import MODELS
+from test_gqa_attention import MODELS, check_captured_steps_equal_eager
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -103,27 +103,10 @@ def test_a_row_with_nothing_to_attend_gets_zeros(programs_per_sm, monkeypatch):
     torch.testing.assert_close(out[0].double(), _reference(q, k, v, valid, 0.3)[0])
 
 
-class SplitKVBackend(CPUBackend):
-    """The CPU reference backend selecting the split-KV kernel for captured steps."""
-
-    graph_attention = SPLIT_KV
-
-
 @pytest.mark.skipif(not INTERPRETED, reason="CPU models need the interpreter (GPU: *_cuda.py)")
 @pytest.mark.parametrize("family", list(MODELS))
 def test_captured_steps_with_the_kernel_are_token_equal_to_eager(family):
-    from rollout_models import prompts
-
-    model = MODELS[family]()
-    ids, mask = prompts(4, width=7)
-    params = SamplingParams(max_new_tokens=8, eos_token_id=[])
-    graph = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=SplitKVBackend()))
-    result = graph.generate(ids, mask, params)
-    assert result.stats.path == "static_graph", result.stats.fallback_reason
-    assert result.stats.attention == SPLIT_KV
-    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(ids, mask, params)
-    assert torch.equal(result.sequences, eager.sequences)
-    assert len(set(result.sequences[:, 7:].flatten().tolist())) > 3  # tokens vary
+    check_captured_steps_equal_eager(family, SPLIT_KV)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU models need the interpreter (GPU: *_cuda.py)")
@@ -142,7 +125,8 @@ def test_continuous_slots_with_the_kernel_are_token_equal_to_eager():
         engine = RolloutEngine(model, config)
         return engine.generate(ids, mask, params, request_max_new_tokens=budgets)
 
-    result = run(SplitKVBackend(), True)
+    backend = type("SplitKVBackend", (CPUBackend,), {"graph_attention": SPLIT_KV})()
+    result = run(backend, True)
     assert result.stats.path == "continuous_graph", result.stats.fallback_reason
     assert result.stats.attention == SPLIT_KV and result.stats.slots_refilled >= 4
     assert torch.equal(result.sequences, run(CPUBackend(), False).sequences)
