@@ -1,0 +1,75 @@
+"""bf16 decode attentions against a float32 reference (issue 11): teacher-forced logits of the
+model's SDPA, the grouped-query SDPA and the split-KV kernel, each in bf16, against the same
+random weights run in float32 with SDPA. Says whether an attention that differs from bf16 SDPA
+is less accurate or only rounds differently. One JSON.
+
+    python3 benchmarks/logits_vs_fp32_h200.py OUT.json [--models llama-1b,llama-8b]
+
+Same inputs as decode_kernels_h200.py's comparison: batch 8 with left padding, 128-token
+prompt, then 32 single-token decodes with the engine's 4-D additive mask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from decode_kernels_h200 import ATTENTIONS, build, teacher_forced
+from graphcap_cuda.attention import IMPLEMENTATIONS, register_attention
+
+
+def compare(name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> list[dict]:
+    model = build(name)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (batch, prompt), device="cuda", generator=gen)
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        mask[row, : 7 * row] = 0
+    follow = torch.randint(3, vocab, (batch, steps), device="cuda", generator=gen)
+    reference_model = copy.deepcopy(model).float()
+    reference = teacher_forced(reference_model, "sdpa", ids, mask, follow)
+    del reference_model
+    torch.cuda.empty_cache()
+    rows = []
+    for label, choice in ATTENTIONS:
+        got = teacher_forced(model, choice or "sdpa", ids, mask, follow)
+        diff = (got - reference).abs()[:, 1:]  # decode steps
+        rows.append(
+            {
+                "model": name,
+                "attention": label,
+                "decode_max_abs_diff_vs_fp32": diff.max().item(),
+                "decode_mean_abs_diff_vs_fp32": diff.mean().item(),
+                "argmax_agreement_with_fp32": (got.argmax(-1) == reference.argmax(-1))[:, 1:]
+                .float()
+                .mean()
+                .item(),
+                "logits_max_abs": reference.abs().max().item(),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", type=Path)
+    parser.add_argument("--models", default="llama-1b,llama-8b")
+    args = parser.parse_args()
+    for implementation in IMPLEMENTATIONS:
+        register_attention(implementation)
+    report = {"command": " ".join(["python3", *sys.argv]), "device": torch.cuda.get_device_name()}
+    report["rows"] = []
+    for name in args.models.split(","):
+        report["rows"] += compare(name)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
