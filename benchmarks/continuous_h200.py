@@ -16,8 +16,9 @@ Two workloads on a random-init GPT-2 medium shape (fp16 on an accelerator), gree
 
 Every continuous graph result is compared with the eager loop's tokens (`token_equal_to_eager`:
 bit-equal where both run the same attention; in half precision with the backend's graph
-attention, information only); the static path's agreement (requests whose budgeted tokens equal the continuous
-path's) is information only, since fp16 batches of different sizes may flip near-tied tokens.
+attention, information only); the static path's agreement (requests whose budgeted tokens
+equal the continuous path's) is information only, since fp16 batches of different sizes may
+flip near-tied tokens.
 
     python benchmarks/continuous_h200.py OUT.json            # accelerator from get_backend()
     python benchmarks/continuous_h200.py OUT.json --tiny     # CPU-sized smoke run
