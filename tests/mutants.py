@@ -75,13 +75,6 @@ PLANTS = (
         ("tests/test_rollout_continuous.py",),
     ),
     Plant(
-        "finished continuous rows' position ids keep advancing",
-        "graphcap/rollout/slots.py",
-        "        s.positions.add_((~s.finished).to(torch.long).view(-1, 1))\n",
-        "        s.positions.add_(1)\n",
-        ("tests/test_rollout_continuous.py",),
-    ),
-    Plant(
         "budget-finished slots wait for the refill check",
         "graphcap/rollout/continuous.py",
         "            if check or self._due(table, queue, stats.steps):\n",
