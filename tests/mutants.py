@@ -147,10 +147,17 @@ PLANTS = (
     ),
     Plant(
         "penalty left out of the step",
-        "graphcap/rollout/step.py",
-        "            penalise=self.sampler.penalty,\n",
-        "            penalise=False,\n",
+        "graphcap/rollout/sampling.py",
+        "            penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),\n",
+        "            penalty=False,\n",
         ("tests/test_rollout_penalty.py",),
+    ),
+    Plant(
+        "min_new_tokens stop block left out of the step",
+        "graphcap/rollout/sampling.py",
+        "            min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),\n",
+        "            min_new=False,\n",
+        ("tests/test_rollout_equivalence.py",),
     ),
     Plant(
         "refilled slot keeps the previous request's settings",

@@ -22,10 +22,10 @@ from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer
 from graphcap.rollout.sampling import (
     RowSettings,
     SamplerShape,
-    block_stops,
     logprobs_of,
     repetition_penalty,
     sanitise,
+    stops_blocked,
     warp,
 )
 from graphcap.rollout.scan import scan_model
@@ -160,7 +160,9 @@ def test_sampler_shape_grows_with_any_row():
     greedy, penalised = SamplingParams(), SamplingParams(repetition_penalty=1.2)
     assert SamplerShape().widen([greedy]) == SamplerShape()
     shape = SamplerShape().widen([greedy, penalised])
-    assert shape.penalty and not shape.samples and not shape.logprobs
+    assert shape.penalty and not (shape.samples or shape.logprobs or shape.min_new)
+    shape = shape.widen([SamplingParams(min_new_tokens=2)])
+    assert shape.penalty and shape.min_new
     assert shape.widen([greedy]) == shape  # never narrows
 
 
@@ -219,15 +221,14 @@ def test_sanitise_flattens_finished_and_broken_rows_only():
     torch.multinomial(probs, 1)  # would raise on NaN / all-zero rows
 
 
-def test_block_stops_uses_a_device_counter_and_per_row_minimums():
-    scores = torch.zeros(2, 5)
+def test_stop_block_uses_a_device_counter_and_per_row_minimums():
     stop_vocab = torch.tensor([False, True, False, False, True])
     min_new = torch.tensor([2, 2])
-    blocked = block_stops(scores, stop_vocab, torch.tensor(1), min_new)
-    assert torch.isneginf(blocked[:, [1, 4]]).all() and not blocked[:, [0, 2, 3]].any()
-    assert torch.equal(block_stops(scores, stop_vocab, torch.tensor(2), min_new), scores)
-    per_row = block_stops(scores, stop_vocab, torch.tensor([[1], [3]]), torch.tensor([2, 2]))
-    assert torch.isneginf(per_row[0, [1, 4]]).all() and not per_row[1].any()
+    blocked = stops_blocked(stop_vocab, torch.tensor(1), min_new)
+    assert blocked[:, [1, 4]].all() and not blocked[:, [0, 2, 3]].any()
+    assert not stops_blocked(stop_vocab, torch.tensor(2), min_new).any()
+    per_row = stops_blocked(stop_vocab, torch.tensor([[1], [3]]), torch.tensor([2, 2]))
+    assert per_row[0, [1, 4]].all() and not per_row[1].any()
 
 
 # ---- refusal rules ------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Every sampling setting (greedy or sample, temperature, top-k, top-p, min-p, repetition penalty,
 min_new_tokens, seed, log-prob mode) is a per-row device tensor of :class:`RowSettings`, written
 before each call, so one captured step serves any mix of settings, also within one batch. Only
-three facts shape the graph (:class:`SamplerShape`): whether it can sample at all (the vocabulary
-sort, the draws), whether it computes log-probs and whether it applies the repetition penalty.
+four facts shape the graph (:class:`SamplerShape`): whether it can sample at all (the vocabulary
+sort, the draws), whether it computes log-probs, whether it applies the repetition penalty and
+whether it blocks stop ids before ``min_new_tokens``.
 
 The order and the arithmetic follow ``generate`` (repetition penalty, min_new_tokens,
 temperature, top-k, top-p, min-p, then ``multinomial(softmax(scores), 1)`` or argmax), which is
@@ -35,18 +36,20 @@ GOLDEN32 = 0x9E3779B9
 
 @dataclass(frozen=True)
 class SamplerShape:
-    """What the sampler adds to the graph signature: three facts that only ever grow per engine.
+    """What the sampler adds to the graph signature: four facts that only ever grow per engine.
 
     ``samples``: the step contains the sampling branch (one vocabulary sort per step for top-k /
     top-p, the shared generator's draw, the hash draw). A greedy-only engine never pays for it;
     the first call with a sampled row captures once more, and from then on every call, greedy
-    or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty``: the
-    step applies the repetition penalty (some row had one; likewise).
+    or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty`` /
+    ``min_new``: the step applies the repetition penalty / blocks stop ids before
+    ``min_new_tokens`` (some row had one; likewise).
     """
 
     samples: bool = False
     logprobs: bool = False
     penalty: bool = False
+    min_new: bool = False
 
     def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The shape that serves both what this one served and every row of ``rows``."""
@@ -54,6 +57,7 @@ class SamplerShape:
             samples=self.samples or any(p.do_sample for p in rows),
             logprobs=self.logprobs or any(p.return_logprobs for p in rows),
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
+            min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
         )
 
 
@@ -225,13 +229,6 @@ def stops_blocked(
     return stop_vocab[None, :] & (generated.view(-1) < min_new)[:, None]
 
 
-def block_stops(
-    scores: torch.Tensor, stop_vocab: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor
-) -> torch.Tensor:
-    """Forbid stop ids in rows that have not yet generated their ``min_new`` tokens."""
-    return scores.masked_fill(stops_blocked(stop_vocab, generated, min_new), -float("inf"))
-
-
 def process_scores(
     logits: torch.Tensor,
     rows: RowSettings,
@@ -239,15 +236,20 @@ def process_scores(
     written: torch.Tensor,
     stop_vocab: torch.Tensor,
     generated: torch.Tensor,
-    penalise: bool = True,
+    shape: SamplerShape,
 ) -> torch.Tensor:
     """generate()'s logits processors (penalty, min_new_tokens) on float32 scores: what greedy
-    rows take the argmax of. ``penalise=False`` (no row has a penalty) skips the penalty; with
-    it, the stop block is written into the penalty's fresh output, so one copy serves both."""
-    if not penalise:
-        return block_stops(logits.float(), stop_vocab, generated, rows.min_new)
-    scores = repetition_penalty(logits.float(), tokens, written, rows.penalty)
-    return scores.masked_fill_(stops_blocked(stop_vocab, generated, rows.min_new), -float("inf"))
+    rows take the argmax of. A processor no row of the engine has used (``shape``) is skipped:
+    it would be the identity for every row. After the penalty's fresh output the stop block is
+    written in place, so one copy serves both."""
+    scores = logits.float()
+    if shape.penalty:
+        scores = repetition_penalty(scores, tokens, written, rows.penalty)
+    if shape.min_new:
+        blocked = stops_blocked(stop_vocab, generated, rows.min_new)
+        fill = scores.masked_fill_ if shape.penalty else scores.masked_fill  # fresh, or logits'
+        scores = fill(blocked, -float("inf"))
+    return scores
 
 
 def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:

@@ -201,7 +201,7 @@ class DecodeStep:
             self.masks.valid,
             s.stop_vocab,
             s.generated,
-            penalise=self.sampler.penalty,
+            self.sampler,
         )
         if self.sampler.samples:
             chosen, drawn_from = select(scores, s.rows, s.finished, s.generated, self.generator)
