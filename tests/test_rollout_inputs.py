@@ -160,7 +160,10 @@ def test_greedy_with_temperature_zero_matches_generate():
 def test_request_that_cannot_fit_is_refused_with_its_size():
     model = tiny_model("llama")
     ids, mask = prompts(3)
-    with pytest.raises(ValueError, match=r"would allocate at least [0-9.]+ GiB.*available on cpu"):
+    with (
+        pytest.warns(UserWarning, match="max_position_embeddings"),  # said first, as generate
+        pytest.raises(ValueError, match=r"would allocate at least [0-9.]+ GiB.*available on cpu"),
+    ):
         _engine(model).generate(ids, mask, SamplingParams(max_new_tokens=10**9))
     need = request_bytes(model, scan_model(model).dtype, 3, 16, 3, 6)
     engine = _engine(model, max_request_bytes=need - 1)
