@@ -227,7 +227,7 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
         assert result.result("graphcap-eager", bs).captures == 0
         assert result.result("graphcap-graph-compiled", bs).status == "unsupported"
     data = json.loads(result.write_json(tmp_path / "r" / "bench.json").read_text())
-    assert data["schema_version"] == 2 and data["config"]["dtype"] == "fp32"
+    assert data["schema_version"] == 3 and data["config"]["dtype"] == "fp32"
     assert data["peak_bandwidth_gbps"] is None  # no roofline on the host without --peak-bandwidth
     assert {f.name for f in dataclasses.fields(ModeResult)} == set(data["results"][0])
     table = report.format_table(result)
@@ -393,6 +393,14 @@ def test_command_writes_json_and_prints_table(tmp_path: Any, capsys: Any) -> Non
     ] == [0, 1]
     assert command.main(["--model", "no-such-model", "--quiet"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_graph_attention_option_reaches_the_engine_and_is_recorded(backend: CPUBackend) -> None:
+    config = BenchConfig(batch_sizes=[1], modes=["graphcap-graph"], **SMALL)
+    own = run_benchmark(replace(config, graph_attention="model"), backend=backend).results[0]
+    assert own.status == "ok" and own.attention == "sdpa"  # the preset's own
+    typo = run_benchmark(replace(config, graph_attention="no-such"), backend=backend).results[0]
+    assert typo.status == "error" and "graph_attention='no-such'" in typo.reason
 
 
 def _plot_script() -> Any:

@@ -165,3 +165,11 @@ def test_compile_needs_graphs_and_excludes_per_position_graphs():
         RolloutConfig(compile=True)
     with pytest.raises(ValueError, match="per_position_graphs"):
         RolloutConfig(enable_graph_capture=True, per_position_graphs=True, compile=True)
+
+
+def test_an_unknown_graph_attention_is_refused_before_any_call():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"graph_attention='no-such'.*registered: eager"):
+        RolloutEngine(model, RolloutConfig(enable_graph_capture=True, graph_attention="no-such"))
+    for fine in ("auto", None, "eager", "sdpa"):
+        RolloutEngine(model, RolloutConfig(enable_graph_capture=True, graph_attention=fine))

@@ -68,6 +68,7 @@ class BenchConfig:
         "time limit for the mode sweep; pairs not started in time are reported skipped", type=float
     )
     backend: str | None = option("graphcap backend name (default: $GRAPHCAP_BACKEND)")
+    graph_attention: str = option("graph steps' attention: auto (backend's), model, a name", "auto")
     rl_loop: int = option("also run N generate -> train iterations", 0, type=int, metavar="N", ge=0)
     rl_batch_size: int | None = option("RL loop batch size (default: the first)", type=int, ge=1)
     rl_optimizer: str = option("RL loop optimizer", "sgd", choices=("sgd", "adamw"))

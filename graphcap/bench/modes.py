@@ -50,6 +50,7 @@ class Workload:
     attention_mask: torch.Tensor
     new_tokens: int
     continuous_slots: int | None = None
+    graph_attention: str | None = "auto"  # RolloutConfig.graph_attention (None: the model's own)
     batch_size: int = field(init=False)
     prompt_width: int = field(init=False)
 
@@ -128,6 +129,7 @@ class Mode:
                 continuous_batch_size=slots if path == "continuous_graph" else None,
                 per_position_graphs=path == "per_position_graph",
                 compile=self.compiles and path is not None,  # the engine's compiled decode step
+                graph_attention=work.graph_attention,
             )
             engine = RolloutEngine(work.model, config)
             # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.

@@ -37,6 +37,7 @@ class ModeResult:
     peak_memory_bytes: int | None = None
     engine_memory_bytes: int | None = None
     path: str | None = None
+    attention: str | None = None
     captures: int | None = None
     replays_per_call: int | None = None
     occupancy: float | None = None
@@ -98,8 +99,8 @@ class BenchReport:
     rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
-    #: 2: steady_max_s and decode_step_min_s / _max_s added, graph_pool_bytes (never set) removed.
-    schema_version: int = 2
+    #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention.
+    schema_version: int = 3
 
     def write_json(self, path: str | Path) -> Path:
         (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")

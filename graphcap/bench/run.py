@@ -67,7 +67,8 @@ def run_benchmark(
         def workload(batch: int, slots: int | None = None) -> Workload:
             vocab = model.config.vocab_size
             ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
-            return Workload(model, backend, ids, mask, cfg.new_tokens, slots)
+            attention = None if cfg.graph_attention == "model" else cfg.graph_attention
+            return Workload(model, backend, ids, mask, cfg.new_tokens, slots, attention)
 
         compiled = cfg.compile_batch_sizes or cfg.batch_sizes
         pairs = [
@@ -153,7 +154,7 @@ def _run_mode(
         c.decode_step_s for c in calls
     )
     if (stats := calls[-1].stats) is not None:
-        r.captures, r.replays_per_call = stats.captures, stats.replays
+        r.captures, r.replays_per_call, r.attention = stats.captures, stats.replays, stats.attention
         r.occupancy = spread(c.stats.occupancy for c in calls)[0]
     r.path = "hf" if stats is None else stats.path
     if mode.expected_path is not None and r.path != mode.expected_path:

@@ -31,6 +31,7 @@ from graphcap.rollout.inputs import (
     resolve_sampling,
     row_settings,
 )
+from graphcap.rollout.plan import check_graph_attention
 from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult
 from graphcap.rollout.sampling import generator_kept
@@ -67,6 +68,7 @@ class RolloutEngine:
         self.backend = resolve_backend(self.config.backend)
         # Attention offered by the backend's plugin becomes a valid attn_implementation name.
         register_attention_implementations(self.backend)
+        check_graph_attention(self.config.graph_attention)
         agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._holder = GraphHolder(self.backend, agreement)
         path = StaticRollout if self.config.continuous_batch_size is None else ContinuousRollout

@@ -136,6 +136,21 @@ def pinned_refusal(params: SamplingParams) -> str | None:
     )
 
 
+def check_graph_attention(name: str | None) -> None:
+    """Refuse a ``graph_attention`` name transformers does not know, before any call: found
+    only at capture, it would turn graphs off for the engine."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name not in (None, "auto", *known):
+        raise ValueError(
+            f"RolloutConfig.graph_attention={name!r} is not a registered attention "
+            f"implementation (registered: {', '.join(known)}); use 'auto' for the backend's, "
+            "None for the model's own, or register the function with "
+            "transformers.AttentionInterface.register before creating the engine"
+        )
+
+
 def selected_attention(model: torch.nn.Module, backend: Backend, config: RolloutConfig) -> str:
     """The attention implementation captured steps run: the config's choice, else the
     backend's graph-safe one ("auto"), else the model's own."""
