@@ -65,7 +65,7 @@ def time_setting(model, ids, mask, new: int, extra: dict, number: int) -> dict[s
         model.config, batch, total, torch.float32, ids.device, windows, "additive"
     )
     state = DecodeState.allocate(batch, total, vocab, (), 0, ids.device)
-    step = DecodeStep(model, cache, masks, state, shape, shape.logprobs, None)
+    step = DecodeStep(model, cache, masks, state, shape, None)
     cache.load_prefill(out.past_key_values)
     masks.reset(mask)
     state.reset(ids, positions[:, -1] + 1, RowPlan.build([params] * batch, 1, batch))

@@ -132,17 +132,14 @@ class DecodeStep:
         masks: MaskBuffers,
         state: DecodeState,
         sampler: SamplerShape,
-        return_logprobs: bool,
         generator: torch.Generator | None,
     ):
-        """``sampler`` shapes the step (sampling branch or not); ``return_logprobs``: whether
-        it writes log-probs (the engine passes ``sampler.logprobs``)."""
+        """``sampler`` shapes the step: the sampling branch, log-probs, the processors."""
         self.model = model
         self.cache = cache
         self.masks = masks
         self.state = state
         self.sampler = sampler
-        self.return_logprobs = return_logprobs
         self.generator = generator
         self._extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         self._cache_keyword = cache_keyword(model)
@@ -170,7 +167,7 @@ class DecodeStep:
         )
         eos, pad = params.eos_ids, int(params.pad_token_id)
         state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
-        return cls(model, cache, masks, state, sig.sampler, sig.sampler.logprobs, generator)
+        return cls(model, cache, masks, state, sig.sampler, generator)
 
     allocate_state = staticmethod(DecodeState.allocate)
 
@@ -211,7 +208,7 @@ class DecodeStep:
         column = self.cache.write_pos[:, None]
         s.sequences.scatter_(1, column, token[:, None])
         s.response.scatter_(1, column, ~s.finished[:, None])
-        if self.return_logprobs:
+        if self.sampler.logprobs:
             logp = logprobs_of(chosen, drawn_from, logits, s.rows)[:, None]
             s.logprobs.scatter_(1, column, logp.masked_fill(s.finished[:, None], 0.0))
         s.finished.logical_or_(s.stop_vocab[token])

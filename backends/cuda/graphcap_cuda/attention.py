@@ -16,6 +16,7 @@ the function captures and replays; it runs on any device SDPA runs on (CPU inclu
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -202,5 +203,10 @@ def register_attention(name: str = GQA_SDPA) -> str:
     return name
 
 
-#: Every attention function the plugin offers, by name.
-IMPLEMENTATIONS = {GQA_SDPA: gqa_sdpa_forward, SPLIT_KV: split_kv_forward}
+#: Every attention function the plugin offers, by name: the split-KV kernel only where Triton is
+#: installed (CUDA builds of torch ship it).
+IMPLEMENTATIONS = {GQA_SDPA: gqa_sdpa_forward}
+if importlib.util.find_spec("triton") is not None:
+    IMPLEMENTATIONS[SPLIT_KV] = split_kv_forward
+#: What captured steps run by default: the split-KV kernel where it is offered.
+DEFAULT_ATTENTION = SPLIT_KV if SPLIT_KV in IMPLEMENTATIONS else GQA_SDPA

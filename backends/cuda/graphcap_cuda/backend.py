@@ -7,14 +7,13 @@ memory figures come from the base class (``torch.get_device_module("cuda")`` is 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 from typing import Any, ClassVar
 
 import torch
 
 from graphcap.backend import Availability, Backend, device_graph_capture
-from graphcap_cuda.attention import GQA_SDPA, SPLIT_KV
+from graphcap_cuda.attention import DEFAULT_ATTENTION
 
 HINT = (
     "Work inside a CUDA graph capture must not synchronise with the host (.item(), "
@@ -37,9 +36,7 @@ class CUDABackend(Backend):
     capture_needs_side_stream: ClassVar[bool] = True
     # Captured decode steps read grouped-query K/V unrepeated (graphcap_cuda.attention), with
     # the split-KV Triton kernel where Triton is installed (CUDA builds of torch ship it).
-    graph_attention: ClassVar[str | None] = (
-        SPLIT_KV if importlib.util.find_spec("triton") is not None else GQA_SDPA
-    )
+    graph_attention: ClassVar[str | None] = DEFAULT_ATTENTION
     # Inductor's kernels are ordinary CUDA launches: a capture records them like any other.
     captures_compiled: ClassVar[bool] = True
 

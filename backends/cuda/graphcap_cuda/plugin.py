@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 
 from graphcap.backend import Backend
 from graphcap.hookspecs import PLUGIN_API_VERSION, hookimpl
-from graphcap_cuda.attention import IMPLEMENTATIONS, SPLIT_KV
+from graphcap_cuda.attention import IMPLEMENTATIONS
 from graphcap_cuda.backend import CUDABackend
 
 
@@ -23,13 +22,9 @@ def graphcap_backends() -> list[type[Backend]]:
 
 @hookimpl
 def graphcap_attention_implementations(backend: Backend) -> dict[str, Callable[..., object]]:
-    """The grouped-query attentions, offered only when the selected backend is ours (pluggy
-    calls every plugin's implementation); the split-KV kernel only where Triton is installed
-    (CUDA builds of torch ship it). graphcap registers transformers' SDPA mask function with
-    each."""
+    """The grouped-query attentions (``IMPLEMENTATIONS``), offered only when the selected
+    backend is ours (pluggy calls every plugin's implementation). graphcap registers
+    transformers' SDPA mask function with each."""
     if not isinstance(backend, CUDABackend):
         return {}
-    offered = dict(IMPLEMENTATIONS)
-    if importlib.util.find_spec("triton") is None:
-        del offered[SPLIT_KV]
-    return offered
+    return dict(IMPLEMENTATIONS)

@@ -69,7 +69,7 @@ class Rig:
             pad_token_id=models.PAD,
         )
         shape = SamplerShape(samples=sample, logprobs=True)
-        step = DecodeStep(model, cache, masks, state, shape, True, generator)
+        step = DecodeStep(model, cache, masks, state, shape, generator)
         rows = RowPlan.build([params] * BATCH, 1, BATCH)
         logits, next_positions = out.logits[:, -1], positions[:, -1] + 1
         return cls(backend, step, rows, ids, mask, prefill, logits, next_positions)
