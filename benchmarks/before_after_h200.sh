@@ -12,15 +12,8 @@ set -euo pipefail
 old=$(cd "$1" && pwd)
 out=$(mkdir -p "$2" && cd "$2" && pwd)
 new=$(cd "$(dirname "$0")/.." && pwd)
-export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-
-make_env() {  # $1 env dir, $2 tree
-    python3 -m venv "$1"
-    local purelib
-    purelib=$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_machine.pth"
-    "$1/bin/python" -m pip install -q --no-build-isolation --no-deps -e "$2" -e "$2/backends/cuda"
-}
+cd "$new"
+source benchmarks/device_env.sh  # make_env; also builds /tmp/env-new for this tree
 
 for tree in old new; do
     dir=$([[ $tree == old ]] && echo "$old" || echo "$new")

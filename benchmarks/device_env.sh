@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Sourced by the H200 session scripts: an environment over the machine's own torch (nothing is
-# fetched) with graphcap and graphcap-cuda installed editable; sets $py to its python.
+# Sourced by the H200 scripts. make_env ENV_DIR TREE: an environment over the machine's own
+# torch (nothing is fetched; its torch is never replaced) with TREE's graphcap and graphcap-cuda
+# installed editable. Sourcing it also builds /tmp/env-new for this tree and sets $py to it.
 export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-if [[ ! -x /tmp/env-new/bin/python ]]; then
-    python3 -m venv /tmp/env-new
-    purelib=$(/tmp/env-new/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_machine.pth"
-fi
+
+make_env() {
+    if [[ ! -x $1/bin/python ]]; then
+        python3 -m venv "$1"
+        local purelib
+        purelib=$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_machine.pth"
+    fi
+    "$1/bin/python" -m pip install -q --no-build-isolation --no-deps -e "$2" -e "$2/backends/cuda"
+}
+
+make_env /tmp/env-new "$PWD"
 py=/tmp/env-new/bin/python
-$py -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda

@@ -5,13 +5,10 @@
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
-export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 for tree in old new; do
     dir=$([[ $tree == old ]] && echo .old || echo .)
-    python3 -m venv /tmp/env-$tree
-    purelib=$(/tmp/env-$tree/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_machine.pth"
-    /tmp/env-$tree/bin/python -m pip install -q --no-build-isolation --no-deps -e $dir -e $dir/backends/cuda
+    make_env /tmp/env-$tree $dir
 done
 /tmp/env-new/bin/python -m pytest -q -rs -m device tests backends/cuda/tests -p no:cacheprovider \
     >"$out/device-tests.log" 2>&1; tail -5 "$out/device-tests.log"

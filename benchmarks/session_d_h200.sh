@@ -4,12 +4,7 @@
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
-export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-python3 -m venv /tmp/env-new
-purelib=$(/tmp/env-new/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_machine.pth"
-py=/tmp/env-new/bin/python
-$py -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda
+source benchmarks/device_env.sh
 $py -m pytest -q -rs -m device tests backends/cuda/tests -p no:cacheprovider >"$out/device-tests-final.log" 2>&1
 tail -3 "$out/device-tests-final.log"
 $py -m graphcap.testing -q --graphcap-json "$out/cuda-h200.json" >"$out/conformance-final.log" 2>&1
