@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from graphcap.backend import Backend
 from graphcap.errors import GraphUnsupportedModelError
@@ -139,8 +140,6 @@ def pinned_refusal(params: SamplingParams) -> str | None:
 def check_graph_attention(name: str | None) -> None:
     """Refuse a ``graph_attention`` name transformers does not know, before any call: found
     only at capture, it would turn graphs off for the engine."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     if name not in (None, "auto", *known):
         raise ValueError(
