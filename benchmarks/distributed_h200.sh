@@ -6,8 +6,9 @@
 # Expects the machine's own python3 with torch + transformers 5.17 and graphcap installed with
 #   pip install --no-build-isolation --no-deps -e . ./backends/cuda
 # No network is needed (random-weight presets). NVLink multicast stays off (machine rule).
-#   1. tensor parallelism (transformers tp_plan="auto") over 2 GPUs, llama-1b bf16:
-#      graph == eager per rank and across ranks, decode step time vs one GPU, recapture agreement
+#   1. tensor parallelism (transformers tp_plan="auto") over 2 GPUs, llama-1b in fp32 and bf16:
+#      graph == eager per rank and across ranks (exact in fp32), decode step time vs one GPU,
+#      recapture agreement
 #   2. the data-parallel example at 1 and 2 ranks, llama-1b bf16: tokens/s
 set -euo pipefail
 
@@ -22,8 +23,10 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29501 \
-    benchmarks/distributed_tp.py "$OUT/tp_llama1b.json" --model llama-1b
+for dtype in fp32 bf16; do
+    python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29501 \
+        benchmarks/distributed_tp.py "$OUT/tp_llama1b_$dtype.json" --model llama-1b --dtype $dtype
+done
 
 for n in 1 2; do
     python3 -m torch.distributed.run --nproc-per-node "$n" --master-port 29502 \

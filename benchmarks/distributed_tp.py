@@ -6,10 +6,11 @@ Rank 0 saves the preset (seeded random weights) with save_pretrained; every rank
 ``DistributedConfig(tp_size=WORLD, tp_plan="auto")`` and runs, with
 ``RolloutConfig(process_group=WORLD)``:
 
-1. graph vs eager on the shard (greedy, no EOS): tokens equal on each rank and across ranks;
+1. graph vs eager on the shard (greedy, no EOS): tokens equal on each rank and across ranks
+   (exact in fp32: ``--dtype fp32``; in bf16 the graph's attention kernel may round differently);
 2. decode step time of the static graph, tensor-parallel, and on rank 0 alone with the whole
    model on one device (same batch and lengths);
-3. recapture agreement: a second call changes the EOS ids on rank 1 only; both ranks recapture
+3. recapture agreement: a second call changes the pad id on rank 1 only; both ranks recapture
    (rank 0 with "another rank recaptures") and replay the same tokens.
 
 Rank 0 writes OUT.json. docs/distributed.md explains the setup; benchmarks/distributed_h200.sh
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default per device")
     args = parser.parse_args()
 
     backend = get_backend()
@@ -76,7 +78,7 @@ def main() -> None:
         device_id=None if backend.device_type == "cpu" else backend.device,
     )
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = DTYPES[default_dtype_name(args.model, backend.device_type)]
+    dtype = DTYPES[args.dtype or default_dtype_name(args.model, backend.device_type)]
 
     shared = [tempfile.mkdtemp(prefix="graphcap-tp-") if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
@@ -115,7 +117,7 @@ def main() -> None:
 
     recapture = engine(True)
     first = recapture.generate(ids, mask, params)
-    changed = SamplingParams(max_new_tokens=args.max_new_tokens, eos_token_id=[1])
+    changed = SamplingParams(max_new_tokens=args.max_new_tokens, eos_token_id=[], pad_token_id=1)
     second = recapture.generate(ids, mask, changed if rank == 1 else params)
     record["recapture"] = {
         "captures": second.stats.captures,

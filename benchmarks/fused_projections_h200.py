@@ -85,6 +85,7 @@ def time_steps(model, backend, batch: int, prompt: int, new: int, repeats: int) 
     engine.shutdown()
     return {
         "path": first.stats.path,
+        "first_call_s": first.stats.total_s,
         "attention": first.stats.attention,
         "step_ms_median": statistics.median(steps),
         "step_ms_min": min(steps),
