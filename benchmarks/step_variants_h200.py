@@ -64,12 +64,16 @@ def main() -> int:
     report = {"command": " ".join(["python3", *sys.argv]), "device": str(backend.device)}
     report["cases"] = []
     for name in args.models.split(","):
-        model = build_model(name, dtype=dtype, device=backend.device, backend_seed=backend.manual_seed)
+        model = build_model(
+            name, dtype=dtype, device=backend.device, backend_seed=backend.manual_seed
+        )
         plain: dict[int, dict] = {}
         for variant in args.variants.split(","):
             changed = VARIANTS[variant](model)
             for batch in map(int, args.batch_sizes.split(",")):
-                out = time_steps(changed, backend, batch, args.prompt_len, args.new_tokens, args.repeats)
+                out = time_steps(
+                    changed, backend, batch, args.prompt_len, args.new_tokens, args.repeats
+                )
                 tokens = out.pop("tokens")
                 base = plain.setdefault(batch, {**out, "tokens": tokens})
                 case = {"model": name, "variant": variant, "batch": batch, **out}
