@@ -6,13 +6,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from fakes import NoCollectivesGraphBackend, NoRngGraphBackend
-from rollout_models import EOS, generate_padded, make_engine, prompts, run, tiny_model
+from rollout_models import (
+    EOS,
+    FAMILIES,
+    generate_padded,
+    make_engine,
+    prompts,
+    run,
+    tiny_model,
+)
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from graphcap.cpu import CPUBackend
 from graphcap.errors import CaptureFallbackWarning
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.rollout import plan as plan_module
+from graphcap.rollout.regions import compile_regions
 
 NEW = 6
 NO_EOS = {"eos_token_id": []}
@@ -133,18 +143,19 @@ class CompiledCaptureBackend(CPUBackend):
     captures_compiled = True
 
 
-def test_compile_runs_the_compiled_forward_in_the_capture_only(monkeypatch):
+def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch):
     """The CPU reference graph refuses compiled regions at capture: the refusal proves the
-    capture ran the compiled forward, and the call still completes exactly, eagerly."""
+    capture ran the compiled blocks, and the call still completes exactly, eagerly."""
     compiled: list[object] = []
     real_compile = torch.compile
 
-    def noting_compile(model, **kwargs):  # dynamo without inductor: no C++ build in a test
-        compiled.append(model)
-        return real_compile(model, backend="eager", **kwargs)
+    def noting_compile(fn, **kwargs):  # dynamo without inductor: no C++ build in a test
+        compiled.append(fn)
+        return real_compile(fn, backend="eager", **kwargs)
 
     monkeypatch.setattr(torch, "compile", noting_compile)
     model = tiny_model("llama", fresh=True)
+    blocks = compile_regions(model)
     ids, mask = prompts(3)
     config = RolloutConfig(
         enable_graph_capture=True, backend=CompiledCaptureBackend(), compile=True
@@ -153,9 +164,35 @@ def test_compile_runs_the_compiled_forward_in_the_capture_only(monkeypatch):
         result = RolloutEngine(model, config).generate(
             ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS)
         )
-    assert compiled == [model]
+    assert [fn.__self__ for fn in compiled] == blocks
     assert result.stats.path == "eager" and not result.stats.compiled
     assert "compiled" in result.stats.fallback_reason, result.stats.fallback_reason
+    assert not any("forward" in vars(block) for block in blocks)  # own forwards again
+    expected = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
+    assert torch.equal(result.sequences, expected.sequences)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compile_regions_are_the_blocks_beside_attention(family):
+    model = tiny_model(family)
+    attention = [m for m in model.modules() if hasattr(m, "layer_idx")]
+    layers = [m for m in model.modules() if any(c in attention for c in m.children())]
+    beside = [c for layer in layers for c in layer.children() if c not in attention]
+    assert layers and [id(b) for b in compile_regions(model)] == [id(c) for c in beside]
+
+
+def test_compile_without_blocks_to_compile_captures_uncompiled_and_says_why(monkeypatch):
+    monkeypatch.setattr(plan_module, "compile_regions", lambda model: [])
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    config = RolloutConfig(
+        enable_graph_capture=True, backend=CompiledCaptureBackend(), compile=True
+    )
+    result = RolloutEngine(model, config).generate(
+        ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS)
+    )
+    assert result.stats.path == "static_graph" and not result.stats.compiled
+    assert "no decoder block to compile" in result.stats.fallback_reason
     expected = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
     assert torch.equal(result.sequences, expected.sequences)
 

@@ -327,10 +327,18 @@ class RolloutConfig:
     registered implementation. Eager calls and the prefill always use the model's own.
     ``max_request_bytes``: refuse a call whose estimated allocation exceeds it (calls above the
     memory the backend reports available are refused in any case).
-    ``compile=True``: captured decode steps run the model's forward through ``torch.compile``
-    (``dynamic=False``); the compilation happens in the warm-up before the first capture, so it
-    is part of that call's ``capture_s`` / ``first_call_s`` (``stats.compiled`` says so). Needs
-    a backend that declares ``captures_compiled``; elsewhere calls run eagerly with the reason.
+    ``compile=True``: captured decode steps run the blocks around attention (each decoder
+    layer's norms and MLP) through ``torch.compile``, traced once per block class
+    (:mod:`graphcap.rollout.regions`); the compilation happens in the warm-up before the first
+    capture, so it is part of that call's ``capture_s`` / ``first_call_s`` (``stats.compiled``
+    says so). Compiled code rounds differently: steps equal eager ones within float rounding,
+    not bit for bit. Needs a backend that declares ``captures_compiled``; elsewhere calls run
+    eagerly with the reason.
+    ``fuse_projections=True``: projections that read one input (q/k/v, gate/up) run as one
+    product over their weights joined in one buffer, whose views the parameters become
+    (:mod:`graphcap.rollout.fusion`; ``stats.joined_projections`` counts the groups). In every
+    step and the prefill, eager or captured; results equal the unjoined model's within float
+    rounding.
     """
 
     enable_graph_capture: bool | None = None
@@ -345,6 +353,7 @@ class RolloutConfig:
     process_group: ProcessGroup | None = None
     graph_attention: str | None = "auto"
     compile: bool = False
+    fuse_projections: bool = False
     enable_cuda_graph: bool | None = field(default=None, repr=False)
     max_request_bytes: int | None = None
 

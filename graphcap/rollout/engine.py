@@ -8,6 +8,7 @@ and run a runner (:mod:`~graphcap.rollout.runners`). docs/architecture.md draws 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from graphcap.rollout.agreement import RankAgreement
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.continuous import ContinuousRollout
+from graphcap.rollout.fusion import ProjectionFusion
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.inputs import (
     Call,
@@ -73,6 +75,7 @@ class RolloutEngine:
         self._holder = GraphHolder(self.backend, agreement)
         path = StaticRollout if self.config.continuous_batch_size is None else ContinuousRollout
         self._path = path(model, self.config, self._holder)
+        self._fusion = ProjectionFusion(model) if self.config.fuse_projections else None
         self._lock = threading.Lock()
         self._closed = False
         self._sleeping = False  # sleep() freed the buffers and no generate has run since
@@ -95,6 +98,7 @@ class RolloutEngine:
             start = time.perf_counter()
             params = resolve_sampling(self.model, sampling)
             device = self.backend.device
+            joined = self._fusion.join() if self._fusion is not None else 0
             scan = scan_model(self.model)
             input_ids, attention_mask = check_prompts(
                 self.model, scan, device, input_ids, attention_mask, params
@@ -115,11 +119,13 @@ class RolloutEngine:
                 torch.no_grad(),
                 without_checkpointing(self.model),
                 generator_kept(self.backend, generator, keep=not call.draws),
+                self._fusion.applied() if self._fusion is not None else contextlib.nullcontext(),
             ):
                 result = self._path.run(call, start)
             woke, self._sleeping = self._sleeping, False
             stats = result.stats
             stats.captures = self._holder.captures
+            stats.joined_projections = joined
             if woke and stats.captured:
                 stats.recapture_reason.insert(0, WOKE)
             stats.attention = stats.attention or attention_implementation(self.model)

@@ -22,6 +22,7 @@ from graphcap.backend import Backend
 from graphcap.errors import GraphUnsupportedModelError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.masks import layer_windows, unsupported_layer_types
+from graphcap.rollout.regions import compile_regions
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.scan import ModelScan
 from graphcap.rollout.signature import (
@@ -166,8 +167,9 @@ class Plan:
     ``path``: the path graphs take (``static_graph``, ``per_position_graph``,
     ``continuous_graph``) or the eager one (``eager``, ``continuous_eager``). ``reason``: why the
     call does not take the path the config asked for (eager instead of a graph, or the static
-    graph instead of per-position graphs); ``None`` when it does. ``compiled``: captured
-    steps run the ``torch.compile``'d forward.
+    graph instead of per-position graphs, or uncompiled steps); ``None`` when it does.
+    ``compiled``: captured steps run the blocks around attention compiled
+    (:mod:`graphcap.rollout.regions`).
     """
 
     path: str
@@ -218,7 +220,12 @@ def plan_call(
         )
     if config.enable_graph_capture and reason is None:
         attention = selected_attention(model, backend, config)
-        compiled = config.compile
+        compiled = config.compile and bool(compile_regions(model))
+        if config.compile and not compiled:
+            reason = (
+                "compile=True found no decoder block to compile (no module holding an "
+                "attention with a layer_idx): the step is captured uncompiled"
+            )
         path = "continuous_graph" if continuous else "static_graph"
         if config.per_position_graphs:
             reason = pinned_refusal(params)

@@ -19,8 +19,9 @@ class RolloutStats:
     continuous path only, and so are ``moved_columns`` (cache columns the eager layout modes
     moved) and ``mean_span`` (cache columns a step attended over, on average) (docs/continuous.md).
     ``attention``: the attention implementation the decode steps ran. ``compiled``: they ran
-    the ``torch.compile``'d forward (``RolloutConfig(compile=True)``); the compilation is then
-    inside ``capture_s`` of the call that captured.
+    the blocks around attention compiled (``RolloutConfig(compile=True)``); the compilation is
+    then inside ``capture_s`` of the call that captured. ``joined_projections``: groups of
+    projections that ran as one product (``RolloutConfig(fuse_projections=True)``).
     """
 
     path: str
@@ -43,6 +44,7 @@ class RolloutStats:
     mean_span: float | None = None
     attention: str | None = None
     compiled: bool = False
+    joined_projections: int = 0
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -25,6 +24,7 @@ from transformers.cache_utils import Cache
 from graphcap.rollout.cache import LayerSpec, SpanView, StaticKVCache
 from graphcap.rollout.masks import MaskBuffers
 from graphcap.rollout.prefill import accepts_logits_to_keep, cache_keyword
+from graphcap.rollout.regions import compiled_regions
 from graphcap.rollout.sampling import (
     RowPlan,
     RowSettings,
@@ -143,9 +143,6 @@ class DecodeStep:
         self.generator = generator
         self._extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         self._cache_keyword = cache_keyword(model)
-        #: what the step calls for its forward: the model, or its compiled form (see compiling)
-        self.forward: Callable[..., object] = model
-        self._compiled: Callable[..., object] | None = None
 
     @classmethod
     def build(
@@ -222,7 +219,7 @@ class DecodeStep:
         column = self.cache.write_pos
         self.masks.attend(column)
         mask, cache = self._view(self.masks.render(column))
-        out = self.forward(
+        out = self.model(
             input_ids=s.tokens,
             attention_mask=mask,
             position_ids=s.positions,
@@ -233,21 +230,11 @@ class DecodeStep:
         self.advance()
         self.commit(out.logits[:, -1, :])
 
-    @contextlib.contextmanager
-    def compiling(self, enabled: bool = True) -> Iterator[None]:
-        """Within the block, steps run the model's forward through ``torch.compile`` (made once
-        per step, ``dynamic=False``: a decode step's shapes never change); the plain model
-        again after it, so eager steps never run compiled code."""
-        if not enabled:
-            yield
-            return
-        if self._compiled is None:
-            self._compiled = torch.compile(self.model, dynamic=False)
-        self.forward = self._compiled
-        try:
-            yield
-        finally:
-            self.forward = self.model
+    def compiling(self, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Within the block, the model's blocks around attention run compiled
+        (:mod:`graphcap.rollout.regions`); as they are after it, so eager steps never run
+        compiled code."""
+        return compiled_regions(self.model) if enabled else contextlib.nullcontext()
 
     def with_span(self, span: tuple[int, int]) -> DecodeStep:
         """This step (the same buffers) attending over cache columns ``span`` only."""
