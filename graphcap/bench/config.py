@@ -69,6 +69,9 @@ class BenchConfig:
     )
     backend: str | None = option("graphcap backend name (default: $GRAPHCAP_BACKEND)")
     graph_attention: str = option("graph steps' attention: auto (backend's), model, a name", "auto")
+    fuse_projections: bool = option(
+        "graphcap modes join q/k/v and gate/up products (RolloutConfig)", False, action="store_true"
+    )
     rl_loop: int = option("also run N generate -> train iterations", 0, type=int, metavar="N", ge=0)
     rl_batch_size: int | None = option("RL loop batch size (default: the first)", type=int, ge=1)
     rl_optimizer: str = option("RL loop optimizer", "sgd", choices=("sgd", "adamw"))

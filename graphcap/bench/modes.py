@@ -51,6 +51,7 @@ class Workload:
     new_tokens: int
     continuous_slots: int | None = None
     graph_attention: str | None = "auto"  # RolloutConfig.graph_attention (None: the model's own)
+    fuse_projections: bool = False  # RolloutConfig.fuse_projections
     batch_size: int = field(init=False)
     prompt_width: int = field(init=False)
 
@@ -130,6 +131,7 @@ class Mode:
                 per_position_graphs=path == "per_position_graph",
                 compile=self.compiles and path is not None,  # the engine's compiled decode step
                 graph_attention=work.graph_attention,
+                fuse_projections=work.fuse_projections,
             )
             engine = RolloutEngine(work.model, config)
             # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.

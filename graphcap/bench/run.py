@@ -68,7 +68,9 @@ def run_benchmark(
             vocab = model.config.vocab_size
             ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
             attention = None if cfg.graph_attention == "model" else cfg.graph_attention
-            return Workload(model, backend, ids, mask, cfg.new_tokens, slots, attention)
+            return Workload(
+                model, backend, ids, mask, cfg.new_tokens, slots, attention, cfg.fuse_projections
+            )
 
         compiled = cfg.compile_batch_sizes or cfg.batch_sizes
         pairs = [
