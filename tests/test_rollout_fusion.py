@@ -32,7 +32,7 @@ def test_joined_graph_equals_eager_and_the_unjoined_model(family, batch):
     ids, mask = prompts(batch)
     expected = run(model, ids, mask, False, **NO_EOS, return_logprobs=True)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    engine, result = joined(model, ids, mask, return_logprobs=True)
+    _, result = joined(model, ids, mask, return_logprobs=True)
     assert result.stats.path == "static_graph" and result.stats.replays > 0
     assert result.stats.joined_projections == GROUPS_PER_LAYER[family] * 2
     assert torch.equal(result.sequences, expected.sequences)
@@ -110,7 +110,7 @@ def test_a_later_layer_called_on_another_input_computes_its_own_product():
     with torch.no_grad():
         expected = [lin(torch.ones(2, 8)) for lin in linears_]
         group.join()
-        (first, first_fwd), (second, second_fwd) = group.swaps()
+        (_, first_fwd), (second, second_fwd) = group.swaps()
         x, other = torch.ones(2, 8), torch.zeros(2, 8)
         assert torch.allclose(first_fwd(x), expected[0])
         assert torch.allclose(second_fwd(other), F_linear(other, second))  # not x's slice
