@@ -22,7 +22,7 @@ from graphcap.cpu import CPUBackend
 from graphcap.errors import CaptureFallbackWarning
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout import plan as plan_module
-from graphcap.rollout.regions import compile_regions
+from graphcap.rollout.regions import ROTARY, compile_regions, rotary_functions
 
 NEW = 6
 NO_EOS = {"eos_token_id": []}
@@ -164,7 +164,10 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch):
         result = RolloutEngine(model, config).generate(
             ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS)
         )
-    assert [fn.__self__ for fn in compiled] == blocks
+    rotary = rotary_functions(model)
+    assert [fn.__self__ for fn in compiled if hasattr(fn, "__self__")] == blocks
+    assert [fn for fn in compiled if not hasattr(fn, "__self__")] == [fn for _, fn in rotary]
+    assert all(getattr(module, ROTARY) is fn for module, fn in rotary)  # restored
     assert result.stats.path == "eager" and not result.stats.compiled
     assert "compiled" in result.stats.fallback_reason, result.stats.fallback_reason
     assert not any("forward" in vars(block) for block in blocks)  # own forwards again
@@ -172,13 +175,26 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch):
     assert torch.equal(result.sequences, expected.sequences)
 
 
+#: What compile=True compiles in each tiny family: block classes (two layers each) and whether
+#: the attention calls a rotary function.
+REGIONS = {
+    "gpt2": ({"GPT2MLP": 2, "LayerNorm": 4}, False),
+    "llama": ({"LlamaMLP": 2, "LlamaRMSNorm": 4}, True),
+    "qwen2": ({"Qwen2MLP": 2, "Qwen2RMSNorm": 4}, True),
+    "opt": ({"LayerNorm": 4}, False),  # fc1 / fc2 are lone projections beside the attention
+    "mistral": ({"MistralMLP": 2, "MistralRMSNorm": 4}, True),
+}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compile_regions_are_the_blocks_beside_attention(family):
     model = tiny_model(family)
-    attention = [m for m in model.modules() if hasattr(m, "layer_idx")]
-    layers = [m for m in model.modules() if any(c in attention for c in m.children())]
-    beside = [c for layer in layers for c in layer.children() if c not in attention]
-    assert layers and [id(b) for b in compile_regions(model)] == [id(c) for c in beside]
+    blocks, rotary = REGIONS[family]
+    names = [type(b).__name__ for b in compile_regions(model)]
+    assert {n: names.count(n) for n in names} == blocks
+    assert [fn.__name__ for _, fn in rotary_functions(model)] == (
+        ["apply_rotary_pos_emb"] if rotary else []
+    )
 
 
 def test_compile_without_blocks_to_compile_captures_uncompiled_and_says_why(monkeypatch):

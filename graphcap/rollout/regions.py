@@ -6,17 +6,26 @@ whole forward fuses them, but costs tens of seconds per batch size and was slowe
 graph at batch 64 on the H200 (runs D and F). PyTorch's regional compilation compiles the
 repeated blocks instead: a block class is traced once and its code is shared by every layer, so
 the first call pays seconds. The blocks are the children of each decoder layer that hold no
-attention (norms, MLPs): attention, its cache writes and the backend's graph attention stay
-eager. Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json.
+attention (norms, MLPs), the attention's own norms, and the rotary embedding function the
+attention calls: the projections, the cache writes and the backend's graph attention stay eager.
+Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
 
 import torch
 
 from graphcap.rollout.swap import forwards_swapped
+
+#: The rotary-embedding function transformers' modeling files define and their attention calls
+#: (about ten small kernels for q and k per layer when eager).
+ROTARY = "apply_rotary_pos_emb"
 
 
 def _is_attention(module: torch.nn.Module) -> bool:
@@ -26,21 +35,56 @@ def _is_attention(module: torch.nn.Module) -> bool:
     return hasattr(module, "layer_idx") and not any(hasattr(m, "layer_idx") for m in inner)
 
 
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if _is_attention(m)]
+
+
+def _worth_compiling(module: torch.nn.Module) -> bool:
+    """Parameters and more than one product: not a lone dropout or activation (nothing to fuse),
+    not a lone projection or embedding (a leaf with a matrix: one GEMM or gather either way)."""
+    params = list(module.parameters())
+    single = next(module.children(), None) is None and any(p.dim() >= 2 for p in params)
+    return bool(params) and not single
+
+
 def compile_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks ``compile=True`` compiles: the children of each decoder layer (a module with
-    an attention child) that hold no attention themselves."""
-    layers = [m for m in model.modules() if any(_is_attention(c) for c in m.children())]
-    return [
+    an attention child) that hold no attention (norms, MLPs), and the children of each attention
+    (per-head q/k norms), where compiling can fuse something."""
+    attention = _attention_modules(model)
+    ids = {id(a) for a in attention}
+    layers = [m for m in model.modules() if any(id(c) in ids for c in m.children())]
+    beside = [
         child
         for layer in layers
         for child in layer.children()
-        if not any(_is_attention(m) for m in child.modules())
+        if not any(id(m) in ids for m in child.modules())
     ]
+    inside = [c for a in attention for c in a.children()]
+    return [block for block in beside + inside if _worth_compiling(block)]
 
 
-def compiled_regions(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """Within the block, ``model``'s :func:`compile_regions` run through ``torch.compile``; their
-    own forwards again after it, so eager steps, the prefill and training never run compiled
-    code. Dynamo keeps the compiled code per block class, so re-entering compiles nothing new
-    for shapes it has seen (a second batch size makes the code dynamic)."""
-    return forwards_swapped([(b, torch.compile(b.forward)) for b in compile_regions(model)])
+def rotary_functions(model: torch.nn.Module) -> list[tuple[ModuleType, Callable[..., Any]]]:
+    """Each modeling module of ``model``'s attention classes with the :data:`ROTARY` function
+    those attentions call, and the function."""
+    modules = {sys.modules[type(a).__module__] for a in _attention_modules(model)}
+    found = [(m, getattr(m, ROTARY, None)) for m in modules]
+    return [(module, fn) for module, fn in found if callable(fn)]
+
+
+@contextlib.contextmanager
+def compiled_regions(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s :func:`compile_regions` and :func:`rotary_functions` run
+    through ``torch.compile``; as they were after it, so eager steps, the prefill and training
+    never run compiled code. Dynamo keeps the compiled code per block class and function, so
+    re-entering compiles nothing new for shapes it has seen (a second batch size makes the code
+    dynamic)."""
+    rotary = rotary_functions(model)
+    with forwards_swapped([(b, torch.compile(b.forward)) for b in compile_regions(model)]):
+        for module, fn in rotary:
+            setattr(module, ROTARY, torch.compile(fn))
+        try:
+            yield
+        finally:
+            for module, fn in rotary:
+                setattr(module, ROTARY, fn)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# H200 run M (issue 11): compile=True with the attention's rotary function and q/k norms added
+# to the compiled regions; the compiled device tests and `graphcap bench` of the compiled mode
+# (with --fuse-projections) on llama-8b and llama-1b at batch 1, 64 and 256, 128 + 512 tokens.
+#   bash benchmarks/session_m_h200.sh OUT
+set -uo pipefail
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+source benchmarks/device_env.sh
+cache=$(mktemp -d)
+export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+timeout 60 $py -m pytest -q -rs -m device tests/test_device_rollout.py -k compiled \
+    >"$out/device-tests-m.log" 2>&1
+tail -2 "$out/device-tests-m.log"
+for model in llama-8b llama-1b; do
+    timeout 150 $py -m graphcap.bench --model $model --batch-sizes 1,64,256 \
+        --compile-batch-sizes 1,64,256 --prompt-len 128 --new-tokens 512 --repeats 3 \
+        --warmup 1 --modes graphcap-graph-compiled --fuse-projections --budget-s 110 \
+        --json "$out/bench-$model-m.json" >"$out/bench-$model-m.txt" 2>&1
+    tail -6 "$out/bench-$model-m.txt"
+done
