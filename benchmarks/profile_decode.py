@@ -60,7 +60,7 @@ def device_kernels(engine, ids, mask, params, backend) -> tuple[dict[str, dict[s
 
 
 def profile_case(
-    preset: str, dtype: str, batch: int, prompt: int, new: int, compare_eager: bool
+    preset: str, dtype: str, batch: int, prompt: int, new: int, compare_eager: bool, fast: bool
 ) -> dict[str, Any]:
     backend = graphcap.get_backend()
     model = build_model(
@@ -69,7 +69,11 @@ def profile_case(
     ids, mask = make_prompts(model.config.vocab_size, batch, prompt, 0, backend.device)
     params = SamplingParams(max_new_tokens=new, eos_token_id=[], pad_token_id=0)
     config = RolloutConfig(
-        enable_graph_capture=True, backend=backend, length_buckets=(prompt + new,)
+        enable_graph_capture=True,
+        backend=backend,
+        length_buckets=(prompt + new,),
+        compile=fast,
+        fuse_projections=fast,
     )
     graph = RolloutEngine(model, config)
     graph.generate(ids, mask, params)  # capture
@@ -92,6 +96,7 @@ def profile_case(
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["device_us"])[:12]
     result = {
         "preset": preset,
+        "fast": fast,
         "dtype": dtype,
         "batch": batch,
         "prompt": prompt,
@@ -149,12 +154,19 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--compare-eager", action="store_true", help="graph vs eager tokens too")
+    parser.add_argument("--fast", action="store_true", help="compile=True, fuse_projections=True")
     args = parser.parse_args()
     results = []
     for case in args.cases.split(","):
         preset, dtype, batch = case.split(":")
         result = profile_case(
-            preset, dtype, int(batch), args.prompt_len, args.new_tokens, args.compare_eager
+            preset,
+            dtype,
+            int(batch),
+            args.prompt_len,
+            args.new_tokens,
+            args.compare_eager,
+            args.fast,
         )
         print(json.dumps(result, indent=1), flush=True)
         results.append(result)
