@@ -9,18 +9,18 @@ cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 cache=$(mktemp -d)
 export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
-timeout 60 $py -m pytest -q -rs -m device tests/test_device_rollout.py -k compiled \
+timeout 45 $py -m pytest -q -rs -m device tests/test_device_rollout.py -k compiled \
     >"$out/device-tests-m.log" 2>&1
 tail -2 "$out/device-tests-m.log"
 for model in llama-8b llama-1b; do
-    timeout 130 $py -m graphcap.bench --model $model --batch-sizes 1,64,256 \
+    timeout 100 $py -m graphcap.bench --model $model --batch-sizes 1,64,256 \
         --compile-batch-sizes 1,64,256 --prompt-len 128 --new-tokens 512 --repeats 3 \
-        --warmup 1 --modes graphcap-graph-compiled --fuse-projections --budget-s 90 \
+        --warmup 1 --modes graphcap-graph-compiled --fuse-projections --budget-s 70 \
         --json "$out/bench-$model-m.json" >"$out/bench-$model-m.txt" 2>&1
     tail -6 "$out/bench-$model-m.txt"
 done
-# Where the fast step's time goes now (prefill removed): llama-8b at batch 1 and 64.
-timeout 100 $py benchmarks/profile_decode.py "$out/profile-decode-m.json" --fast \
-    --cases llama-8b:bf16:1,llama-8b:bf16:64 --new-tokens 512 >"$out/profile-m.log" 2>&1
+# Where the fast step's time goes now (prefill removed): llama-8b at batch 1.
+timeout 60 $py benchmarks/profile_decode.py "$out/profile-decode-m.json" --fast \
+    --cases llama-8b:bf16:1 --new-tokens 256 >"$out/profile-m.log" 2>&1
 grep -E '"(batch|kernels_per_step|device_ms_per_step|decode_ms_per_step_wall)"|gemm|other|attention"' \
     "$out/profile-m.log" | head -20
