@@ -12,10 +12,11 @@ export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
 timeout 45 $py -m pytest -q -rs -m device tests/test_device_rollout.py -k compiled \
     >"$out/device-tests-m.log" 2>&1
 tail -2 "$out/device-tests-m.log"
-for model in llama-8b llama-1b; do
-    timeout 100 $py -m graphcap.bench --model $model --batch-sizes 1,64,256 \
+for spec in llama-8b:75:150 llama-1b:45:90; do  # model:sweep budget:timeout (seconds)
+    IFS=: read -r model budget limit <<<"$spec"
+    timeout "$limit" $py -m graphcap.bench --model $model --batch-sizes 1,64,256 \
         --compile-batch-sizes 1,64,256 --prompt-len 128 --new-tokens 512 --repeats 3 \
-        --warmup 1 --modes graphcap-graph-compiled --fuse-projections --budget-s 70 \
+        --warmup 1 --modes graphcap-graph-compiled --fuse-projections --budget-s "$budget" \
         --json "$out/bench-$model-m.json" >"$out/bench-$model-m.txt" 2>&1
     tail -6 "$out/bench-$model-m.txt"
 done
