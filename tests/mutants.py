@@ -175,6 +175,27 @@ PLANTS = (
             "tests/test_rollout_stale_state.py::test_three_threads_on_one_engine_get_correct_results_or_a_clear_error",
         ),
     ),
+    Plant(
+        "joined projection's later layer returns its slice for any input",
+        "graphcap/rollout/fusion.py",
+        "                if x is not self._input:\n",
+        "                if x is None:\n",
+        ("tests/test_rollout_fusion.py",),
+    ),
+    Plant(
+        "replaced parameter storage never joined again",
+        "graphcap/rollout/fusion.py",
+        "                if not group.joined():\n",
+        "                if not self.groups or group.weight.numel() == 0:\n",
+        ("tests/test_rollout_fusion.py",),
+    ),
+    Plant(
+        "compiled blocks stay compiled after capture",
+        "graphcap/rollout/swap.py",
+        "            if forward is None:\n                del module.forward\n",
+        "            if forward is None:\n                pass\n",
+        ("tests/test_rollout_plan.py",),
+    ),
 )
 
 
