@@ -10,8 +10,9 @@ weights as the parameters' storage, so that trainer updates reach them.
     python3 benchmarks/fused_projections_h200.py OUT.json [--models llama-8b,llama-1b]
     python3 benchmarks/fused_projections_h200.py OUT.json --tiny   # CPU smoke run, fp32
 
-Written 2026-12-01 when the session's device time was spent: checked on the CPU (--tiny: the
-fused copy's tokens equal the original's), not yet run on the H200.
+Superseded by ``RolloutConfig(fuse_projections=True)`` (graphcap/rollout/fusion.py, parameters
+kept as views of the joined buffer). Kept because run K's ``step_variants_h200.py`` imports its
+``fuse`` and ``time_steps`` (benchmarks/results/h200/2026-12-01/step-variants-*.json).
 """
 
 from __future__ import annotations
