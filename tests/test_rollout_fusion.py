@@ -119,3 +119,22 @@ def test_a_later_layer_called_on_another_input_computes_its_own_product():
 
 def F_linear(x, linear):
     return torch.nn.functional.linear(x, linear.weight, linear.bias)
+
+
+@pytest.mark.parametrize(
+    "config, sampling, path",
+    [
+        ({"continuous_batch_size": 2}, {}, "continuous_graph"),
+        ({"per_position_graphs": True}, {"min_new_tokens": NEW}, "per_position_graph"),
+    ],
+    ids=["continuous", "per_position"],
+)
+def test_every_graph_path_runs_joined_and_equals_the_unjoined_eager_loop(config, sampling, path):
+    model = tiny_model("qwen2", fresh=True)
+    ids, mask = prompts(5)
+    expected = run(model, ids, mask, False, **NO_EOS, **sampling)
+    engine = make_engine(model, True, fuse_projections=True, **config)
+    result = engine.generate(ids, mask, SamplingParams(**NO_EOS, **sampling))
+    assert result.stats.path == path and result.stats.replays > 0, result.stats.fallback_reason
+    assert result.stats.joined_projections == 4
+    assert torch.equal(result.sequences, expected.sequences)
