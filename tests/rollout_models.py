@@ -152,3 +152,20 @@ def run(model, ids, mask, graph: bool, backend=None, generator=None, **sampling)
     result = engine.generate(ids, mask, SamplingParams(**sampling), generator=generator)
     engine.shutdown()
     return result
+
+
+def assert_rows_equal_alone(model, ids, mask, result, limits, sampling=lambda row: {}):
+    """Each row of a continuous ``result`` equals its request decoded alone by the eager loop
+    (``max_new_tokens=limits[row]`` and ``sampling(row)``), tokens and finish reason."""
+    width = ids.shape[1]
+    for row, limit in enumerate(limits):
+        alone = run(
+            model,
+            ids[row : row + 1],
+            mask[row : row + 1],
+            False,
+            max_new_tokens=limit,
+            **sampling(row),
+        )
+        assert torch.equal(result.sequences[row, : width + limit], alone.sequences[0]), row
+        assert result.finish_reasons[row] == alone.finish_reasons[0], row

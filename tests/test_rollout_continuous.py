@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_models import PAD, generate_padded, make_engine, prompts, run, tiny_model
+from rollout_models import (
+    PAD,
+    assert_rows_equal_alone,
+    generate_padded,
+    make_engine,
+    prompts,
+    tiny_model,
+)
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import (
@@ -83,16 +90,6 @@ def test_staggered_queue_graph_equals_eager_equals_alone_and_generate(family):
         if limit >= 5 and graph.finish_reasons[row] == "length":
             assert len(set(tokens)) >= 3, f"row {row} repeats: {tokens}"
         assert (graph.sequences[row, width + lengths[row] :] == PAD).all()
-        alone = run(
-            model,
-            ids[row : row + 1],
-            mask[row : row + 1],
-            False,
-            max_new_tokens=limit,
-            eos_token_id=eos,
-        )
-        assert torch.equal(graph.sequences[row, : width + limit], alone.sequences[0]), row
-        assert graph.finish_reasons[row] == alone.finish_reasons[0]
         reference = generate_padded(
             model,
             ids[row : row + 1],
@@ -103,6 +100,7 @@ def test_staggered_queue_graph_equals_eager_equals_alone_and_generate(family):
             eos_token_id=eos or None,
         )
         assert torch.equal(graph.sequences[row, : width + limit], reference[0]), row
+    assert_rows_equal_alone(model, ids, mask, graph, LIMITS, lambda row: {"eos_token_id": eos})
 
 
 def test_retired_slots_are_cleared_and_idle_rows_stay_in_bounds():
@@ -353,7 +351,7 @@ def test_eos_and_stop_token_rows_retire_at_the_check_graph_equals_eager_equals_a
     model = tiny_model("llama")
     ids, mask = prompts(REQUESTS, seed=7)
     eos, stop = staggered_eos(model, ids, mask)
-    width, interval = ids.shape[1], 3
+    interval = 3
     params = SamplingParams(max_new_tokens=NEW, eos_token_id=[eos], stop_token_ids=[stop])
     outs = {}
     for graph in (True, False):
@@ -367,18 +365,8 @@ def test_eos_and_stop_token_rows_retire_at_the_check_graph_equals_eager_equals_a
     assert torch.equal(graph.response_mask, eager.response_mask)
     assert graph.stats.steps == eager.stats.steps
     assert {"eos", "stop", "length"} <= set(graph.finish_reasons)
-    for row, limit in enumerate(LIMITS):
-        alone = run(
-            model,
-            ids[row : row + 1],
-            mask[row : row + 1],
-            False,
-            max_new_tokens=limit,
-            eos_token_id=[eos],
-            stop_token_ids=[stop],
-        )
-        assert torch.equal(graph.sequences[row, : width + limit], alone.sequences[0]), row
-        assert graph.finish_reasons[row] == alone.finish_reasons[0], row
+    stops = {"eos_token_id": [eos], "stop_token_ids": [stop]}
+    assert_rows_equal_alone(model, ids, mask, graph, LIMITS, lambda row: stops)
 
 
 def test_benchmark_staggered_workload_reaches_target_occupancy():

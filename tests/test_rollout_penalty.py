@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_models import PAD, generate_padded, make_engine, prompts, run, tiny_model
+from rollout_models import (
+    PAD,
+    assert_rows_equal_alone,
+    generate_padded,
+    make_engine,
+    prompts,
+    run,
+    tiny_model,
+)
 
 from graphcap.rollout import SamplingParams
 
@@ -61,7 +69,6 @@ def test_refilled_slot_penalises_its_own_request_only():
     sampling = [
         SamplingParams(max_new_tokens=NEW, repetition_penalty=p, **NO_EOS) for p in penalties
     ]
-    width = ids.shape[1]
     outs = {}
     for graph in (True, False):
         engine = make_engine(model, graph, continuous_batch_size=2, eos_check_interval=1)
@@ -69,14 +76,8 @@ def test_refilled_slot_penalises_its_own_request_only():
         engine.shutdown()
     assert outs[True].stats.path == "continuous_graph" and outs[True].stats.slots_refilled == 4
     assert torch.equal(outs[True].sequences, outs[False].sequences)
-    for row, (penalty, limit) in enumerate(zip(penalties, limits, strict=True)):
-        alone = run(
-            model,
-            ids[row : row + 1],
-            mask[row : row + 1],
-            False,
-            max_new_tokens=limit,
-            repetition_penalty=penalty,
-            **NO_EOS,
-        )
-        assert torch.equal(outs[True].sequences[row, : width + limit], alone.sequences[0]), row
+
+    def penalty(row: int) -> dict:
+        return {"repetition_penalty": penalties[row], **NO_EOS}
+
+    assert_rows_equal_alone(model, ids, mask, outs[True], limits, penalty)
