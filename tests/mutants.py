@@ -185,8 +185,15 @@ PLANTS = (
     Plant(
         "replaced parameter storage never joined again",
         "graphcap/rollout/fusion.py",
-        "                if not group.joined():\n",
-        "                if not self.groups or group.weight.numel() == 0:\n",
+        "        moved = [group for group in self.groups if not group.joined()]\n",
+        "        moved = [group for group in self.groups if group.weight.numel() == 0]\n",
+        ("tests/test_rollout_fusion.py",),
+    ),
+    Plant(
+        "non-resident parameters joined",
+        "graphcap/rollout/fusion.py",
+        "        if scan.non_resident is not None:\n            return False\n",
+        "",
         ("tests/test_rollout_fusion.py",),
     ),
     Plant(

@@ -138,3 +138,16 @@ def test_every_graph_path_runs_joined_and_equals_the_unjoined_eager_loop(config,
     assert result.stats.path == path and result.stats.replays > 0, result.stats.fallback_reason
     assert result.stats.joined_projections == 4
     assert torch.equal(result.sequences, expected.sequences)
+
+
+def test_parameters_gathered_in_forward_are_never_joined():
+    model = tiny_model("llama", fresh=True)
+    model.register_parameter("placeholder", torch.nn.Parameter(torch.empty(0)))  # as ZeRO-3
+    ids, mask = prompts(2)
+    attn = model.model.layers[0].self_attn
+    before = attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr()
+    _, result = joined(model, ids, mask)
+    assert result.stats.path == "eager" and "placeholder" in result.stats.fallback_reason
+    assert result.stats.joined_projections == 0
+    assert (attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr()) == before
+    assert not any("forward" in vars(lin) for lin in linears(model))

@@ -98,8 +98,9 @@ class RolloutEngine:
             start = time.perf_counter()
             params = resolve_sampling(self.model, sampling)
             device = self.backend.device
-            joined = self._fusion.join() if self._fusion is not None else 0
             scan = scan_model(self.model)
+            if self._fusion is not None and self._fusion.join(scan):
+                scan = scan_model(self.model)  # the joined parameters' new addresses
             input_ids, attention_mask = check_prompts(
                 self.model, scan, device, input_ids, attention_mask, params
             )
@@ -125,7 +126,7 @@ class RolloutEngine:
             woke, self._sleeping = self._sleeping, False
             stats = result.stats
             stats.captures = self._holder.captures
-            stats.joined_projections = joined
+            stats.joined_projections = len(self._fusion.active) if self._fusion else 0
             if woke and stats.captured:
                 stats.recapture_reason.insert(0, WOKE)
             stats.attention = stats.attention or attention_implementation(self.model)

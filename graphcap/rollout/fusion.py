@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from graphcap.rollout.scan import is_dtensor
+from graphcap.rollout.scan import ModelScan, is_dtensor
 from graphcap.rollout.swap import forwards_swapped
 
 #: Projections that transformers' decoder models apply to the same input, by attribute name
@@ -126,19 +126,27 @@ class ProjectionFusion:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.groups: list[JoinedGroup] = []
+        #: the groups this call runs joined (none while parameters are not resident)
+        self.active: list[JoinedGroup] = []
 
-    def join(self) -> int:
-        """Join the groups that are not (the first call, or storage replaced since); the number
-        of groups that run joined."""
+    def join(self, scan: ModelScan) -> bool:
+        """Join the groups that are not (the first call, or storage replaced since); whether any
+        parameter moved (the caller scans again). Parameters gathered in forward hooks (FSDP,
+        ZeRO-3: ``scan.non_resident``) are never touched."""
+        self.active = []
+        if scan.non_resident is not None:
+            return False
         linears = joinable_groups(self.model)
         if [g.linears for g in self.groups] != linears:
             self.groups = [JoinedGroup(group) for group in linears]
+        moved = [group for group in self.groups if not group.joined()]
         with torch.no_grad():
-            for group in self.groups:
-                if not group.joined():
-                    group.join()
-        return len(self.groups)
+            for group in moved:
+                group.join()
+        self.active = self.groups
+        return bool(moved)
 
     def applied(self) -> contextlib.AbstractContextManager[None]:
-        """Within the block, each group runs as one product; the layers' own forwards after."""
-        return forwards_swapped([swap for group in self.groups for swap in group.swaps()])
+        """Within the block, each active group runs as one product; the layers' own forwards
+        after."""
+        return forwards_swapped([swap for group in self.active for swap in group.swaps()])
