@@ -36,6 +36,8 @@ class JoinedGroup:
     def __init__(self, linears: list[torch.nn.Linear]):
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
+        #: each layer's first row in the joined buffer
+        self.rows = [sum(self.sizes[:i]) for i in range(len(linears))]
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
         self._input: torch.Tensor | None = None
@@ -46,7 +48,7 @@ class JoinedGroup:
         return all(
             _is_view_of(linear.weight, self.weight, row)
             and (self.bias is None or _is_view_of(linear.bias, self.bias, row))
-            for linear, row in zip(self.linears, self._rows(), strict=True)
+            for linear, row in zip(self.linears, self.rows, strict=True)
         )
 
     def join(self) -> None:
@@ -54,7 +56,7 @@ class JoinedGroup:
         self.weight = torch.cat([linear.weight.detach() for linear in self.linears])
         has_bias = self.linears[0].bias is not None
         self.bias = torch.cat([lin.bias.detach() for lin in self.linears]) if has_bias else None
-        for linear, row, size in zip(self.linears, self._rows(), self.sizes, strict=True):
+        for linear, row, size in zip(self.linears, self.rows, self.sizes, strict=True):
             linear.weight.data = self.weight[row : row + size]
             if self.bias is not None:
                 linear.bias.data = self.bias[row : row + size]
@@ -80,9 +82,6 @@ class JoinedGroup:
 
         rest = [(lin, later(i, lin)) for i, lin in enumerate(self.linears) if i > 0]
         return [(self.linears[0], first), *rest]
-
-    def _rows(self) -> list[int]:
-        return [sum(self.sizes[:i]) for i in range(len(self.sizes))]
 
 
 def _is_view_of(param: torch.Tensor, buffer: torch.Tensor, row: int) -> bool:

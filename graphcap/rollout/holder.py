@@ -20,6 +20,7 @@ from graphcap.rollout.agreement import PEER_RECAPTURE, RankAgreement
 from graphcap.rollout.cache import LayerSpec
 from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import SamplingParams
+from graphcap.rollout.regions import compiled_regions
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.signature import GraphSignature, attention_implementation
@@ -105,14 +106,16 @@ class GraphHolder:
 
         ``attention``: the implementation the captured step runs (the model's own is restored
         after capture, so eager steps never see it). ``compiled``: the warm-up and capture run
-        the step's ``torch.compile``'d forward (the warm-up compiles it).
+        the model's blocks around attention compiled (:mod:`graphcap.rollout.regions`; the
+        warm-up compiles them).
         """
         assert self.held is not None, "step_for() comes first"
         pool = None
         if key is not None:  # a set of graphs shares one pool
             pool = self.held.pool = self.held.pool or self.backend.graph_pool_handle()
         try:
-            with _attention(step.model, attention), step.compiling(compiled):
+            compiling = compiled_regions(step.model) if compiled else contextlib.nullcontext()
+            with _attention(step.model, attention), compiling:
                 graph = capture_step(
                     self.backend, step, step.mutable_tensors(), step.generator, pool=pool
                 )

@@ -13,7 +13,6 @@ its K/V there and advances ``write_pos``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
@@ -24,7 +23,6 @@ from transformers.cache_utils import Cache
 from graphcap.rollout.cache import LayerSpec, SpanView, StaticKVCache
 from graphcap.rollout.masks import MaskBuffers
 from graphcap.rollout.prefill import accepts_logits_to_keep, cache_keyword
-from graphcap.rollout.regions import compiled_regions
 from graphcap.rollout.sampling import (
     RowPlan,
     RowSettings,
@@ -229,12 +227,6 @@ class DecodeStep:
         )
         self.advance()
         self.commit(out.logits[:, -1, :])
-
-    def compiling(self, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
-        """Within the block, the model's blocks around attention run compiled
-        (:mod:`graphcap.rollout.regions`); as they are after it, so eager steps never run
-        compiled code."""
-        return compiled_regions(self.model) if enabled else contextlib.nullcontext()
 
     def with_span(self, span: tuple[int, int]) -> DecodeStep:
         """This step (the same buffers) attending over cache columns ``span`` only."""
