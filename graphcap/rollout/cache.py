@@ -13,7 +13,8 @@ zero-filled, and are allocated before any capture, never during one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,11 @@ class StaticKVLayer(CacheLayerMixin):
             dtype=spec.v_dtype,
             device=spec.device,
         )
+        # the row and head of every written element, for the indexed write (:func:`put_columns`)
+        self.rows = torch.arange(batch_size, device=spec.device).view(batch_size, 1, 1)
+        self.heads = torch.arange(spec.num_heads, device=spec.device).view(1, spec.num_heads, 1)
+        #: how K/V are written (:func:`put_columns`; :meth:`StaticKVCache.puts_through` swaps)
+        self.put: Callable[..., None] = put_columns
         self.dtype, self.device = spec.k_dtype, spec.device
         self.is_initialized = True
 
@@ -75,19 +81,11 @@ class StaticKVLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``q`` new columns per row at ``write_pos[b] + i``; return the whole buffers."""
-        batch, heads, q_len, _ = key_states.shape
-        if q_len == 1:  # a decode step: the write positions themselves, no kernel launched
-            columns = self.write_pos.view(batch, 1, 1, 1)
-        else:
-            offsets = torch.arange(q_len, device=self.write_pos.device)
-            columns = (self.write_pos[:, None] + offsets[None, :]).view(batch, 1, q_len, 1)
-        # Under autocast, K and V can arrive in different dtypes; store them as prefill did.
-        key_states = key_states.to(self.keys.dtype)
-        value_states = value_states.to(self.values.dtype)
-        self.keys.scatter_(2, columns.expand(batch, heads, q_len, self.keys.shape[-1]), key_states)
-        self.values.scatter_(
-            2, columns.expand(batch, heads, q_len, self.values.shape[-1]), value_states
-        )
+        columns = self.write_pos[:, None, None]  # a decode step: no kernel to find its column
+        if key_states.shape[2] > 1:
+            columns = columns + torch.arange(key_states.shape[2], device=columns.device)
+        index = (self.rows, self.heads, columns)
+        self.put(self.keys, self.values, index, key_states, value_states)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -173,6 +171,18 @@ class StaticKVCache(Cache):
         else:
             self.write_pos[rows] = width
 
+    @contextlib.contextmanager
+    def puts_through(self, put: Callable[..., None]) -> Iterator[None]:
+        """Within the block every layer writes with ``put`` (same arguments as
+        :func:`put_columns`), e.g. a compiled one for a capture."""
+        for layer in self.layers:
+            layer.put = put
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.put = put_columns
+
     def advance(self, steps: int = 1) -> None:
         """Move every row's write position on (in place, so a replay moves it too)."""
         self.write_pos.add_(steps)
@@ -188,6 +198,21 @@ class StaticKVCache(Cache):
             layer.values = None
             layer.is_initialized = False
         self.layers = []
+
+
+def put_columns(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+) -> None:
+    """Write new K/V columns (batch, heads, q, dim) at ``index``. An indexed put, not a scatter:
+    ``torch.compile`` keeps it in place and fuses K's and V's into one kernel, where a compiled
+    ``scatter_`` copies the whole buffer. Under autocast K and V can arrive in other dtypes than
+    the buffers; they are stored as prefill stored them."""
+    keys.index_put_(index, key_states.to(keys.dtype))
+    values.index_put_(index, value_states.to(values.dtype))
 
 
 def layer_tensors(layer: CacheLayerMixin) -> tuple[torch.Tensor, ...]:

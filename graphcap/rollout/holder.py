@@ -114,7 +114,9 @@ class GraphHolder:
         if key is not None:  # a set of graphs shares one pool
             pool = self.held.pool = self.held.pool or self.backend.graph_pool_handle()
         try:
-            compiling = compiled_regions(step.model) if compiled else contextlib.nullcontext()
+            compiling = (
+                compiled_regions(step.model, step.cache) if compiled else contextlib.nullcontext()
+            )
             with _attention(step.model, attention), compiling:
                 graph = capture_step(
                     self.backend, step, step.mutable_tensors(), step.generator, pool=pool

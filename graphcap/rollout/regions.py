@@ -7,7 +7,8 @@ graph at batch 64 on the H200 (runs D and F). PyTorch's regional compilation com
 repeated blocks instead: a block class is traced once and its code is shared by every layer, so
 the first call pays seconds. The blocks are the children of each decoder layer that hold no
 attention (norms, MLPs), the attention's own norms, and the rotary embedding function the
-attention calls: the projections, the cache writes and the backend's graph attention stay eager.
+attention calls; and the cache's K/V writes (two kernels a layer become one). The projections
+and the backend's graph attention stay as they are.
 Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from graphcap.rollout.cache import StaticKVCache, put_columns
 from graphcap.rollout.swap import forwards_swapped
 
 #: The rotary-embedding function transformers' modeling files define and their attention calls
@@ -73,14 +75,15 @@ def rotary_functions(model: torch.nn.Module) -> list[tuple[ModuleType, Callable[
 
 
 @contextlib.contextmanager
-def compiled_regions(model: torch.nn.Module) -> Iterator[None]:
+def compiled_regions(model: torch.nn.Module, cache: StaticKVCache) -> Iterator[None]:
     """Within the block, ``model``'s :func:`compile_regions` and :func:`rotary_functions` run
-    through ``torch.compile``; as they were after it, so eager steps, the prefill and training
-    never run compiled code. Dynamo keeps the compiled code per block class and function, so
-    re-entering compiles nothing new for shapes it has seen (a second batch size makes the code
-    dynamic)."""
+    through ``torch.compile``, and so do ``cache``'s K/V writes (one kernel for K and V instead
+    of one each); as they were after it, so eager steps, the prefill and training never run
+    compiled code. Dynamo keeps the compiled code per block class and function, so re-entering
+    compiles nothing new for shapes it has seen (a second batch size makes the code dynamic)."""
     rotary = rotary_functions(model)
-    with forwards_swapped([(b, torch.compile(b.forward)) for b in compile_regions(model)]):
+    swaps = [(b, torch.compile(b.forward)) for b in compile_regions(model)]
+    with forwards_swapped(swaps), cache.puts_through(torch.compile(put_columns)):
         for module, fn in rotary:
             setattr(module, ROTARY, torch.compile(fn))
         try:

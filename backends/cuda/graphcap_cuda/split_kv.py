@@ -34,6 +34,10 @@ BLOCK_N_FEW_ROWS = 128
 PROGRAMS_PER_SM = 4
 #: Warps per program of the partial kernel.
 NUM_WARPS = 4
+#: Software-pipeline depth of the partial kernel's K/V loads (None: Triton's default).
+NUM_STAGES: int | None = None
+#: Most columns of the mask the span scan reads at once (a power of two).
+MAX_SCAN = 1024
 
 
 @triton.jit
@@ -92,6 +96,7 @@ def _split_kv_partial(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SCAN_N: tl.constexpr,
 ):
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -110,8 +115,8 @@ def _split_kv_partial(
     # it are never read, and the loop below has no branch, so Triton can pipeline its loads.
     lo = stop
     hi = start
-    for first in range(start, stop, BLOCK_N):
-        cols = first + n
+    for first in range(start, stop, SCAN_N):
+        cols = first + tl.arange(0, SCAN_N)
         allowed, _ = _open_columns(mask_row, cols, cols < stop, blocked, MASK_BOOL)
         lo = tl.minimum(lo, tl.min(tl.where(allowed, cols, stop), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(allowed, cols + 1, start), axis=0))
@@ -234,6 +239,7 @@ def split_kv_decode(
     block_n, splits = launch_shape(rows, kv_heads, length, query.device)
     chunk = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
     splits = triton.cdiv(length, chunk)
+    scan_n = max(block_n, min(MAX_SCAN, triton.next_power_of_2(chunk)))
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     direct = splits == 1  # no partial results to combine
     stats = (rows * kv_heads, splits, block_g)
@@ -283,7 +289,9 @@ def split_kv_decode(
         BLOCK_G=block_g,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        SCAN_N=scan_n,
         num_warps=NUM_WARPS,
+        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
     if direct:
         return out
