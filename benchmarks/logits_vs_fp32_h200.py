@@ -1,7 +1,10 @@
 """bf16 decode attentions against a float32 reference (issue 11): teacher-forced logits of the
 model's SDPA, the grouped-query SDPA and the split-KV kernel, each in bf16, against the same
 random weights run in float32 with SDPA. Says whether an attention that differs from bf16 SDPA
-is less accurate or only rounds differently. One JSON.
+is less accurate or only rounds differently. The last row, ``split_kv+compile+fuse``, runs the
+split-KV kernel with the speed options' kernels too (``compile=True``'s compiled blocks and
+``fuse_projections``' joined products), and also gives its largest difference from the plain
+split-KV row. One JSON.
 
     python3 benchmarks/logits_vs_fp32_h200.py OUT.json [--models llama-1b,llama-8b]
 
@@ -12,14 +15,20 @@ prompt, then 32 single-token decodes with the engine's 4-D additive mask.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from decode_kernels_h200 import ATTENTIONS, build, teacher_forced
-from graphcap_cuda.attention import IMPLEMENTATIONS, register_attention
+from graphcap_cuda.attention import IMPLEMENTATIONS, SPLIT_KV, register_attention
+
+from graphcap.rollout.fusion import JoinedGroup, joinable_groups
+from graphcap.rollout.regions import compiled_regions
+from graphcap.rollout.swap import forwards_swapped
 
 
 def compare(name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> list[dict]:
@@ -35,9 +44,14 @@ def compare(name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> li
     reference = teacher_forced(reference_model, "sdpa", ids, mask, follow)
     del reference_model
     torch.cuda.empty_cache()
-    rows = []
-    for label, choice in ATTENTIONS:
-        got = teacher_forced(model, choice or "sdpa", ids, mask, follow)
+    rows, outputs = [], {}
+    for label, choice in (*ATTENTIONS, ("split_kv+compile+fuse", SPLIT_KV)):
+        if label.endswith("+fuse"):
+            with fast_kernels(model):
+                got = teacher_forced(model, choice, ids, mask, follow)
+            plain = (got - outputs["split_kv"]).abs()[:, 1:]
+        else:
+            got = outputs[label] = teacher_forced(model, choice or "sdpa", ids, mask, follow)
         diff = (got - reference).abs()[:, 1:]  # decode steps
         rows.append(
             {
@@ -52,8 +66,22 @@ def compare(name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> li
                 "logits_max_abs": reference.abs().max().item(),
             }
         )
+        if label.endswith("+fuse"):
+            rows[-1]["decode_max_abs_diff_vs_split_kv"] = plain.max().item()
         print(rows[-1], flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def fast_kernels(model: torch.nn.Module) -> Iterator[None]:
+    """The model with ``compile=True``'s compiled blocks and ``fuse_projections``' joined
+    products (as the engine applies them in a capture; the cache here is transformers')."""
+    groups = [JoinedGroup(linears) for linears in joinable_groups(model)]
+    with torch.no_grad():
+        for group in groups:
+            group.join()
+    with forwards_swapped([s for g in groups for s in g.swaps()]), compiled_regions(model):
+        yield
 
 
 def main() -> int:

@@ -203,7 +203,12 @@ def test_recapture_drops_the_stale_graph_first(backend):
     assert allocated_after_gc(backend) - baseline < figures[1][1]
 
 
-def test_continuous_graph_equals_eager_loop_with_refills(backend):
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "compiled-joined"])
+def test_continuous_graph_equals_eager_loop_with_refills(backend, fast):
+    """The continuous graph (also with compile=True and fuse_projections) equals the eager
+    continuous loop in fp32, refills included."""
+    if fast and not backend.capabilities.captures_compiled:
+        pytest.skip(f"backend {backend.name!r} declares captures_compiled=False")
     model = on_device(tiny_model("llama", fresh=True), backend)
     ids, mask = (t.to(backend.device) for t in prompts(10, seed=7))
     limits = [3, 9, 5, 12, 4, 7, 11, 6, 8, 10]
@@ -215,10 +220,13 @@ def test_continuous_graph_equals_eager_loop_with_refills(backend):
             backend=backend,
             continuous_batch_size=3,
             eos_check_interval=2,
+            compile=fast and graph,
+            fuse_projections=fast,
         )
         engine = RolloutEngine(model, config)
         outs[graph] = engine.generate(ids, mask, params, request_max_new_tokens=limits)
     assert outs[True].stats.path == "continuous_graph", outs[True].stats.fallback_reason
+    assert outs[True].stats.compiled == fast
     assert outs[True].stats.slots_refilled == 7 and outs[True].stats.captures == 1
     assert torch.equal(outs[True].sequences, outs[False].sequences)
     assert outs[True].response_lengths.tolist() == limits

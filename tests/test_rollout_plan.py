@@ -181,14 +181,14 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots
     assert torch.equal(result.sequences, expected.sequences)
 
 
-#: What compile=True compiles in each tiny family: block classes (two layers each) and whether
-#: the attention calls a rotary function.
+#: What compile=True compiles in each tiny family: block classes (two layers each, the decoder
+#: stack's final norm and rotary embedding) and whether the attention calls a rotary function.
 REGIONS = {
-    "gpt2": ({"GPT2MLP": 2, "LayerNorm": 4}, False),
-    "llama": ({"LlamaMLP": 2, "LlamaRMSNorm": 4}, True),
-    "qwen2": ({"Qwen2MLP": 2, "Qwen2RMSNorm": 4}, True),
-    "opt": ({"LayerNorm": 4}, False),  # fc1 / fc2 are lone projections beside the attention
-    "mistral": ({"MistralMLP": 2, "MistralRMSNorm": 4}, True),
+    "gpt2": ({"GPT2MLP": 2, "LayerNorm": 5}, False),
+    "llama": ({"LlamaMLP": 2, "LlamaRMSNorm": 5, "LlamaRotaryEmbedding": 1}, True),
+    "qwen2": ({"Qwen2MLP": 2, "Qwen2RMSNorm": 5, "Qwen2RotaryEmbedding": 1}, True),
+    "opt": ({"LayerNorm": 5}, False),  # fc1 / fc2 are lone projections beside the attention
+    "mistral": ({"MistralMLP": 2, "MistralRMSNorm": 5, "MistralRotaryEmbedding": 1}, True),
 }
 
 

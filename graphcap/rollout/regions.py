@@ -42,25 +42,30 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _worth_compiling(module: torch.nn.Module) -> bool:
-    """Parameters and more than one product: not a lone dropout or activation (nothing to fuse),
-    not a lone projection or embedding (a leaf with a matrix: one GEMM or gather either way)."""
+    """State and more than one product: not a lone dropout or activation (nothing to fuse), not
+    a lone projection or embedding (a leaf with a matrix: one GEMM or gather either way). A
+    rotary embedding holds buffers only and is some ten kernels a step when eager."""
     params = list(module.parameters())
     single = next(module.children(), None) is None and any(p.dim() >= 2 for p in params)
-    return bool(params) and not single
+    return bool(params or list(module.buffers())) and not single
 
 
 def compile_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks ``compile=True`` compiles: the children of each decoder layer (a module with
-    an attention child) that hold no attention (norms, MLPs), and the children of each attention
-    (per-head q/k norms), where compiling can fuse something."""
+    an attention child) that hold no attention (norms, MLPs), the children of each attention
+    (per-head q/k norms), and the children of the decoder stack beside its layers (the final
+    norm, the rotary embedding), where compiling can fuse something."""
     attention = _attention_modules(model)
     ids = {id(a) for a in attention}
     layers = [m for m in model.modules() if any(id(c) in ids for c in m.children())]
+    layer_ids = {id(layer) for layer in layers}
+    holds_layers = [m for m in model.modules() if any(id(c) in layer_ids for c in m.children())]
+    stacks = [m for m in model.modules() if any(c in holds_layers for c in m.children())]
     beside = [
         child
-        for layer in layers
-        for child in layer.children()
-        if not any(id(m) in ids for m in child.modules())
+        for parent in layers + stacks
+        for child in parent.children()
+        if child not in holds_layers and not any(id(m) in ids for m in child.modules())
     ]
     inside = [c for a in attention for c in a.children()]
     return [block for block in beside + inside if _worth_compiling(block)]
@@ -75,15 +80,21 @@ def rotary_functions(model: torch.nn.Module) -> list[tuple[ModuleType, Callable[
 
 
 @contextlib.contextmanager
-def compiled_regions(model: torch.nn.Module, cache: StaticKVCache) -> Iterator[None]:
+def compiled_regions(model: torch.nn.Module, cache: StaticKVCache | None = None) -> Iterator[None]:
     """Within the block, ``model``'s :func:`compile_regions` and :func:`rotary_functions` run
-    through ``torch.compile``, and so do ``cache``'s K/V writes (one kernel for K and V instead
-    of one each); as they were after it, so eager steps, the prefill and training never run
-    compiled code. Dynamo keeps the compiled code per block class and function, so re-entering
-    compiles nothing new for shapes it has seen (a second batch size makes the code dynamic)."""
+    through ``torch.compile``, and so do the K/V writes of graphcap's ``cache`` (one kernel for
+    K and V instead of one each); as they were after it, so eager steps, the prefill and
+    training never run compiled code. Dynamo keeps the compiled code per block class and
+    function, so re-entering compiles nothing new for shapes it has seen (a second batch size
+    makes the code dynamic)."""
     rotary = rotary_functions(model)
     swaps = [(b, torch.compile(b.forward)) for b in compile_regions(model)]
-    with forwards_swapped(swaps), cache.puts_through(torch.compile(put_columns)):
+    writes = (
+        contextlib.nullcontext()
+        if cache is None
+        else cache.puts_through(torch.compile(put_columns))
+    )
+    with forwards_swapped(swaps), writes:
         for module, fn in rotary:
             setattr(module, ROTARY, torch.compile(fn))
         try:

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# H200 run O (issue 11): the step after run N's changes (K/V writes compiled into one kernel,
+# the decoder stack's final norm and rotary embedding compiled, the split-KV span scan in one
+# wide read), measured as in run L: graphcap bench, bf16, 128 + 512 tokens, --fuse-projections,
+# cold compile caches, HF static cache + compile at batch 1 in the same run.
+#   bash benchmarks/session_o_h200.sh OUT 1   device tests; llama-8b batch 1 (with HF)
+#   bash benchmarks/session_o_h200.sh OUT 2   llama-8b batch 64, 256; llama-1b batch 1 (with HF)
+#   bash benchmarks/session_o_h200.sh OUT 3   llama-1b batch 64, 256; bf16 teacher-forced logits
+#                                              of the speed options; profile of llama-8b batch 1
+set -uo pipefail
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+source benchmarks/device_env.sh
+cache=$(mktemp -d)
+export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+
+bench() {  # MODEL SIZES MODES TAG BUDGET
+    timeout $(($5 + 60)) $py -m graphcap.bench --model "$1" --batch-sizes "$2" \
+        --compile-batch-sizes "$2" --prompt-len 128 --new-tokens 512 --repeats 3 --warmup 1 \
+        --modes "$3" --fuse-projections --budget-s "$5" \
+        --json "$out/bench-$1-$4.json" >"$out/bench-$1-$4.txt" 2>&1
+    tail -6 "$out/bench-$1-$4.txt"
+}
+
+case $2 in
+1)
+    timeout 170 $py -m pytest -q -rs -m device tests backends/cuda/tests >"$out/device-tests-o.log" 2>&1
+    tail -3 "$out/device-tests-o.log"
+    bench llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-o 150
+    ;;
+2)
+    bench llama-8b 64,256 graphcap-graph,graphcap-graph-compiled bs64-256-o 170
+    bench llama-1b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-o 90
+    ;;
+3)
+    bench llama-1b 64,256 graphcap-graph,graphcap-graph-compiled bs64-256-o 90
+    timeout 150 $py benchmarks/logits_vs_fp32_h200.py "$out/logits-vs-fp32-o.json" \
+        >"$out/logits-vs-fp32-o.log" 2>&1
+    grep -o "'attention': '[^']*'.*'decode_max_abs_diff_vs_fp32': [0-9.e-]*\|vs_split_kv': [0-9.e-]*" \
+        "$out/logits-vs-fp32-o.log"
+    timeout 90 $py benchmarks/profile_decode.py "$out/profile-decode-o.json" --fast \
+        --cases llama-8b:bf16:1 --new-tokens 256 >"$out/profile-o.log" 2>&1
+    grep -E '"(kernels_per_step|device_ms_per_step|decode_ms_per_step_wall)"|gemm|other|attention"' \
+        "$out/profile-o.log" | head -10
+    ;;
+esac
