@@ -4,7 +4,8 @@
 # wide read), measured as in run L: graphcap bench, bf16, 128 + 512 tokens, --fuse-projections,
 # cold compile caches, HF static cache + compile at batch 1 in the same run.
 #   bash benchmarks/session_o_h200.sh OUT 1   device tests; llama-8b batch 1 (with HF)
-#   bash benchmarks/session_o_h200.sh OUT 2   llama-8b batch 64, 256; llama-1b batch 1 (with HF)
+#   bash benchmarks/session_o_h200.sh OUT 2   the K/V write alone; llama-8b batch 64, 256;
+#                                              llama-1b batch 1 (with HF)
 #   bash benchmarks/session_o_h200.sh OUT 3   llama-1b batch 64, 256; bf16 teacher-forced logits
 #                                              of the speed options; profile of llama-8b batch 1
 set -uo pipefail
@@ -29,6 +30,8 @@ case $2 in
     bench llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-o 150
     ;;
 2)
+    timeout 60 $py benchmarks/kv_write_h200.py "$out/kv-write.json" >"$out/kv-write.log" 2>&1
+    tail -3 "$out/kv-write.log"
     bench llama-8b 64,256 graphcap-graph,graphcap-graph-compiled bs64-256-o 170
     bench llama-1b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-o 90
     ;;
