@@ -8,6 +8,9 @@
 #                                              llama-1b batch 1 (with HF)
 #   bash benchmarks/session_o_h200.sh OUT 3   llama-1b batch 64, 256; bf16 teacher-forced logits
 #                                              of the speed options; profile of llama-8b batch 1
+#   bash benchmarks/session_o_h200.sh OUT 4   batch 1 of both models again (with HF), the eager
+#                                              K/V write back to scatters (parts 1-2 timed the
+#                                              default mode with index_put_, 2x slower eagerly)
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
@@ -45,5 +48,9 @@ case $2 in
         --cases llama-8b:bf16:1 --new-tokens 256 >"$out/profile-o.log" 2>&1
     grep -E '"(kernels_per_step|device_ms_per_step|decode_ms_per_step_wall)"|gemm|other|attention"' \
         "$out/profile-o.log" | head -10
+    ;;
+4)  # after the eager write went back to two scatters (kv-write.json): the default mode again
+    bench llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-o4 150
+    bench llama-1b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-o4 90
     ;;
 esac

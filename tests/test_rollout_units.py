@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from graphcap.rollout import load_weights_in_place
-from graphcap.rollout.cache import LayerSpec, StaticKVCache, put_columns
+from graphcap.rollout.cache import LayerSpec, StaticKVCache, put_columns, scatter_columns
 from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import (
@@ -56,7 +56,7 @@ def test_cache_writes_each_row_at_its_own_device_position():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_cache_writes_several_columns_per_row_and_through_a_compiled_put(compiled):
     """``compile=True`` captures write through ``torch.compile(put_columns)`` (inductor: one
-    kernel for K and V, in place); the buffers written are the eager write's, bit for bit."""
+    kernel for K and V, in place); the buffers written are the eager scatters', bit for bit."""
     spec = LayerSpec(2, 4, 3, torch.float32, torch.float16, torch.device("cpu"))
     caches = [StaticKVCache([spec, spec], batch_size=3, max_len=8) for _ in range(2)]
     keys, values = torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 3)  # values stored as fp16
@@ -67,7 +67,7 @@ def test_cache_writes_several_columns_per_row_and_through_a_compiled_put(compile
     put = torch.compile(put_columns) if compiled else put_columns
     with caches[1].puts_through(put):
         caches[1].update(keys, values, layer_idx=0)
-    assert all(layer.put is put_columns for layer in caches[1].layers)  # restored
+    assert all(layer.put is scatter_columns for layer in caches[1].layers)  # restored
     written, expected = caches[1].layers[0], caches[0].layers[0]
     assert written.keys.data_ptr() == before and written.values.dtype == torch.float16
     assert torch.equal(written.keys, expected.keys) and torch.equal(written.values, expected.values)

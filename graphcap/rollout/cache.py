@@ -69,8 +69,8 @@ class StaticKVLayer(CacheLayerMixin):
         # the row and head of every written element, for the indexed write (:func:`put_columns`)
         self.rows = torch.arange(batch_size, device=spec.device).view(batch_size, 1, 1)
         self.heads = torch.arange(spec.num_heads, device=spec.device).view(1, spec.num_heads, 1)
-        #: how K/V are written (:func:`put_columns`; :meth:`StaticKVCache.puts_through` swaps)
-        self.put: Callable[..., None] = put_columns
+        #: how K/V are written (:func:`scatter_columns`; :meth:`StaticKVCache.puts_through` swaps)
+        self.put: Callable[..., None] = scatter_columns
         self.dtype, self.device = spec.k_dtype, spec.device
         self.is_initialized = True
 
@@ -173,15 +173,15 @@ class StaticKVCache(Cache):
 
     @contextlib.contextmanager
     def puts_through(self, put: Callable[..., None]) -> Iterator[None]:
-        """Within the block every layer writes with ``put`` (same arguments as
-        :func:`put_columns`), e.g. a compiled one for a capture."""
+        """Within the block every layer writes with ``put`` (the arguments of
+        :func:`scatter_columns`), e.g. a compiled :func:`put_columns` for a capture."""
         for layer in self.layers:
             layer.put = put
         try:
             yield
         finally:
             for layer in self.layers:
-                layer.put = put_columns
+                layer.put = scatter_columns
 
     def advance(self, steps: int = 1) -> None:
         """Move every row's write position on (in place, so a replay moves it too)."""
@@ -200,6 +200,26 @@ class StaticKVCache(Cache):
         self.layers = []
 
 
+def scatter_columns(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+) -> None:
+    """Write new K/V columns (batch, heads, q, dim) at ``index`` (rows, heads, columns) with two
+    scatters: eagerly the fastest write (7 us against 13 us for two ``index_put_`` a layer on
+    the H200, run O's kv-write.json). Under autocast K and V can arrive in other dtypes than the
+    buffers; they are stored as prefill stored them."""
+    columns = index[2][..., None]  # (batch, 1, q, 1)
+    keys.scatter_(
+        2, columns.expand(*key_states.shape[:3], keys.shape[-1]), key_states.to(keys.dtype)
+    )
+    values.scatter_(
+        2, columns.expand(*value_states.shape[:3], values.shape[-1]), value_states.to(values.dtype)
+    )
+
+
 def put_columns(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -207,10 +227,9 @@ def put_columns(
     key_states: torch.Tensor,
     value_states: torch.Tensor,
 ) -> None:
-    """Write new K/V columns (batch, heads, q, dim) at ``index``. An indexed put, not a scatter:
-    ``torch.compile`` keeps it in place and fuses K's and V's into one kernel, where a compiled
-    ``scatter_`` copies the whole buffer. Under autocast K and V can arrive in other dtypes than
-    the buffers; they are stored as prefill stored them."""
+    """:func:`scatter_columns` as an indexed put, the form to compile: ``torch.compile`` keeps it
+    in place and fuses K's and V's into one kernel (1.4 us a layer on the H200), where a
+    compiled ``scatter_`` copies the whole buffer."""
     keys.index_put_(index, key_states.to(keys.dtype))
     values.index_put_(index, value_states.to(values.dtype))
 
