@@ -6,11 +6,14 @@ will ever write. The columns are split into chunks (enough programs to fill the 
 batch 1). Each program first reads its chunk's mask (2 bytes a column) to find the span from
 the first to the last open column, then walks only that span in blocks of columns, loading K/V
 of open columns alone: unwritten columns, left padding and columns outside a sliding window are
-never read. The per-row lengths thus live on the device, in the mask the engine updates each
+never read. The span scan reads up to 1,024 columns of the mask at once (blockwise it cost up
+to 14% of the kernel at batch 256, run N's split-kv-tuning.json). The per-row lengths thus live on the device, in the mask the engine updates each
 step, so one captured graph serves every step; and the walk has no branch, so Triton pipelines
 its loads. The query heads that share a K/V head are computed together from one read of it.
 
-With several chunks a second kernel combines their partial softmaxes. Accumulation is fp32;
+With several chunks, the chunk of a row and K/V head that finishes last combines their partial
+softmaxes (an arrival count per row and head, reset by that chunk), so a launch is one kernel
+and one graph node. Accumulation is fp32;
 fp32 inputs use IEEE (not TF32) products so fp32 results match SDPA to rounding. A row with no
 column to attend gets zeros (SDPA would average V; such rows are idle slots, never read).
 
@@ -70,6 +73,7 @@ def _split_kv_partial(
     acc_ptr,
     max_ptr,
     sum_ptr,
+    count_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -161,26 +165,50 @@ def _split_kv_partial(
         tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc, mask=rows_ok)
         tl.store(max_ptr + at, best, mask=g_ok)
         tl.store(sum_ptr + at, total, mask=g_ok)
+        # Every thread's partials are stored before the count says so; the chunk that arrives
+        # last (acquiring the others' stores) combines them, then resets the count for the
+        # next launch, so one kernel serves a step and a replay needs no zeroing.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + row_head, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            _combine(
+                acc_ptr,
+                max_ptr,
+                sum_ptr,
+                out_ptr,
+                row,
+                head,
+                row_head,
+                splits,
+                stride_ob,
+                stride_oh,
+                groups,
+                head_dim,
+                BLOCK_G,
+                BLOCK_D,
+            )
+            tl.store(count_ptr + row_head, 0)
 
 
 @triton.jit
-def _split_kv_combine(
+def _combine(
     acc_ptr,
     max_ptr,
     sum_ptr,
     out_ptr,
+    row,
+    head,
+    row_head,
+    splits,
     stride_ob,
     stride_oh,
-    kv_heads,
     groups,
     head_dim,
-    splits,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    row_head = tl.program_id(0)
-    row = row_head // kv_heads
-    head = row_head % kv_heads
+    """The chunks' partial softmaxes of one row and K/V head as one output. Loads bypass L1
+    (``.cg``): other programs wrote the partials."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     base = row_head * splits * BLOCK_G
@@ -188,16 +216,21 @@ def _split_kv_combine(
     g_ok = g < groups
     rows_ok = g_ok[:, None] & (d < head_dim)[None, :]
     for split in range(0, splits):
-        best = tl.maximum(best, tl.load(max_ptr + base + split * BLOCK_G + g, mask=g_ok, other=0.0))
+        at = base + split * BLOCK_G + g
+        best = tl.maximum(best, tl.load(max_ptr + at, mask=g_ok, other=0.0, cache_modifier=".cg"))
     anchor = tl.where(best == float("-inf"), 0.0, best)  # a row with nothing to attend
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for split in range(0, splits):
         at = base + split * BLOCK_G + g
-        weight = tl.exp(tl.load(max_ptr + at, mask=g_ok, other=float("-inf")) - anchor)
-        total += weight * tl.load(sum_ptr + at, mask=g_ok, other=0.0)
+        seen = tl.load(max_ptr + at, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp(seen - anchor)
+        total += weight * tl.load(sum_ptr + at, mask=g_ok, other=0.0, cache_modifier=".cg")
         acc += weight[:, None] * tl.load(
-            acc_ptr + at[:, None] * BLOCK_D + d[None, :], mask=rows_ok, other=0.0
+            acc_ptr + at[:, None] * BLOCK_D + d[None, :],
+            mask=rows_ok,
+            other=0.0,
+            cache_modifier=".cg",
         )
     out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(
@@ -217,6 +250,21 @@ def launch_shape(rows: int, kv_heads: int, length: int, device: torch.device) ->
     blocks = triton.cdiv(length, block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, rows * kv_heads)
     return block_n, max(1, min(blocks, wanted))
+
+
+#: Arrival counts of the chunks of each row and K/V head, zero between launches (the last chunk
+#: resets its count), by (device, stream, size). Launches on one stream never overlap; a graph
+#: keeps the address it captured, so a buffer is never freed or replaced.
+_COUNTS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, size: int) -> torch.Tensor:
+    """The zeroed int32 counts for ``size`` (rows x K/V heads) on the current stream."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream, size)
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTS[key]
 
 
 @torch.library.custom_op("graphcap_cuda::split_kv_decode", mutates_args=())
@@ -252,6 +300,7 @@ def split_kv_decode(
             torch.empty(stats, dtype=torch.float32, device=query.device),
         )
     )
+    counts = out if direct else arrival_counts(query.device, rows * kv_heads)
     mask_bool = mask.dtype == torch.bool
     blocked = float("-inf") if mask_bool else torch.finfo(mask.dtype).min
     _split_kv_partial[(rows * kv_heads, splits)](
@@ -263,6 +312,7 @@ def split_kv_decode(
         acc,
         best,
         total,
+        counts,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -292,22 +342,6 @@ def split_kv_decode(
         SCAN_N=scan_n,
         num_warps=NUM_WARPS,
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
-    )
-    if direct:
-        return out
-    _split_kv_combine[(rows * kv_heads,)](
-        acc,
-        best,
-        total,
-        out,
-        out.stride(0),
-        out.stride(1),
-        kv_heads,
-        groups,
-        head_dim,
-        splits,
-        BLOCK_G=block_g,
-        BLOCK_D=block_d,
     )
     return out
 

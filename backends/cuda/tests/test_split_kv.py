@@ -93,6 +93,20 @@ def test_closed_columns_are_never_read(programs_per_sm, monkeypatch):
     torch.testing.assert_close(out.double(), _reference(q, k, v, valid, 0.3), rtol=2e-6, atol=2e-6)
 
 
+def test_the_last_chunk_combines_and_leaves_the_counts_at_zero():
+    """Several chunks per row and K/V head in one launch: the output is the reference's on
+    every launch (a replay relies on it), and the arrival counts are zero after each."""
+    q, k, v, valid = _case(3, 8, 2, 6 * BLOCK_N, 16, torch.float32, seed=11)
+    splits = split_kv.launch_shape(3, 2, 6 * BLOCK_N, q.device)[1]
+    assert splits > 1
+    counts = split_kv.arrival_counts(q.device, 3 * 2)
+    for scale in (0.3, 0.3, 0.7):
+        out = split_kv_decode(q, k, v, valid, scale, 0.0)
+        expected = _reference(q, k, v, valid, scale)
+        torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-6)
+        assert not counts.any()
+
+
 @pytest.mark.parametrize("programs_per_sm", [4, 0])
 def test_a_row_with_nothing_to_attend_gets_zeros(programs_per_sm, monkeypatch):
     monkeypatch.setattr(split_kv, "PROGRAMS_PER_SM", programs_per_sm)
