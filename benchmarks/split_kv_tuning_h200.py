@@ -89,6 +89,7 @@ def main() -> int:
         for shape, batch in everything:  # the defaults, with SDPA alongside
             rows.append({"stage": "default", **time_case(shape, batch, sdpa=True)})
             print(rows[-1])
+        out.write_text(json.dumps(report, indent=1))
     if "scan" in stages:
         for scan in (64, 128, 1024):  # 64/128: blockwise as before (BLOCK_N 64; 128 at batch 1)
             rows += with_knobs({"MAX_SCAN": scan, "_stage": "scan"}, everything)
