@@ -203,6 +203,34 @@ PLANTS = (
         "            if forward is None:\n                pass\n",
         ("tests/test_rollout_plan.py",),
     ),
+    Plant(
+        "compiled captures keep the eager K/V write",
+        "graphcap/rollout/regions.py",
+        "        else cache.puts_through(torch.compile(put_columns))\n",
+        "        else contextlib.nullcontext()\n",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "the decoder stack's final norm and rotary embedding not compiled",
+        "graphcap/rollout/regions.py",
+        "        for parent in layers + stacks\n",
+        "        for parent in layers\n",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "a capture's K/V write left in place after it",
+        "graphcap/rollout/cache.py",
+        "                layer.put = scatter_columns\n",
+        "                pass\n",
+        ("tests/test_rollout_units.py",),
+    ),
+    Plant(
+        "several new K/V columns written to the first one",
+        "graphcap/rollout/cache.py",
+        "columns = columns + torch.arange(",
+        "columns = columns + 0 * torch.arange(",
+        ("tests/test_rollout_units.py",),
+    ),
 )
 
 

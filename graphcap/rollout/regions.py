@@ -6,10 +6,11 @@ whole forward fuses them, but costs tens of seconds per batch size and was slowe
 graph at batch 64 on the H200 (runs D and F). PyTorch's regional compilation compiles the
 repeated blocks instead: a block class is traced once and its code is shared by every layer, so
 the first call pays seconds. The blocks are the children of each decoder layer that hold no
-attention (norms, MLPs), the attention's own norms, and the rotary embedding function the
-attention calls; and the cache's K/V writes (two kernels a layer become one). The projections
-and the backend's graph attention stay as they are.
-Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json.
+attention (norms, MLPs), the attention's own norms, the rotary embedding function the attention
+calls, the decoder stack's blocks beside its layers (final norm, rotary embedding), and the
+cache's K/V writes (two kernels a layer become one). The projections and the backend's graph
+attention stay as they are. Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json
+and runs M-P (docs/benchmarks.md).
 """
 
 from __future__ import annotations
