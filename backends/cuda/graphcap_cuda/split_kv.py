@@ -3,13 +3,14 @@ columns the mask lets a row attend to.
 
 A decode step's query is one token per row; the static cache holds every column the rollout
 will ever write. The columns are split into chunks (enough programs to fill the device even at
-batch 1). Each program first reads its chunk's mask (2 bytes a column) to find the span from
-the first to the last open column, then walks only that span in blocks of columns, loading K/V
-of open columns alone: unwritten columns, left padding and columns outside a sliding window are
-never read. The span scan reads up to 1,024 columns of the mask at once (blockwise it cost up
-to 14% of the kernel at batch 256, run N's split-kv-tuning.json). The per-row lengths thus live on the device, in the mask the engine updates each
-step, so one captured graph serves every step; and the walk has no branch, so Triton pipelines
-its loads. The query heads that share a K/V head are computed together from one read of it.
+batch 1). Each program first reads its chunk's mask (2 bytes a column, up to 1,024 columns at
+once: blockwise the scan cost up to 14% of the kernel at batch 256, run N's
+split-kv-tuning.json) to find the span from the first to the last open column, then walks only
+that span in blocks of columns, loading K/V of open columns alone: unwritten columns, left
+padding and columns outside a sliding window are never read. The per-row lengths thus live on
+the device, in the mask the engine updates each step, so one captured graph serves every step;
+and the walk has no branch, so Triton pipelines its loads. The query heads that share a K/V
+head are computed together from one read of it.
 
 With several chunks, the chunk of a row and K/V head that finishes last combines their partial
 softmaxes (an arrival count per row and head, reset by that chunk), so a launch is one kernel
