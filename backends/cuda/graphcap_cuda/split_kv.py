@@ -4,7 +4,7 @@ columns the mask lets a row attend to.
 A decode step's query is one token per row; the static cache holds every column the rollout
 will ever write. The columns are split into chunks (enough programs to fill the device even at
 batch 1). Each program first reads its chunk's mask (2 bytes a column, up to 1,024 columns at
-once: blockwise the scan cost up to 14% of the kernel at batch 256, run N's
+once: blockwise the scan cost 13-19% of the kernel at batch 256, run N's
 split-kv-tuning.json) to find the span from the first to the last open column, then walks only
 that span in blocks of columns, loading K/V of open columns alone: unwritten columns, left
 padding and columns outside a sliding window are never read. The per-row lengths thus live on
