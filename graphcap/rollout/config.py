@@ -327,13 +327,13 @@ class RolloutConfig:
     registered implementation. Eager calls and the prefill always use the model's own.
     ``max_request_bytes``: refuse a call whose estimated allocation exceeds it (calls above the
     memory the backend reports available are refused in any case).
-    ``compile=True``: captured decode steps run the blocks around attention (each decoder
-    layer's norms and MLP) through ``torch.compile``, traced once per block class
-    (:mod:`graphcap.rollout.regions`); the compilation happens in the warm-up before the first
-    capture, so it is part of that call's ``capture_s`` / ``first_call_s`` (``stats.compiled``
-    says so). Compiled code rounds differently: steps equal eager ones within float rounding,
-    not bit for bit. Needs a backend that declares ``captures_compiled``; elsewhere calls run
-    eagerly with the reason.
+    ``compile=True``: captured decode steps run the blocks around attention (norms, MLPs, the
+    rotary function and embedding, the K/V cache writes) through ``torch.compile``, traced once
+    per block class (:func:`graphcap.rollout.regions.compiled_regions`); the compilation
+    happens in the warm-up before the first capture, so it is part of that call's
+    ``capture_s`` / ``first_call_s`` (``stats.compiled`` says so). Compiled code rounds
+    differently: steps equal eager ones within float rounding, not bit for bit. Needs a backend
+    that declares ``captures_compiled``; elsewhere calls run eagerly with the reason.
     ``fuse_projections=True``: projections that read one input (q/k/v, gate/up) run as one
     product over their weights joined in one buffer, whose views the parameters become
     (:mod:`graphcap.rollout.fusion`; ``stats.joined_projections`` counts the groups). In every
