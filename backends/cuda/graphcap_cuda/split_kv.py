@@ -36,6 +36,10 @@ BLOCK_N = 64
 BLOCK_N_FEW_ROWS = 128
 #: Programs to aim for per launch (a few per multiprocessor) when choosing the split count.
 PROGRAMS_PER_SM = 4
+#: Most bytes of one K (or V) block: 128 columns of bf16 at head_dim 128. Wider heads (256) or
+#: fp32 take fewer columns a block, or the pipelined loads outgrow shared memory (an fp32 test
+#: at head_dim 80 asked for 278,528 bytes of the H200's 232,448 in run Q).
+MAX_BLOCK_BYTES = 32768
 #: Warps per program of the partial kernel.
 NUM_WARPS = 4
 #: Software-pipeline depth of the partial kernel's K/V loads (None: Triton's default).
@@ -241,13 +245,18 @@ def _combine(
     )
 
 
-def launch_shape(rows: int, kv_heads: int, length: int, device: torch.device) -> tuple[int, int]:
-    """(columns per block, chunks per row and K/V head): enough programs to fill the device."""
+def launch_shape(
+    rows: int, kv_heads: int, length: int, device: torch.device, block_bytes: int = 0
+) -> tuple[int, int]:
+    """(columns per block, chunks per row and K/V head): enough programs to fill the device.
+    ``block_bytes``: one column of a K block as loaded (padded head_dim x element size)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 132  # an H100/H200's count: the interpreter on CPU needs some number
     block_n = BLOCK_N if rows * kv_heads >= sms else BLOCK_N_FEW_ROWS
+    while block_n > 16 and block_n * block_bytes > MAX_BLOCK_BYTES:
+        block_n //= 2
     blocks = triton.cdiv(length, block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, rows * kv_heads)
     return block_n, max(1, min(blocks, wanted))
@@ -285,7 +294,8 @@ def split_kv_decode(
     groups = heads // kv_heads
     block_g = max(16, triton.next_power_of_2(groups))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, splits = launch_shape(rows, kv_heads, length, query.device)
+    block_bytes = block_d * key.element_size()
+    block_n, splits = launch_shape(rows, kv_heads, length, query.device, block_bytes)
     chunk = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
     splits = triton.cdiv(length, chunk)
     scan_n = max(block_n, min(MAX_SCAN, triton.next_power_of_2(chunk)))

@@ -72,6 +72,16 @@ def test_kernel_equals_sdpa(rows, heads, kv_heads, length, dim, form):
         )
 
 
+@pytest.mark.parametrize("rows", [1, 256])
+@pytest.mark.parametrize("head_dim,itemsize", [(64, 2), (128, 2), (256, 2), (128, 4), (256, 4)])
+def test_blocks_stay_within_shared_memory(rows, head_dim, itemsize):
+    """Wide heads and fp32 take fewer columns a block; the tuned bf16 blocks stay as tuned."""
+    block_n, _ = split_kv.launch_shape(rows, 8, 640, torch.device("cpu"), head_dim * itemsize)
+    assert block_n * head_dim * itemsize <= split_kv.MAX_BLOCK_BYTES
+    if head_dim * itemsize <= 256:
+        assert block_n == (split_kv.BLOCK_N if rows > 16 else split_kv.BLOCK_N_FEW_ROWS)
+
+
 def test_softcapping_equals_the_eager_formula():
     q, k, v, valid = _case(2, 8, 2, 200, 32, torch.float32, seed=3)
     out = split_kv_decode(q * 4, k, v, valid, 0.25, 5.0)
@@ -79,7 +89,11 @@ def test_softcapping_equals_the_eager_formula():
     torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("programs_per_sm", [4, 0])  # 0: one chunk per row, no combine
+#: 0: one chunk per row, no combine; 64: more chunks than the span has blocks
+CHUNKINGS = [4, 0, 64]
+
+
+@pytest.mark.parametrize("programs_per_sm", CHUNKINGS)
 def test_closed_columns_are_never_read(programs_per_sm, monkeypatch):
     """NaN in every column the mask closes: a kernel that read one returns NaN."""
     monkeypatch.setattr(split_kv, "PROGRAMS_PER_SM", programs_per_sm)
@@ -90,6 +104,18 @@ def test_closed_columns_are_never_read(programs_per_sm, monkeypatch):
     poisoned_k.masked_fill_(~valid[:, None, :, None], float("nan"))
     poisoned_v.masked_fill_(~valid[:, None, :, None], float("nan"))
     out = split_kv_decode(q, poisoned_k, poisoned_v, valid, 0.3, 0.0)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, valid, 0.3), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("written", [BLOCK_N // 2, 2 * BLOCK_N + 5, 6 * BLOCK_N])
+def test_many_chunks_over_any_written_prefix(written, monkeypatch):
+    """More chunks than written blocks (most find nothing open), a prefix that is not a whole
+    number of blocks, a span that starts inside a block: every open column attended once."""
+    monkeypatch.setattr(split_kv, "PROGRAMS_PER_SM", 16)
+    q, k, v, valid = _case(3, 8, 2, 6 * BLOCK_N, 16, torch.float32, seed=written)
+    valid[:, written:] = False
+    valid[1, :3] = False  # a span that starts inside a block
+    out = split_kv_decode(q, k, v, valid, 0.3, 0.0)
     torch.testing.assert_close(out.double(), _reference(q, k, v, valid, 0.3), rtol=2e-6, atol=2e-6)
 
 
@@ -107,7 +133,7 @@ def test_the_last_chunk_combines_and_leaves_the_counts_at_zero():
         assert not counts.any()
 
 
-@pytest.mark.parametrize("programs_per_sm", [4, 0])
+@pytest.mark.parametrize("programs_per_sm", CHUNKINGS)
 def test_a_row_with_nothing_to_attend_gets_zeros(programs_per_sm, monkeypatch):
     monkeypatch.setattr(split_kv, "PROGRAMS_PER_SM", programs_per_sm)
     q, k, v, valid = _case(2, 4, 2, 100, 16, torch.float32, seed=7)
