@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
 
@@ -140,6 +140,13 @@ class Backend:
         """Make draws from an explicit ``generator`` inside ``graph`` graph-safe, before its
         capture: device graphs advance each generator they know of on every replay (the default
         generator is known to every graph). Default: nothing to register."""
+
+    def one_row_product(self) -> Callable[..., torch.Tensor] | None:
+        """A faster ``F.linear(x, weight, bias)`` for batch-1 decode steps (one row of ``x``),
+        which captures of ``RolloutConfig(compile=True)`` route every projection through;
+        ``None`` (the default): they use ``F.linear``. The callable takes any input and falls
+        back to ``F.linear`` itself where its kernel does not apply."""
+        return None
 
     def graph_pool_handle(self) -> Any | None:
         """A memory-pool handle several graphs can share, or ``None`` if pools are not shared."""

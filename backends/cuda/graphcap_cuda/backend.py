@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -71,6 +72,14 @@ class CUDABackend(Backend):
 
     def graph_pool_handle(self) -> Any:
         return torch.cuda.graph_pool_handle()
+
+    def one_row_product(self) -> Callable[..., torch.Tensor] | None:
+        """graphcap_cuda.gemv's one-row kernel where Triton is installed."""
+        try:
+            from graphcap_cuda import gemv
+        except ImportError:  # a torch build without Triton
+            return None
+        return gemv.linear
 
 
 def _probe() -> Availability:

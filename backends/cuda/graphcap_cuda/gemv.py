@@ -1,0 +1,132 @@
+"""One-row projections (``x @ W.T`` for a single token) in Triton, for batch-1 decode.
+
+At batch 1 a decode step is a chain of matrix-vector products, bound by reading the weights.
+cuBLAS picks GEMM tiles for them that read the smaller matrices at 49-76% of the H200's
+bandwidth (q/k/v and o of llama-8b and llama-1b, run Q's decode-levers.json), with split-K
+reductions as extra kernels. Here each program reduces a few whole rows of W: it streams its
+rows in blocks of columns, multiplies by the one input row and keeps fp32 partial sums, then
+adds them once at the end. Enough programs are launched to keep the device's loads in flight.
+
+The launcher is a torch custom op (``graphcap_cuda::gemv``) so that ``torch.compile`` and
+operator-level graph recorders see one opaque operation. With ``TRITON_INTERPRET=1`` set
+before import it runs on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+#: Launch settings, from run Q's sweep over llama-8b's and llama-1b's ten batch-1 products
+#: (decode-levers-one-row.json): rows of W per program the power of two nearest to
+#: N / (6 programs per multiprocessor), within [2, 8], and 512 columns a load. Over a step's
+#: products this is within 0.4% (llama-8b) and 2% (llama-1b) of the best setting per product,
+#: which a rule cannot know without timing each product at its first call.
+BLOCK_K = 512
+PROGRAMS_PER_SM = 6
+MIN_BLOCK_N = 2
+MAX_BLOCK_N = 8
+NUM_WARPS = 4
+#: Software-pipeline depth of the W loads (None: Triton's default).
+NUM_STAGES: int | None = None
+
+
+@triton.jit
+def _gemv(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    n_rows,
+    k_cols,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    n_ok = n < n_rows
+    rows = w_ptr + n[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for first in range(0, k_cols, BLOCK_K):
+        cols = first + k
+        if EVEN_K:
+            x = tl.load(x_ptr + cols)
+            w = tl.load(rows + cols[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = cols < k_cols
+            x = tl.load(x_ptr + cols, mask=k_ok, other=0.0)
+            w = tl.load(rows + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def block_rows(n_rows: int, device: torch.device) -> int:
+    """Rows of W per program: the power of two in [MIN_BLOCK_N, MAX_BLOCK_N] nearest to giving
+    ``PROGRAMS_PER_SM`` programs per multiprocessor."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 132  # an H100/H200's count: the interpreter on CPU needs some number
+    wanted = max(1.0, n_rows / (PROGRAMS_PER_SM * sms))
+    return min(MAX_BLOCK_N, max(MIN_BLOCK_N, 1 << round(math.log2(wanted))))
+
+
+@torch.library.custom_op("graphcap_cuda::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for an ``x`` holding one row (shape (..., K) with every
+    leading size 1); weight (N, K) with unit stride in K. fp32 accumulation."""
+    n_rows, k_cols = weight.shape
+    vector = x.reshape(k_cols).contiguous()
+    out = torch.empty(n_rows, dtype=x.dtype, device=x.device)
+    block_n = block_rows(n_rows, x.device)
+    _gemv[(triton.cdiv(n_rows, block_n),)](
+        vector,
+        weight,
+        out if bias is None else bias,
+        out,
+        n_rows,
+        k_cols,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k_cols % BLOCK_K == 0,
+        BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS,
+        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
+    )
+    return out.reshape(*x.shape[:-1], n_rows)
+
+
+@gemv.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through :func:`gemv` where it :func:`serves` (the backend's one-row
+    product)."""
+    if serves(x, weight) and (bias is None or bias.dtype == x.dtype):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gemv` computes ``F.linear(x, weight)``: one row, floating point, the
+    weight's rows contiguous (a view of a joined buffer is)."""
+    return (
+        x.numel() == x.shape[-1]
+        and x.dtype == weight.dtype
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.is_floating_point()
+    )
