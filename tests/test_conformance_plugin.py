@@ -211,7 +211,34 @@ class RNGOffBackend(CPUBackend):
     rng_in_graph = False
 
 
+class OffsetProductBackend(CPUBackend):
+    """Offers a one-row product that reads a weight from its storage's start: wrong for a row
+    slice of a joined buffer (fuse_projections' q/k/v members)."""
+
+    name = "offset-product"
+    priority = -20
+
+    def one_row_product(self):
+        def product(x, weight, bias=None):
+            whole = torch.as_strided(weight, weight.shape, weight.stride(), 0)
+            return torch.nn.functional.linear(x, whole, bias)
+
+        return product
+
+
+class SoundProductBackend(CPUBackend):
+    """Offers a correct one-row product (the control)."""
+
+    name = "sound-product"
+    priority = -20
+
+    def one_row_product(self):
+        return lambda x, weight, bias=None: torch.nn.functional.linear(x, weight, bias)
+
+
 BACKENDS = [
+    OffsetProductBackend,
+    SoundProductBackend,
     RNGOffBackend,
     NoOpGraphBackend,
     EagerOnlyBackend,
@@ -302,6 +329,7 @@ def test_cpu_passes_with_table_and_json(
     assert set(skipped) == {
         "contract::test_graph_hooks_refuse_without_capture",
         "capabilities::test_graph_attention_is_offered",
+        "capabilities::test_one_row_product_matches_linear",
         "capabilities::test_offered_attention_matches_sdpa[gpt2]",
         "capabilities::test_offered_attention_matches_sdpa[llama]",
     }
@@ -390,6 +418,7 @@ PLANTS = {
     "stops-after-8": ("test_replays_accumulate", ["graph_semantics::test_replays_accumulate"]),
     "frozen-generator": ("rng", ["rng::test_explicit_generator_replays_draw_what_eager_draws"]),
     "frozen-default-rng": ("rng", ["rng::test_replays_draw_what_eager_steps_draw"]),
+    "offset-product": ("one_row", ["capabilities::test_one_row_product_matches_linear"]),
     "capture-left-open": (
         "capture_errors and item",
         ["capture_errors::test_host_sync_inside_capture_fails_loudly[item]"],
@@ -409,6 +438,16 @@ def test_planted_broken_backend_fails(
     results = outcomes(record)
     for check in must_fail:
         assert results[check] in ("failed", "error"), (check, results)
+
+
+@pytest.mark.usefixtures("with_broken_plugins")
+def test_a_sound_one_row_product_passes_its_check(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, record = run_suite(pytester, monkeypatch, "sound-product", "-k", "one_row")
+    assert record is not None
+    assert outcomes(record) == {"capabilities::test_one_row_product_matches_linear": "passed"}
+    assert result.ret == 0
 
 
 @pytest.mark.usefixtures("with_broken_plugins")

@@ -131,15 +131,16 @@ def test_half_precision_graph_matches_teacher_forced_logprobs(backend, dtype):
     assert difference < HALF_LOGPROB_TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("rows", [3, 1])  # 1: the backend's one-row product, where offered
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
-def test_compiled_blocks_and_joined_projections_equal_eager_in_fp32(backend, family):
+def test_compiled_blocks_and_joined_projections_equal_eager_in_fp32(backend, family, rows):
     """compile=True (blocks around attention compiled, then captured) with fuse_projections:
     equal to the plain eager loop in fp32, here token for token; then an in-place update of
     every weight reaches the replayed graph through the joined buffers."""
     if not backend.capabilities.captures_compiled:
         pytest.skip(f"backend {backend.name!r} declares captures_compiled=False")
     model = on_device(tiny_model(family, fresh=True), backend)
-    ids, mask = (t.to(backend.device) for t in prompts(3))
+    ids, mask = (t.to(backend.device) for t in prompts(rows))
     config = RolloutConfig(
         enable_graph_capture=True, backend=backend, compile=True, fuse_projections=True
     )

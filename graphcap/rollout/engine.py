@@ -72,10 +72,10 @@ class RolloutEngine:
         register_attention_implementations(self.backend)
         check_graph_attention(self.config.graph_attention)
         agreement = RankAgreement(self.config.process_group, self.backend.device)
-        self._holder = GraphHolder(self.backend, agreement)
+        self._fusion = ProjectionFusion(model) if self.config.fuse_projections else None
+        self._holder = GraphHolder(self.backend, agreement, self._fusion)
         path = StaticRollout if self.config.continuous_batch_size is None else ContinuousRollout
         self._path = path(model, self.config, self._holder)
-        self._fusion = ProjectionFusion(model) if self.config.fuse_projections else None
         self._lock = threading.Lock()
         self._closed = False
         self._sleeping = False  # sleep() freed the buffers and no generate has run since

@@ -13,7 +13,7 @@ the next call and its group is joined again.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,8 @@ class JoinedGroup:
         self.rows = [sum(self.sizes[:i]) for i in range(len(linears))]
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
+        #: computes the joined product (a backend's one-row kernel in compiled captures)
+        self.product: Callable[..., torch.Tensor] = F.linear
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
 
@@ -66,7 +68,7 @@ class JoinedGroup:
 
         def first(x: torch.Tensor) -> torch.Tensor:
             self._input = x
-            self._parts = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            self._parts = self.product(x, self.weight, self.bias).split(self.sizes, dim=-1)
             return self._parts[0]
 
         def later(index: int, linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -144,6 +146,18 @@ class ProjectionFusion:
                 group.join()
         self.active = self.groups
         return bool(moved)
+
+    @contextlib.contextmanager
+    def products_through(self, product: Callable[..., torch.Tensor]) -> Iterator[None]:
+        """Within the block, the active groups compute their joined products with ``product``
+        (``F.linear``'s signature)."""
+        for group in self.active:
+            group.product = product
+        try:
+            yield
+        finally:
+            for group in self.active:
+                group.product = F.linear
 
     def applied(self) -> contextlib.AbstractContextManager[None]:
         """Within the block, each active group runs as one product; the layers' own forwards

@@ -20,7 +20,8 @@ from graphcap.rollout.agreement import PEER_RECAPTURE, RankAgreement
 from graphcap.rollout.cache import LayerSpec
 from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import SamplingParams
-from graphcap.rollout.regions import compiled_regions
+from graphcap.rollout.fusion import ProjectionFusion
+from graphcap.rollout.regions import compiled_regions, one_row_products
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.signature import GraphSignature, attention_implementation
@@ -40,9 +41,14 @@ class Held:
 class GraphHolder:
     """Hold, drop and capture; ``captures`` counts every graph this engine captured."""
 
-    def __init__(self, backend: Backend, agreement: RankAgreement):
+    def __init__(
+        self, backend: Backend, agreement: RankAgreement, fusion: ProjectionFusion | None = None
+    ):
         self.backend = backend
         self.agreement = agreement
+        #: the engine's joined projections, which compiled captures route through the backend's
+        #: one-row product with the model's other projections
+        self.fusion = fusion
         self.held: Held | None = None
         self.captures = 0
         #: why graphs are off for this engine (a failed capture here or on another rank)
@@ -114,10 +120,7 @@ class GraphHolder:
         if key is not None:  # a set of graphs shares one pool
             pool = self.held.pool = self.held.pool or self.backend.graph_pool_handle()
         try:
-            compiling = (
-                compiled_regions(step.model, step.cache) if compiled else contextlib.nullcontext()
-            )
-            with _attention(step.model, attention), compiling:
+            with _attention(step.model, attention), self._compiled(step, compiled):
                 graph = capture_step(
                     self.backend, step, step.mutable_tensors(), step.generator, pool=pool
                 )
@@ -134,6 +137,18 @@ class GraphHolder:
             return None
         self.held.graphs[key] = graph
         return graph
+
+    @contextlib.contextmanager
+    def _compiled(self, step: DecodeStep, compiled: bool) -> Iterator[None]:
+        """Compiled captures: :func:`compiled_regions`, with the projections through the
+        backend's one-row product where it offers one."""
+        product = self.backend.one_row_product() if compiled else None
+        with contextlib.ExitStack() as stack:
+            if compiled:
+                stack.enter_context(compiled_regions(step.model, step.cache))
+            if product is not None:
+                stack.enter_context(one_row_products(step.model, product, self.fusion))
+            yield
 
     def drop_graphs(self) -> None:
         """Forget the graphs (and their pool); the buffers stay."""

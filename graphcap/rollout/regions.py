@@ -8,8 +8,10 @@ repeated blocks instead: a block class is traced once and its code is shared by 
 the first call pays seconds. The blocks are the children of each decoder layer that hold no
 attention (norms, MLPs), the attention's own norms, the rotary embedding function the attention
 calls, the decoder stack's blocks beside its layers (final norm, rotary embedding), and the
-cache's K/V writes (two kernels a layer become one). The projections and the backend's graph
-attention stay as they are. Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json
+cache's K/V writes (two kernels a layer become one). The backend's graph attention stays as
+it is; the projections compute through the backend's one-row product where it offers one
+(:func:`one_row_products`: batch-1 steps, where cuBLAS read the smaller weights at 49-77% of
+the H200's bandwidth, run Q). Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json
 and runs M-P (docs/benchmarks.md).
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from graphcap.rollout.cache import StaticKVCache, put_columns
+from graphcap.rollout.fusion import ProjectionFusion
 from graphcap.rollout.swap import forwards_swapped
 
 #: The rotary-embedding function transformers' modeling files define and their attention calls
@@ -78,6 +81,31 @@ def rotary_functions(model: torch.nn.Module) -> list[tuple[ModuleType, Callable[
     modules = {sys.modules[type(a).__module__] for a in _attention_modules(model)}
     found = [(m, getattr(m, ROTARY, None)) for m in modules]
     return [(module, fn) for module, fn in found if callable(fn)]
+
+
+@contextlib.contextmanager
+def one_row_products(
+    model: torch.nn.Module,
+    product: Callable[..., torch.Tensor],
+    fusion: ProjectionFusion | None = None,
+) -> Iterator[None]:
+    """Within the block, ``model``'s plain ``nn.Linear`` layers and ``fusion``'s joined groups
+    compute through ``product`` (a backend's :meth:`~graphcap.backend.Backend.one_row_product`,
+    which serves one-row inputs and hands the rest to ``F.linear``). Layers whose forward
+    another library replaced are left alone."""
+
+    def through(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return product(x, linear.weight, linear.bias)
+
+        return forward
+
+    linears = [
+        m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__
+    ]
+    joined = contextlib.nullcontext() if fusion is None else fusion.products_through(product)
+    with forwards_swapped([(linear, through(linear)) for linear in linears]), joined:
+        yield
 
 
 @contextlib.contextmanager

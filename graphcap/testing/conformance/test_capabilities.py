@@ -4,8 +4,9 @@
 backend declaring False gets sampled calls run eagerly, with the reason). Here: the capture
 stream (``capture_needs_side_stream`` and the explicit ``stream=`` the engine passes),
 ``collectives_in_graph`` (a one-rank group of the backend's own distributed backend, captured and
-replayed), and the plugin's attention (``graph_attention`` and every implementation the plugin
-offers, run by the engine's decode step with masks in the declared ``mask_form``, against SDPA).
+replayed), the plugin's attention (``graph_attention`` and every implementation the plugin
+offers, run by the engine's decode step with masks in the declared ``mask_form``, against SDPA),
+and the backend's one-row product (against ``F.linear``, eagerly and replayed).
 """
 
 from __future__ import annotations
@@ -134,3 +135,36 @@ def test_offered_attention_matches_sdpa(gc_backend: Backend, name: str) -> None:
         torch.testing.assert_close(
             result.logprobs.cpu(), reference.logprobs.cpu(), rtol=1e-3, atol=1e-3
         )
+
+
+def test_one_row_product_matches_linear(gc_backend: Backend) -> None:
+    """A backend's ``one_row_product`` equals ``F.linear`` (fp32, to rounding) for one row, for
+    a row slice of a joined buffer and with a bias; hands other inputs to ``F.linear``; and,
+    where the backend captures, replays reading an input updated in place."""
+    backend = gc_backend
+    product = backend.one_row_product()
+    if product is None:
+        pytest.skip(f"backend {backend.name!r} offers no one-row product (F.linear is used)")
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(backend.device)
+
+    joined, bias = rand(96, 200), rand(40)
+    for x, weight, b in [
+        (rand(1, 1, 200), joined, None),
+        (rand(1, 200), joined[24:64], bias),  # a joined group's member: rows of a buffer
+        (rand(3, 1, 200), joined[:40], bias),  # three rows: F.linear's job
+    ]:
+        torch.testing.assert_close(
+            product(x, weight, b), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5
+        )
+    if not backend.capabilities.graph_capture:
+        return
+    x = rand(1, 1, 200)
+    out: dict[str, torch.Tensor] = {}
+    graph = capture_step(backend, lambda: out.update(y=product(x, joined, None)), [], None)
+    x.copy_(rand(1, 1, 200))
+    replay(backend, graph)
+    expected = torch.nn.functional.linear(x, joined)
+    torch.testing.assert_close(out["y"], expected, rtol=1e-5, atol=1e-5)
