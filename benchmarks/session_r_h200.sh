@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# H200 run R (issue 11): compile=True captures route batch-1 projections through the CUDA
+# plugin's one-row kernel (graphcap_cuda/gemv.py, chosen from run Q's sweep). graphcap bench as
+# in runs L-P (bf16, 128 + 512 tokens, --fuse-projections, 3 repeats, cold caches).
+#   bash benchmarks/session_r_h200.sh OUT 1   device tests (the kernels' files too); llama-8b
+#                                             batch 1 with HF static + compile
+#   bash benchmarks/session_r_h200.sh OUT 2   llama-8b batch 1 compiled without the product;
+#                                             llama-1b batch 1 with HF, then without the product;
+#                                             profile of llama-8b batch 1
+set -uo pipefail
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+source benchmarks/device_env.sh
+cache=$(mktemp -d)
+export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+
+bench() {  # SCRIPT MODEL SIZES MODES TAG BUDGET
+    timeout $(($6 + 60)) $py $1 --model "$2" --batch-sizes "$3" \
+        --compile-batch-sizes "$3" --prompt-len 128 --new-tokens 512 --repeats 3 --warmup 1 \
+        --modes "$4" --fuse-projections --budget-s "$6" \
+        --json "$out/bench-$2-$5.json" >"$out/bench-$2-$5.txt" 2>&1
+    tail -6 "$out/bench-$2-$5.txt"
+}
+with=-mgraphcap.bench
+without=benchmarks/bench_without_one_row.py
+
+case $2 in
+1)
+    timeout 200 $py -m pytest -q -rs -m device tests backends/cuda/tests \
+        >"$out/device-tests-r.log" 2>&1
+    tail -3 "$out/device-tests-r.log"
+    timeout 100 $py -m pytest -q -rs backends/cuda/tests/test_gemv.py \
+        backends/cuda/tests/test_split_kv.py >"$out/kernel-tests-r.log" 2>&1
+    tail -1 "$out/kernel-tests-r.log"
+    bench $with llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-r 150
+    ;;
+2)
+    bench $without llama-8b 1 graphcap-graph-compiled bs1-r-without 60
+    bench $with llama-1b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-r 90
+    bench $without llama-1b 1 graphcap-graph-compiled bs1-r-without 40
+    timeout 90 $py benchmarks/profile_decode.py "$out/profile-decode-r.json" --fast \
+        --cases llama-8b:bf16:1 --new-tokens 256 >"$out/profile-r.log" 2>&1
+    grep -E '"(kernels_per_step|device_ms_per_step|decode_ms_per_step_wall)"|gemm|other|attention"' \
+        "$out/profile-r.log" | head -10
+    ;;
+esac
