@@ -3,13 +3,13 @@ model's SDPA, the grouped-query SDPA and the split-KV kernel, each in bf16, agai
 random weights run in float32 with SDPA. Says whether an attention that differs from bf16 SDPA
 is less accurate or only rounds differently. The last row, ``split_kv+compile+fuse``, runs the
 split-KV kernel with the speed options' kernels too (``compile=True``'s compiled blocks and
-``fuse_projections``' joined products), and also gives its largest difference from the plain
-split-KV row. One JSON.
+``fuse_projections``' joined products, and at batch 1 the CUDA plugin's one-row products), and
+also gives its largest difference from the plain split-KV row. One JSON.
 
-    python3 benchmarks/logits_vs_fp32_h200.py OUT.json [--models llama-1b,llama-8b]
+    python3 benchmarks/logits_vs_fp32_h200.py OUT.json [--models llama-1b,llama-8b] [--batch 1]
 
-Same inputs as decode_kernels_h200.py's comparison: batch 8 with left padding, 128-token
-prompt, then 32 single-token decodes with the engine's 4-D additive mask.
+Same inputs as decode_kernels_h200.py's comparison: batch 8 (or ``--batch``) with left padding,
+128-token prompt, then 32 single-token decodes with the engine's 4-D additive mask.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 from decode_kernels_h200 import ATTENTIONS, build, teacher_forced
 from graphcap_cuda.attention import IMPLEMENTATIONS, SPLIT_KV, register_attention
+from graphcap_cuda.backend import CUDABackend
 
-from graphcap.rollout.fusion import JoinedGroup, joinable_groups
-from graphcap.rollout.regions import compiled_regions
-from graphcap.rollout.swap import forwards_swapped
+from graphcap.rollout.fusion import ProjectionFusion
+from graphcap.rollout.regions import compiled_regions, one_row_products
+from graphcap.rollout.scan import scan_model
 
 
 def compare(name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> list[dict]:
@@ -74,13 +75,13 @@ def compare(name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> li
 
 @contextlib.contextmanager
 def fast_kernels(model: torch.nn.Module) -> Iterator[None]:
-    """The model with ``compile=True``'s compiled blocks and ``fuse_projections``' joined
-    products (as the engine applies them in a capture; the cache here is transformers')."""
-    groups = [JoinedGroup(linears) for linears in joinable_groups(model)]
-    with torch.no_grad():
-        for group in groups:
-            group.join()
-    with forwards_swapped([s for g in groups for s in g.swaps()]), compiled_regions(model):
+    """The model with ``compile=True``'s compiled blocks and one-row products (batch 1) and
+    ``fuse_projections``' joined products, as the engine applies them in a capture (the cache
+    here is transformers')."""
+    fusion = ProjectionFusion(model)
+    fusion.join(scan_model(model))
+    product = CUDABackend().one_row_product()
+    with fusion.applied(), compiled_regions(model), one_row_products(model, product, fusion):
         yield
 
 
@@ -88,13 +89,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path)
     parser.add_argument("--models", default="llama-1b,llama-8b")
+    parser.add_argument("--batch", type=int, default=8, help="1: the one-row products serve")
     args = parser.parse_args()
     for implementation in IMPLEMENTATIONS:
         register_attention(implementation)
     report = {"command": " ".join(["python3", *sys.argv]), "device": torch.cuda.get_device_name()}
     report["rows"] = []
     for name in args.models.split(","):
-        report["rows"] += compare(name)
+        report["rows"] += compare(name, batch=args.batch)
         args.json.write_text(json.dumps(report, indent=1))
     return 0
 

@@ -7,6 +7,8 @@
 #   bash benchmarks/session_r_h200.sh OUT 2   llama-8b batch 1 compiled without the product;
 #                                             llama-1b batch 1 with HF, then without the product;
 #                                             profile of llama-8b batch 1
+#   bash benchmarks/session_r_h200.sh OUT 3   bf16 teacher-forced logits at batch 1 (the product
+#                                             serves); llama-8b batch 64, 256 in the default mode
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
@@ -42,5 +44,12 @@ case $2 in
         --cases llama-8b:bf16:1 --new-tokens 256 >"$out/profile-r.log" 2>&1
     grep -E '"(kernels_per_step|device_ms_per_step|decode_ms_per_step_wall)"|gemm|other|attention"' \
         "$out/profile-r.log" | head -10
+    ;;
+3)
+    timeout 200 $py benchmarks/logits_vs_fp32_h200.py "$out/logits-vs-fp32-bs1-r.json" --batch 1 \
+        >"$out/logits-vs-fp32-bs1-r.log" 2>&1
+    grep -o "'attention': '[^']*'.*'argmax_agreement_with_fp32': [0-9.e-]*\|vs_split_kv': [0-9.e-]*" \
+        "$out/logits-vs-fp32-bs1-r.log"
+    bench $with llama-8b 64,256 graphcap-graph bs64-256-r 150
     ;;
 esac
