@@ -218,6 +218,27 @@ PLANTS = (
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
+        "joined groups left out of the one-row product",
+        "graphcap/rollout/regions.py",
+        " else fusion.products_through(product)\n",
+        " else contextlib.nullcontext()\n",
+        ("tests/test_rollout_one_row.py",),
+    ),
+    Plant(
+        "the one-row product used in uncompiled captures",
+        "graphcap/rollout/holder.py",
+        "        product = self.backend.one_row_product() if compiled else None\n",
+        "        product = self.backend.one_row_product()\n",
+        ("tests/test_rollout_one_row.py",),
+    ),
+    Plant(
+        "a joined group keeps the one-row product after the block",
+        "graphcap/rollout/fusion.py",
+        "            for group in self.active:\n                group.product = F.linear\n",
+        "            pass\n",
+        ("tests/test_rollout_one_row.py",),
+    ),
+    Plant(
         "a capture's K/V write left in place after it",
         "graphcap/rollout/cache.py",
         "                layer.put = scatter_columns\n",

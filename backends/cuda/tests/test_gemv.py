@@ -44,6 +44,16 @@ def test_rows_of_a_joined_buffer():
     torch.testing.assert_close(gemv.gemv(x, middle), F.linear(x, middle), rtol=2e-5, atol=2e-5)
 
 
+def test_columns_of_a_wider_buffer():
+    """A weight whose rows are longer in memory than its columns (a column slice) is read with
+    its own row stride."""
+    wide = torch.randn(24, 200, device=DEVICE)
+    x = torch.randn(1, 1, 130, device=DEVICE)
+    left = wide[:, :130]
+    assert gemv.serves(x, left)
+    torch.testing.assert_close(gemv.gemv(x, left), F.linear(x, left), rtol=2e-5, atol=2e-5)
+
+
 def test_serves_one_row_of_the_weights_dtype_only():
     w = torch.randn(8, 16)
     assert gemv.serves(torch.randn(1, 1, 16), w)
