@@ -9,6 +9,8 @@
 #                                             profile of llama-8b batch 1
 #   bash benchmarks/session_r_h200.sh OUT 3   bf16 teacher-forced logits at batch 1 (the product
 #                                             serves); llama-8b batch 64, 256 in the default mode
+#   bash benchmarks/session_r_h200.sh OUT 4   CUDA conformance (with the one-row product check);
+#                                             llama-1b batch 64, 256 compiled
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
@@ -51,5 +53,11 @@ case $2 in
     grep -o "'attention': '[^']*'.*'argmax_agreement_with_fp32': [0-9.e-]*\|vs_split_kv': [0-9.e-]*" \
         "$out/logits-vs-fp32-bs1-r.log"
     bench $with llama-8b 64,256 graphcap-graph bs64-256-r 150
+    ;;
+4)
+    timeout 200 $py -m graphcap.testing -q --graphcap-json "$out/cuda-h200.json" \
+        >"$out/conformance-r.log" 2>&1
+    tail -3 "$out/conformance-r.log"
+    bench $with llama-1b 64,256 graphcap-graph-compiled bs64-256-r 90
     ;;
 esac
