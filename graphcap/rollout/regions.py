@@ -10,9 +10,9 @@ attention (norms, MLPs), the attention's own norms, the rotary embedding functio
 calls, the decoder stack's blocks beside its layers (final norm, rotary embedding), and the
 cache's K/V writes (two kernels a layer become one). The backend's graph attention stays as
 it is; the projections compute through the backend's one-row product where it offers one
-(:func:`one_row_products`: batch-1 steps, where cuBLAS read the smaller weights at 49-77% of
-the H200's bandwidth, run Q). Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json
-and runs M-P (docs/benchmarks.md).
+(:func:`one_row_products`: batch-1 steps, where cuBLAS read the q/k/v, o and down weights at
+29-77% of the H200's bandwidth, run Q). Measured in
+benchmarks/results/h200/2026-12-01/step-variants-*.json and runs M-R (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """One-row projections (``x @ W.T`` for a single token) in Triton, for batch-1 decode.
 
 At batch 1 a decode step is a chain of matrix-vector products, bound by reading the weights.
-cuBLAS picks GEMM tiles for them that read the smaller matrices at 49-76% of the H200's
-bandwidth (q/k/v and o of llama-8b and llama-1b, run Q's decode-levers.json), with split-K
-reductions as extra kernels. Here each program reduces a few whole rows of W: it streams its
-rows in blocks of columns, multiplies by the one input row and keeps fp32 partial sums, then
-adds them once at the end. Enough programs are launched to keep the device's loads in flight.
+cuBLAS picks GEMM tiles for them that read llama-8b's and llama-1b's q/k/v, o and down weights
+at 29-77% of the H200's bandwidth (each timed over weight copies larger than the L2 cache, run
+Q's decode-levers-one-row.json), with split-K reductions as extra kernels. Here each program
+reduces a few whole rows of W: it streams its rows in blocks of columns, multiplies by the one
+input row and keeps fp32 partial sums, then adds them once at the end. Enough programs are
+launched to keep the device's loads in flight (84% of the bandwidth over llama-8b's step, run
+R's profile).
 
 The launcher is a torch custom op (``graphcap_cuda::gemv``) so that ``torch.compile`` and
 operator-level graph recorders see one opaque operation. With ``TRITON_INTERPRET=1`` set
