@@ -218,6 +218,13 @@ PLANTS = (
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
+        "the attention compiled with its decoder layer",
+        "graphcap/rollout/regions.py",
+        "(a, torch.compiler.disable(a.forward))",
+        "(a, a.forward)",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
         "joined groups left out of the one-row product",
         "graphcap/rollout/regions.py",
         " else fusion.products_through(product)\n",

@@ -23,7 +23,12 @@ from graphcap.errors import CaptureFallbackWarning
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout import plan as plan_module
 from graphcap.rollout.cache import put_columns
-from graphcap.rollout.regions import ROTARY, compile_regions, rotary_functions
+from graphcap.rollout.regions import (
+    ROTARY,
+    compile_regions,
+    compiled_regions,
+    rotary_functions,
+)
 
 NEW = 6
 NO_EOS = {"eos_token_id": []}
@@ -176,20 +181,51 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots
     assert all(getattr(module, ROTARY) is fn for module, fn in rotary)  # restored
     assert result.stats.path.endswith("eager") and not result.stats.compiled
     assert "compiled" in result.stats.fallback_reason, result.stats.fallback_reason
-    assert not any("forward" in vars(block) for block in blocks)  # own forwards again
+    assert not any("forward" in vars(m) for m in model.modules())  # own forwards again
     expected = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
     assert torch.equal(result.sequences, expected.sequences)
 
 
-#: What compile=True compiles in each tiny family: block classes (two layers each, the decoder
-#: stack's final norm and rotary embedding) and whether the attention calls a rotary function.
+#: What compile=True compiles in each tiny family: block classes (two decoder layers, the
+#: decoder stack's final norm and rotary embedding) and whether the attention calls a rotary
+#: function.
 REGIONS = {
-    "gpt2": ({"GPT2MLP": 2, "LayerNorm": 5}, False),
-    "llama": ({"LlamaMLP": 2, "LlamaRMSNorm": 5, "LlamaRotaryEmbedding": 1}, True),
-    "qwen2": ({"Qwen2MLP": 2, "Qwen2RMSNorm": 5, "Qwen2RotaryEmbedding": 1}, True),
-    "opt": ({"LayerNorm": 5}, False),  # fc1 / fc2 are lone projections beside the attention
-    "mistral": ({"MistralMLP": 2, "MistralRMSNorm": 5, "MistralRotaryEmbedding": 1}, True),
+    "gpt2": ({"GPT2Block": 2, "LayerNorm": 1}, False),
+    "llama": ({"LlamaDecoderLayer": 2, "LlamaRMSNorm": 1, "LlamaRotaryEmbedding": 1}, True),
+    "qwen2": ({"Qwen2DecoderLayer": 2, "Qwen2RMSNorm": 1, "Qwen2RotaryEmbedding": 1}, True),
+    "opt": ({"OPTDecoderLayer": 2, "LayerNorm": 1}, False),
+    "mistral": (
+        {"MistralDecoderLayer": 2, "MistralRMSNorm": 1, "MistralRotaryEmbedding": 1},
+        True,
+    ),
 }
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_compiled_layers_leave_the_attention_out_and_share_their_frames(family, monkeypatch):
+    """Each decoder layer compiles as the code before and after its attention: frames every
+    layer shares (as many graphs for four layers as for two), none holding the attention."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recorded(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=recorded))
+    counts = []
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        graphs.clear()
+        model = tiny_model(family, fresh=True, num_hidden_layers=layers)
+        ids, mask = prompts(1)
+        with torch.no_grad(), compiled_regions(model):
+            model(ids, attention_mask=mask)
+        counts.append(len(graphs))
+        code = "".join(gm.code for gm in graphs)
+        assert "scaled_dot_product_attention" not in code and "softmax" not in code
+        assert any("layer_norm" in gm.code or "rsqrt" in gm.code for gm in graphs)  # the norms
+    assert counts[0] == counts[1], counts
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,13 +5,14 @@ eight, an MLP's activation two, some 1,500 a step on llama-8b (run G's profile).
 whole forward fuses them, but costs tens of seconds per batch size and was slower than the plain
 graph at batch 64 on the H200 (runs D and F). PyTorch's regional compilation compiles the
 repeated blocks instead: a block class is traced once and its code is shared by every layer, so
-the first call pays seconds. The blocks are the children of each decoder layer that hold no
-attention (norms, MLPs), the attention's own norms, the rotary embedding function the attention
-calls, the decoder stack's blocks beside its layers (final norm, rotary embedding), and the
-cache's K/V writes (two kernels a layer become one). The backend's graph attention stays as
-it is; the projections compute through the backend's one-row product where it offers one
-(:func:`one_row_products`: batch-1 steps, where cuBLAS read the q/k/v, o and down weights at
-29-77% of the H200's bandwidth, run Q). Measured in
+the first call pays seconds. The blocks are each decoder layer with its attention left out
+(dynamo compiles the code before and after the attention as two frames that every layer
+shares, so the residual add after attention fuses with the next norm), the attention's own
+norms, the rotary embedding function the attention calls, the decoder stack's blocks beside its
+layers (final norm, rotary embedding), and the cache's K/V writes (two kernels a layer become
+one). The backend's graph attention stays as it is; the projections compute through the
+backend's one-row product where it offers one (:func:`one_row_products`: batch-1 steps, where
+cuBLAS read the q/k/v, o and down weights at 29-77% of the H200's bandwidth, run Q). Measured in
 benchmarks/results/h200/2026-12-01/step-variants-*.json and runs M-R (docs/benchmarks.md).
 """
 
@@ -55,10 +56,10 @@ def _worth_compiling(module: torch.nn.Module) -> bool:
 
 
 def compile_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks ``compile=True`` compiles: the children of each decoder layer (a module with
-    an attention child) that hold no attention (norms, MLPs), the children of each attention
-    (per-head q/k norms), and the children of the decoder stack beside its layers (the final
-    norm, the rotary embedding), where compiling can fuse something."""
+    """The blocks ``compile=True`` compiles: each decoder layer (a module with an attention
+    child; :func:`compiled_regions` runs its attention uncompiled), the children of each
+    attention (per-head q/k norms), and the children of the decoder stack beside its layers
+    (the final norm, the rotary embedding), where compiling can fuse something."""
     attention = _attention_modules(model)
     ids = {id(a) for a in attention}
     layers = [m for m in model.modules() if any(id(c) in ids for c in m.children())]
@@ -67,12 +68,12 @@ def compile_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
     stacks = [m for m in model.modules() if any(c in holds_layers for c in m.children())]
     beside = [
         child
-        for parent in layers + stacks
+        for parent in stacks
         for child in parent.children()
         if child not in holds_layers and not any(id(m) in ids for m in child.modules())
     ]
     inside = [c for a in attention for c in a.children()]
-    return [block for block in beside + inside if _worth_compiling(block)]
+    return layers + [block for block in beside + inside if _worth_compiling(block)]
 
 
 def rotary_functions(model: torch.nn.Module) -> list[tuple[ModuleType, Callable[..., Any]]]:
@@ -117,7 +118,9 @@ def compiled_regions(model: torch.nn.Module, cache: StaticKVCache | None = None)
     function, so re-entering compiles nothing new for shapes it has seen (a second batch size
     makes the code dynamic)."""
     rotary = rotary_functions(model)
-    swaps = [(b, torch.compile(b.forward)) for b in compile_regions(model)]
+    # the attention runs as it is: dynamo breaks each layer around it into two frames
+    excluded = [(a, torch.compiler.disable(a.forward)) for a in _attention_modules(model)]
+    swaps = excluded + [(b, torch.compile(b.forward)) for b in compile_regions(model)]
     writes = (
         contextlib.nullcontext()
         if cache is None
