@@ -329,8 +329,9 @@ class RolloutConfig:
     memory the backend reports available are refused in any case).
     ``compile=True``: captured decode steps run the blocks around attention (each decoder layer
     with its attention left out, the rotary function and embedding, the K/V cache writes)
-    through ``torch.compile``, traced once per block class (:func:`graphcap.rollout.regions.compiled_regions`); the compilation
-    happens in the warm-up before the first capture, so it is part of that call's
+    through ``torch.compile``, traced once per block class
+    (:func:`graphcap.rollout.regions.compiled_regions`); the compilation happens in the
+    warm-up before the first capture, so it is part of that call's
     ``capture_s`` / ``first_call_s`` (``stats.compiled`` says so). The captured projections
     compute through the backend's one-row product where it offers one
     (``Backend.one_row_product``: batch-1 steps). Compiled code rounds
