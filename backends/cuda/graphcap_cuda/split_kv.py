@@ -159,7 +159,12 @@ def _split_kv_partial(
         best = new_best
     rows_ok = g_ok[:, None] & d_ok[None, :]
     if DIRECT:  # one chunk per row: normalise and write the output here
-        _store_output(out_ptr, acc, total, row, head, stride_ob, stride_oh, groups, g, d, rows_ok)
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(
+            out_ptr + row * stride_ob + (head * groups + g)[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=rows_ok,
+        )
     else:
         at = (row_head * splits + split) * BLOCK_G + g
         tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc, mask=rows_ok)
@@ -232,13 +237,6 @@ def _combine(
             other=0.0,
             cache_modifier=".cg",
         )
-    _store_output(out_ptr, acc, total, row, head, stride_ob, stride_oh, groups, g, d, rows_ok)
-
-
-@triton.jit
-def _store_output(out_ptr, acc, total, row, head, stride_ob, stride_oh, groups, g, d, rows_ok):
-    """The normalised output of one row and K/V head's query heads (zeros where nothing was
-    attended)."""
     out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(
         out_ptr + row * stride_ob + (head * groups + g)[:, None] * stride_oh + d[None, :],
