@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sourced by the H200 scripts. make_env ENV_DIR TREE: an environment over the machine's own
 # torch (nothing is fetched; its torch is never replaced) with TREE's graphcap and graphcap-cuda
-# installed editable. Sourcing it also builds /tmp/env-new for this tree and sets $py to it.
+# installed editable. Sourcing it also builds /tmp/env-new for this tree and sets $py to it;
+# cold_compile_caches gives the caller empty compile caches.
 export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 
 make_env() {
@@ -16,3 +17,11 @@ make_env() {
 
 make_env /tmp/env-new "$PWD"
 py=/tmp/env-new/bin/python
+
+# Fresh, empty compile caches (Inductor's and Triton's) for the calling script, so the first
+# calls it times are cold.
+cold_compile_caches() {
+    local cache
+    cache=$(mktemp -d)
+    export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+}

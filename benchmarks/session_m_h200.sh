@@ -7,8 +7,7 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-cache=$(mktemp -d)
-export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+cold_compile_caches
 timeout 45 $py -m pytest -q -rs -m device tests/test_device_rollout.py -k compiled \
     >"$out/device-tests-m.log" 2>&1
 tail -2 "$out/device-tests-m.log"

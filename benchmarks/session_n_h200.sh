@@ -9,8 +9,7 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-cache=$(mktemp -d)
-export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+cold_compile_caches
 if [[ $2 == 1 ]]; then
     timeout 90 $py -m pytest -q -rs -m device tests/test_device_rollout.py -k compiled \
         >"$out/device-tests-n.log" 2>&1

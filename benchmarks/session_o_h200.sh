@@ -15,8 +15,7 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-cache=$(mktemp -d)
-export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+cold_compile_caches
 
 bench() {  # MODEL SIZES MODES TAG BUDGET
     timeout $(($5 + 60)) $py -m graphcap.bench --model "$1" --batch-sizes "$2" \

@@ -7,8 +7,7 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-cache=$(mktemp -d)
-export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+cold_compile_caches
 timeout 120 $py -m pytest -q -rs -m device tests backends/cuda/tests >"$out/device-tests-p.log" 2>&1
 tail -3 "$out/device-tests-p.log"
 timeout 60 $py benchmarks/split_kv_tuning_h200.py "$out/split-kv-one-kernel.json" default \

@@ -12,8 +12,7 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-cache=$(mktemp -d)
-export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+cold_compile_caches
 case $2 in
 1)
     timeout 150 $py -m pytest -q -rs backends/cuda/tests/test_split_kv_cuda.py \

@@ -14,8 +14,7 @@ out=$(mkdir -p "$2" && cd "$2" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 make_env /tmp/env-old "$old"
-cache=$(mktemp -d)
-export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+cold_compile_caches
 if [[ ${3:-} != benches ]]; then
     timeout 150 $py -m pytest -q -rs -m device tests backends/cuda/tests \
         >"$out/device-tests-s.log" 2>&1

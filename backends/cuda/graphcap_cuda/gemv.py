@@ -33,8 +33,6 @@ PROGRAMS_PER_SM = 6
 MIN_BLOCK_N = 2
 MAX_BLOCK_N = 8
 NUM_WARPS = 4
-#: Software-pipeline depth of the W loads (None: Triton's default).
-NUM_STAGES: int | None = None
 
 
 @triton.jit
@@ -104,7 +102,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         BLOCK_N=block_n,
         BLOCK_K=BLOCK_K,
         num_warps=NUM_WARPS,
-        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
     return out.reshape(*x.shape[:-1], n_rows)
 
