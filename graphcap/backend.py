@@ -148,6 +148,12 @@ class Backend:
         back to ``F.linear`` itself where its kernel does not apply."""
         return None
 
+    def compile_options(self) -> dict[str, Any]:
+        """Inductor options for the regions captures of ``RolloutConfig(compile=True)`` compile
+        (``torch.compile(..., options=...)``), for code generation this device needs or gains
+        from. Default: none."""
+        return {}
+
     def graph_pool_handle(self) -> Any | None:
         """A memory-pool handle several graphs can share, or ``None`` if pools are not shared."""
         return None

@@ -145,7 +145,8 @@ class GraphHolder:
         product = self.backend.one_row_product() if compiled else None
         with contextlib.ExitStack() as stack:
             if compiled:
-                stack.enter_context(compiled_regions(step.model, step.cache))
+                options = self.backend.compile_options()
+                stack.enter_context(compiled_regions(step.model, step.cache, options))
             if product is not None:
                 stack.enter_context(one_row_products(step.model, product, self.fusion))
             yield

@@ -19,6 +19,7 @@ benchmarks/results/h200/2026-12-01/step-variants-*.json and runs M-R (docs/bench
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -110,25 +111,29 @@ def one_row_products(
 
 
 @contextlib.contextmanager
-def compiled_regions(model: torch.nn.Module, cache: StaticKVCache | None = None) -> Iterator[None]:
+def compiled_regions(
+    model: torch.nn.Module,
+    cache: StaticKVCache | None = None,
+    options: dict[str, Any] | None = None,
+) -> Iterator[None]:
     """Within the block, ``model``'s :func:`compile_regions` and :func:`rotary_functions` run
-    through ``torch.compile``, and so do the K/V writes of graphcap's ``cache`` (one kernel for
-    K and V instead of one each); as they were after it, so eager steps, the prefill and
-    training never run compiled code. Dynamo keeps the compiled code per block class and
-    function, so re-entering compiles nothing new for shapes it has seen (a second batch size
-    makes the code dynamic)."""
+    through ``torch.compile`` (with inductor ``options``, the backend's
+    :meth:`~graphcap.backend.Backend.compile_options`), and so do the K/V writes of graphcap's
+    ``cache`` (one kernel for K and V instead of one each); as they were after it, so eager
+    steps, the prefill and training never run compiled code. Dynamo keeps the compiled code per
+    block class and function, so re-entering compiles nothing new for shapes it has seen (a
+    second batch size makes the code dynamic)."""
     rotary = rotary_functions(model)
     # the attention runs as it is: dynamo breaks each layer around it into two frames
     excluded = [(a, torch.compiler.disable(a.forward)) for a in _attention_modules(model)]
-    swaps = excluded + [(b, torch.compile(b.forward)) for b in compile_regions(model)]
+    compiled = functools.partial(torch.compile, options=options or None)
+    swaps = excluded + [(b, compiled(b.forward)) for b in compile_regions(model)]
     writes = (
-        contextlib.nullcontext()
-        if cache is None
-        else cache.puts_through(torch.compile(put_columns))
+        contextlib.nullcontext() if cache is None else cache.puts_through(compiled(put_columns))
     )
     with forwards_swapped(swaps), writes:
         for module, fn in rotary:
-            setattr(module, ROTARY, torch.compile(fn))
+            setattr(module, ROTARY, compiled(fn))
         try:
             yield
         finally:

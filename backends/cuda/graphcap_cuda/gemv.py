@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from graphcap_cuda import launch
+
 #: Launch settings, from run Q's sweep over llama-8b's and llama-1b's ten batch-1 products
 #: (decode-levers-one-row.json): rows of W per program the power of two nearest to
 #: N / (6 programs per multiprocessor), within [2, 8], and 512 columns a load. Over a step's
@@ -33,6 +35,22 @@ PROGRAMS_PER_SM = 6
 MIN_BLOCK_N = 2
 MAX_BLOCK_N = 8
 NUM_WARPS = 4
+#: Blocks of W a program reads before waiting for x when launched dependent (1 or 2).
+PREFETCH_BLOCKS = 1
+
+
+@triton.jit
+def _weights(rows, cols, n_ok, k_cols, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(rows + cols[None, :], mask=n_ok[:, None], other=0.0)
+    return tl.load(rows + cols[None, :], mask=n_ok[:, None] & (cols < k_cols)[None, :], other=0.0)
+
+
+@triton.jit
+def _inputs(x_ptr, cols, k_cols, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_ptr + cols)
+    return tl.load(x_ptr + cols, mask=cols < k_cols, other=0.0)
 
 
 @triton.jit
@@ -48,22 +66,34 @@ def _gemv(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     n_ok = n < n_rows
     rows = w_ptr + n[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for first in range(0, k_cols, BLOCK_K):
+    start = 0
+    if PDL:
+        # No kernel of a step writes the weights: the first blocks are read while the kernel
+        # that writes x finishes, then the program waits for it.
+        w = _weights(rows, k, n_ok, k_cols, EVEN_K)
+        if PREFETCH == 2:
+            w2 = _weights(rows, BLOCK_K + k, n_ok, k_cols, False)
+        tl.extra.cuda.gdc_wait()
+        acc += w.to(tl.float32) * _inputs(x_ptr, k, k_cols, EVEN_K).to(tl.float32)[None, :]
+        start = BLOCK_K
+        if PREFETCH == 2:
+            x2 = _inputs(x_ptr, BLOCK_K + k, k_cols, False)
+            acc += w2.to(tl.float32) * x2.to(tl.float32)[None, :]
+            start = 2 * BLOCK_K
+    for first in range(start, k_cols, BLOCK_K):
         cols = first + k
-        if EVEN_K:
-            x = tl.load(x_ptr + cols)
-            w = tl.load(rows + cols[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = cols < k_cols
-            x = tl.load(x_ptr + cols, mask=k_ok, other=0.0)
-            w = tl.load(rows + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _weights(rows, cols, n_ok, k_cols, EVEN_K)
+        acc += w.to(tl.float32) * _inputs(x_ptr, cols, k_cols, EVEN_K).to(tl.float32)[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -89,6 +119,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     vector = x.reshape(k_cols).contiguous()
     out = torch.empty(n_rows, dtype=x.dtype, device=x.device)
     block_n = block_rows(n_rows, x.device)
+    pdl = launch.dependent(x.device)
     _gemv[(triton.cdiv(n_rows, block_n),)](
         vector,
         weight,
@@ -101,7 +132,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         EVEN_K=k_cols % BLOCK_K == 0,
         BLOCK_N=block_n,
         BLOCK_K=BLOCK_K,
+        PDL=pdl,
+        PREFETCH=PREFETCH_BLOCKS,
         num_warps=NUM_WARPS,
+        launch_pdl=pdl,
     )
     return out.reshape(*x.shape[:-1], n_rows)
 

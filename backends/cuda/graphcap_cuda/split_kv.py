@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap_cuda import launch
+
 #: Columns per block (the unit of each K/V load) when the rows and K/V heads alone fill the
 #: device, and when they do not (batch 1: fewer, longer chunks). Measured on the H200
 #: (benchmarks/split_kv_h200.py's sweep, docs/benchmarks.md).
@@ -44,6 +46,9 @@ MAX_BLOCK_BYTES = 32768
 NUM_WARPS = 4
 #: Software-pipeline depth of the partial kernel's K/V loads (None: Triton's default).
 NUM_STAGES: int | None = None
+#: Whether a program launched dependent lets the next kernel start right after its wait (its
+#: programs then read what no kernel writes, e.g. weights, beside this one) or after its loop.
+EARLY_DEPENDENTS = False
 #: Most columns of the mask the span scan reads at once (a power of two).
 MAX_SCAN = 1024
 
@@ -106,7 +111,13 @@ def _split_kv_partial(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SCAN_N: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
+    if PDL:  # launched dependent (graphcap_cuda.launch): everything read may be the last kernel's
+        tl.extra.cuda.gdc_wait()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -157,6 +168,8 @@ def _split_kv_partial(
         total = total * keep + tl.sum(weights, axis=1)
         acc = acc * keep[:, None] + _dot(weights.to(v.dtype), v, IEEE)
         best = new_best
+    if PDL and not EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     rows_ok = g_ok[:, None] & d_ok[None, :]
     if DIRECT:  # one chunk per row: normalise and write the output here
         out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
@@ -313,6 +326,7 @@ def split_kv_decode(
     )
     counts = out if direct else arrival_counts(query.device, rows * kv_heads)
     mask_bool = mask.dtype == torch.bool
+    pdl = launch.dependent(query.device)
     blocked = float("-inf") if mask_bool else torch.finfo(mask.dtype).min
     _split_kv_partial[(rows * kv_heads, splits)](
         query,
@@ -351,7 +365,10 @@ def split_kv_decode(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         SCAN_N=scan_n,
+        PDL=pdl,
+        EARLY=EARLY_DEPENDENTS,
         num_warps=NUM_WARPS,
+        launch_pdl=pdl,
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
     return out

@@ -1,0 +1,30 @@
+"""Programmatic dependent launch (PDL) for graphcap_cuda's Triton kernels.
+
+In a captured decode step every kernel waits for the one before it: the device drains the
+previous grid, then starts the next one's programs. With PDL (Hopper and later, kept by CUDA
+graph capture) a kernel's programs are started while the previous kernel finishes and wait
+(``gdc_wait``) only before they read what it wrote. A kernel launched so must call ``gdc_wait``
+in every program before it reads any tensor another kernel of the step writes and before it
+writes anything; work that reads only what no kernel of the step writes (weights) may go first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Whether graphcap_cuda's kernels and inductor's (CUDABackend.compile_options) launch dependent
+#: where the device supports it; benchmarks turn it off to time the step without it.
+ENABLED = True
+
+
+def dependent(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` launches dependent: a Hopper or later GPU and a Triton
+    with grid dependency control (not the CPU interpreter)."""
+    import triton.language as tl  # here: the backend imports this module without Triton
+
+    return (
+        ENABLED
+        and device.type == "cuda"
+        and hasattr(tl.extra.cuda, "gdc_wait")
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )

@@ -1,0 +1,39 @@
+"""``graphcap bench`` with module settings of graphcap_cuda's kernels and inductor's config
+changed, so variants of a step are timed with the same command (issue 11, run T).
+
+    GRAPHCAP_KNOBS="launch.ENABLED=0,split_kv.BLOCK_N_FEW_ROWS=64,inductor.combo_kernels=1" \\
+        python3 benchmarks/bench_knobs.py [graphcap bench arguments]
+
+Each knob is ``module.NAME=value`` (a graphcap_cuda module) or ``inductor.path.to.name=value``
+(``torch._inductor.config``); values are integers (0 / 1 for flags).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch._inductor.config
+
+from graphcap.bench.command import main
+
+
+def apply(knobs: str) -> None:
+    for knob in filter(None, knobs.split(",")):
+        path, value = knob.split("=")
+        *owner, name = path.split(".")
+        if owner[0] == "inductor":
+            target = torch._inductor.config
+            for part in owner[1:]:
+                target = getattr(target, part)
+        else:
+            target = importlib.import_module("graphcap_cuda." + ".".join(owner))
+        old = getattr(target, name)
+        setattr(target, name, type(old)(int(value)))
+        print(f"knob {path}: {old!r} -> {getattr(target, name)!r}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    apply(os.environ.get("GRAPHCAP_KNOBS", ""))
+    sys.exit(main())
