@@ -35,8 +35,6 @@ PROGRAMS_PER_SM = 6
 MIN_BLOCK_N = 2
 MAX_BLOCK_N = 8
 NUM_WARPS = 4
-#: Blocks of W a program reads before waiting for x when launched dependent (1 or 2).
-PREFETCH_BLOCKS = 1
 
 
 @triton.jit
@@ -67,7 +65,6 @@ def _gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -76,18 +73,12 @@ def _gemv(
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     start = 0
     if PDL:
-        # No kernel of a step writes the weights: the first blocks are read while the kernel
-        # that writes x finishes, then the program waits for it.
+        # No kernel of a step writes the weights: the first block is read while the kernel
+        # that writes x finishes, then the program waits for it (two blocks: no faster, run T).
         w = _weights(rows, k, n_ok, k_cols, EVEN_K)
-        if PREFETCH == 2:
-            w2 = _weights(rows, BLOCK_K + k, n_ok, k_cols, False)
         tl.extra.cuda.gdc_wait()
         acc += w.to(tl.float32) * _inputs(x_ptr, k, k_cols, EVEN_K).to(tl.float32)[None, :]
         start = BLOCK_K
-        if PREFETCH == 2:
-            x2 = _inputs(x_ptr, BLOCK_K + k, k_cols, False)
-            acc += w2.to(tl.float32) * x2.to(tl.float32)[None, :]
-            start = 2 * BLOCK_K
     for first in range(start, k_cols, BLOCK_K):
         cols = first + k
         w = _weights(rows, cols, n_ok, k_cols, EVEN_K)
@@ -133,7 +124,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         BLOCK_N=block_n,
         BLOCK_K=BLOCK_K,
         PDL=pdl,
-        PREFETCH=PREFETCH_BLOCKS,
         num_warps=NUM_WARPS,
         launch_pdl=pdl,
     )

@@ -46,9 +46,6 @@ MAX_BLOCK_BYTES = 32768
 NUM_WARPS = 4
 #: Software-pipeline depth of the partial kernel's K/V loads (None: Triton's default).
 NUM_STAGES: int | None = None
-#: Whether a program launched dependent lets the next kernel start right after its wait (its
-#: programs then read what no kernel writes, e.g. weights, beside this one) or after its loop.
-EARLY_DEPENDENTS = False
 #: Most columns of the mask the span scan reads at once (a power of two).
 MAX_SCAN = 1024
 
@@ -112,12 +109,9 @@ def _split_kv_partial(
     BLOCK_D: tl.constexpr,
     SCAN_N: tl.constexpr,
     PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
     if PDL:  # launched dependent (graphcap_cuda.launch): everything read may be the last kernel's
         tl.extra.cuda.gdc_wait()
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -168,7 +162,7 @@ def _split_kv_partial(
         total = total * keep + tl.sum(weights, axis=1)
         acc = acc * keep[:, None] + _dot(weights.to(v.dtype), v, IEEE)
         best = new_best
-    if PDL and not EARLY:
+    if PDL:  # the next kernel may start (right after the wait instead: no faster, run T)
         tl.extra.cuda.gdc_launch_dependents()
     rows_ok = g_ok[:, None] & d_ok[None, :]
     if DIRECT:  # one chunk per row: normalise and write the output here
@@ -366,7 +360,6 @@ def split_kv_decode(
         BLOCK_D=block_d,
         SCAN_N=scan_n,
         PDL=pdl,
-        EARLY=EARLY_DEPENDENTS,
         num_warps=NUM_WARPS,
         launch_pdl=pdl,
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
