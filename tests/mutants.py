@@ -11,12 +11,16 @@ docs/testing.md lists the plants and when to run this.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The tests import the tree's graphcap and graphcap_cuda, not the installed copies (the plugin
+#: is installed without -e), so plants in either are seen.
+SOURCES = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends" / "cuda")])}
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,20 @@ PLANTS = (
         ("tests/test_rollout_one_row.py",),
     ),
     Plant(
+        "compiled regions ignore the backend's inductor options",
+        "graphcap/rollout/regions.py",
+        "functools.partial(torch.compile, options=options or None)",
+        "functools.partial(torch.compile, options=None)",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "inductor's kernels launched without dependent launch",
+        "backends/cuda/graphcap_cuda/backend.py",
+        '({"triton.enable_pdl": True} if launch.ENABLED else {})',
+        "{}",
+        ("backends/cuda/tests/test_cuda_backend.py",),
+    ),
+    Plant(
         "a joined group keeps the one-row product after the block",
         "graphcap/rollout/fusion.py",
         "            for group in self.active:\n                group.product = F.linear\n",
@@ -273,6 +291,7 @@ def caught(plant: Plant) -> bool:
         run = subprocess.run(
             [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *plant.tests],
             cwd=ROOT,
+            env=SOURCES,
             capture_output=True,
             text=True,
         )

@@ -149,15 +149,29 @@ class CompiledCaptureBackend(CPUBackend):
     captures_compiled = True
 
 
+#: The inductor options OptionsBackend gives compiled regions.
+COMPILE_OPTIONS = {"combo_kernels": True}
+
+
+class OptionsBackend(CompiledCaptureBackend):
+    """Gives compiled regions inductor options (``Backend.compile_options``)."""
+
+    def compile_options(self) -> dict[str, object]:
+        return dict(COMPILE_OPTIONS)
+
+
 @pytest.mark.parametrize("slots", [None, 2], ids=["static", "continuous"])
 def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots):
     """The CPU reference graph refuses compiled regions at capture: the refusal proves the
-    capture ran the compiled blocks, and the call still completes exactly, eagerly."""
+    capture ran the compiled blocks, each compiled with the backend's inductor options, and the
+    call still completes exactly, eagerly."""
     compiled: list[object] = []
+    options: list[object] = []
     real_compile = torch.compile
 
     def noting_compile(fn, **kwargs):  # dynamo without inductor: no C++ build in a test
         compiled.append(fn)
+        options.append(kwargs.pop("options", None))
         return real_compile(fn, backend="eager", **kwargs)
 
     monkeypatch.setattr(torch, "compile", noting_compile)
@@ -166,7 +180,7 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots
     ids, mask = prompts(3)
     config = RolloutConfig(
         enable_graph_capture=True,
-        backend=CompiledCaptureBackend(),
+        backend=OptionsBackend(),
         compile=True,
         continuous_batch_size=slots,
     )
@@ -178,6 +192,7 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots
     assert [fn.__self__ for fn in compiled if hasattr(fn, "__self__")] == blocks
     functions = [fn for fn in compiled if not hasattr(fn, "__self__")]
     assert functions == [put_columns] + [fn for _, fn in rotary]  # K/V writes, rotary
+    assert options == [COMPILE_OPTIONS] * len(compiled)
     assert all(getattr(module, ROTARY) is fn for module, fn in rotary)  # restored
     assert result.stats.path.endswith("eager") and not result.stats.compiled
     assert "compiled" in result.stats.fallback_reason, result.stats.fallback_reason

@@ -11,7 +11,8 @@ from importlib import metadata
 
 import pytest
 import torch
-from graphcap_cuda import CUDABackend
+import torch._inductor.config
+from graphcap_cuda import CUDABackend, launch
 
 import graphcap
 from graphcap.errors import BackendSelectionError, GraphCaptureError
@@ -34,6 +35,25 @@ def test_registry_discovers_the_backend() -> None:
     assert record.distribution == "graphcap-cuda"
     assert record.version == metadata.version("graphcap-cuda")
     assert not [f for f in registry.failures if f.entry_point == "cuda"]
+
+
+def test_compile_options_are_inductor_settings(monkeypatch) -> None:
+    """The options compiled regions get are settings this torch's inductor knows (torch.compile
+    refuses others), with dependent launches only while graphcap_cuda's kernels use them."""
+    known = torch._inductor.config.get_config_copy()
+    options = CUDABackend().compile_options()
+    assert options and all(name in known for name in options)
+    assert options["triton.enable_pdl"] is True
+    monkeypatch.setattr(launch, "ENABLED", False)
+    assert "triton.enable_pdl" not in CUDABackend().compile_options()
+
+
+def test_dependent_launch_only_on_a_gpu(monkeypatch) -> None:
+    """Kernels launch dependent on Hopper or later GPUs only, never under the interpreter."""
+    assert not launch.dependent(torch.device("cpu"))
+    if torch.cuda.is_available():
+        monkeypatch.setattr(launch, "ENABLED", False)
+        assert not launch.dependent(torch.device("cuda"))
 
 
 def test_selected_before_the_cpu_backend() -> None:
