@@ -25,3 +25,13 @@ cold_compile_caches() {
     cache=$(mktemp -d)
     export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
 }
+
+# step_bench OUT SCRIPT MODEL SIZES MODES TAG BUDGET: graphcap bench as issue 11's runs L-U ran
+# it (bf16, 128 + 512 tokens, 3 calls after 1 warm-up, --fuse-projections, compiled at SIZES);
+# SCRIPT is -mgraphcap.bench or a wrapper of it; writes OUT/bench-MODEL-TAG.{json,txt}.
+step_bench() {
+    timeout $(($7 + 60)) $py $2 --model "$3" --batch-sizes "$4" \
+        --compile-batch-sizes "$4" --prompt-len 128 --new-tokens 512 --repeats 3 --warmup 1 \
+        --modes "$5" --fuse-projections --budget-s "$7" \
+        --json "$1/bench-$3-$6.json" >"$1/bench-$3-$6.txt" 2>&1
+}

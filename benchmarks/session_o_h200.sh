@@ -18,10 +18,7 @@ source benchmarks/device_env.sh
 cold_compile_caches
 
 bench() {  # MODEL SIZES MODES TAG BUDGET
-    timeout $(($5 + 60)) $py -m graphcap.bench --model "$1" --batch-sizes "$2" \
-        --compile-batch-sizes "$2" --prompt-len 128 --new-tokens 512 --repeats 3 --warmup 1 \
-        --modes "$3" --fuse-projections --budget-s "$5" \
-        --json "$out/bench-$1-$4.json" >"$out/bench-$1-$4.txt" 2>&1
+    step_bench "$out" -mgraphcap.bench "$@"
     tail -6 "$out/bench-$1-$4.txt"
 }
 

@@ -18,10 +18,7 @@ source benchmarks/device_env.sh
 cold_compile_caches
 
 bench() {  # SCRIPT MODEL SIZES MODES TAG BUDGET
-    timeout $(($6 + 60)) $py $1 --model "$2" --batch-sizes "$3" \
-        --compile-batch-sizes "$3" --prompt-len 128 --new-tokens 512 --repeats 3 --warmup 1 \
-        --modes "$4" --fuse-projections --budget-s "$6" \
-        --json "$out/bench-$2-$5.json" >"$out/bench-$2-$5.txt" 2>&1
+    step_bench "$out" "$@"
     tail -6 "$out/bench-$2-$5.txt"
 }
 with=-mgraphcap.bench

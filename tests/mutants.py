@@ -210,8 +210,8 @@ PLANTS = (
     Plant(
         "compiled captures keep the eager K/V write",
         "graphcap/rollout/regions.py",
-        "        else cache.puts_through(torch.compile(put_columns))\n",
-        "        else contextlib.nullcontext()\n",
+        " else cache.puts_through(compiled(put_columns))\n",
+        " else contextlib.nullcontext()\n",
         ("tests/test_rollout_plan.py",),
     ),
     Plant(

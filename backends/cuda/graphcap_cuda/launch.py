@@ -10,6 +10,8 @@ writes anything; work that reads only what no kernel of the step writes (weights
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: Whether graphcap_cuda's kernels and inductor's (CUDABackend.compile_options) launch dependent
@@ -20,11 +22,15 @@ ENABLED = True
 def dependent(device: torch.device) -> bool:
     """Whether a kernel on ``device`` launches dependent: a Hopper or later GPU and a Triton
     with grid dependency control (not the CPU interpreter)."""
+    return ENABLED and _supported(device)
+
+
+@functools.cache  # asked at every launch, eager steps included
+def _supported(device: torch.device) -> bool:
     import triton.language as tl  # here: the backend imports this module without Triton
 
     return (
-        ENABLED
-        and device.type == "cuda"
+        device.type == "cuda"
         and hasattr(tl.extra.cuda, "gdc_wait")
         and torch.cuda.get_device_capability(device)[0] >= 9
     )
