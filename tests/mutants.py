@@ -203,8 +203,8 @@ PLANTS = (
     Plant(
         "compiled blocks stay compiled after capture",
         "graphcap/rollout/swap.py",
-        "            if forward is None:\n                del module.forward\n",
-        "            if forward is None:\n                pass\n",
+        "                delattr(obj, name)\n",
+        "                pass\n",
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
@@ -224,8 +224,8 @@ PLANTS = (
     Plant(
         "the attention compiled with its decoder layer",
         "graphcap/rollout/regions.py",
-        "(a, torch.compiler.disable(a.forward))",
-        "(a, a.forward)",
+        '(a, "forward", torch.compiler.disable(a.forward))',
+        '(a, "forward", a.forward)',
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
@@ -257,18 +257,11 @@ PLANTS = (
         ("backends/cuda/tests/test_cuda_backend.py",),
     ),
     Plant(
-        "a joined group keeps the one-row product after the block",
-        "graphcap/rollout/fusion.py",
-        "            for group in self.active:\n                group.product = F.linear\n",
-        "            pass\n",
-        ("tests/test_rollout_one_row.py",),
-    ),
-    Plant(
-        "a capture's K/V write left in place after it",
-        "graphcap/rollout/cache.py",
-        "                layer.put = scatter_columns\n",
-        "                pass\n",
-        ("tests/test_rollout_units.py",),
+        "swapped attributes keep their swapped value after the block",
+        "graphcap/rollout/swap.py",
+        "            else:\n                setattr(obj, name, value)\n",
+        "            else:\n                pass\n",
+        ("tests/test_rollout_units.py", "tests/test_rollout_one_row.py"),
     ),
     Plant(
         "several new K/V columns written to the first one",

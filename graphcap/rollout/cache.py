@@ -14,11 +14,13 @@ zero-filled, and are allocated before any capture, never during one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from graphcap.rollout.swap import attributes_swapped
 
 
 @dataclass(frozen=True)
@@ -171,17 +173,10 @@ class StaticKVCache(Cache):
         else:
             self.write_pos[rows] = width
 
-    @contextlib.contextmanager
-    def puts_through(self, put: Callable[..., None]) -> Iterator[None]:
+    def puts_through(self, put: Callable[..., None]) -> contextlib.AbstractContextManager[None]:
         """Within the block every layer writes with ``put`` (the arguments of
         :func:`scatter_columns`), e.g. a compiled :func:`put_columns` for a capture."""
-        for layer in self.layers:
-            layer.put = put
-        try:
-            yield
-        finally:
-            for layer in self.layers:
-                layer.put = scatter_columns
+        return attributes_swapped([(layer, "put", put) for layer in self.layers])
 
     def advance(self, steps: int = 1) -> None:
         """Move every row's write position on (in place, so a replay moves it too)."""

@@ -334,7 +334,8 @@ class RolloutConfig:
     warm-up before the first capture, so it is part of that call's
     ``capture_s`` / ``first_call_s`` (``stats.compiled`` says so). The captured projections
     compute through the backend's one-row product where it offers one
-    (``Backend.one_row_product``: batch-1 steps). Compiled code rounds
+    (``Backend.one_row_product``: batch-1 steps), and every region compiles with the backend's
+    inductor options (``Backend.compile_options``). Compiled code rounds
     differently: steps equal eager ones within float rounding, not bit for bit. Needs a backend
     that declares ``captures_compiled``; elsewhere calls run eagerly with the reason.
     ``fuse_projections=True``: projections that read one input (q/k/v, gate/up) run as one

@@ -13,13 +13,13 @@ the next call and its group is joined again.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from graphcap.rollout.scan import ModelScan, is_dtensor
-from graphcap.rollout.swap import forwards_swapped
+from graphcap.rollout.swap import attributes_swapped, forwards_swapped
 
 #: Projections that transformers' decoder models apply to the same input, by attribute name
 #: (models that already fuse them, like GPT-2's ``c_attn``, need nothing).
@@ -147,17 +147,12 @@ class ProjectionFusion:
         self.active = self.groups
         return bool(moved)
 
-    @contextlib.contextmanager
-    def products_through(self, product: Callable[..., torch.Tensor]) -> Iterator[None]:
+    def products_through(
+        self, product: Callable[..., torch.Tensor]
+    ) -> contextlib.AbstractContextManager[None]:
         """Within the block, the active groups compute their joined products with ``product``
         (``F.linear``'s signature)."""
-        for group in self.active:
-            group.product = product
-        try:
-            yield
-        finally:
-            for group in self.active:
-                group.product = F.linear
+        return attributes_swapped([(group, "product", product) for group in self.active])
 
     def applied(self) -> contextlib.AbstractContextManager[None]:
         """Within the block, each active group runs as one product; the layers' own forwards

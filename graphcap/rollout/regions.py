@@ -29,7 +29,7 @@ import torch
 
 from graphcap.rollout.cache import StaticKVCache, put_columns
 from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.swap import forwards_swapped
+from graphcap.rollout.swap import attributes_swapped, forwards_swapped
 
 #: The rotary-embedding function transformers' modeling files define and their attention calls
 #: (about ten small kernels for q and k per layer when eager).
@@ -123,19 +123,13 @@ def compiled_regions(
     steps, the prefill and training never run compiled code. Dynamo keeps the compiled code per
     block class and function, so re-entering compiles nothing new for shapes it has seen (a
     second batch size makes the code dynamic)."""
-    rotary = rotary_functions(model)
-    # the attention runs as it is: dynamo breaks each layer around it into two frames
-    excluded = [(a, torch.compiler.disable(a.forward)) for a in _attention_modules(model)]
     compiled = functools.partial(torch.compile, options=options or None)
-    swaps = excluded + [(b, compiled(b.forward)) for b in compile_regions(model)]
+    # the attention runs as it is: dynamo breaks each layer around it into two frames
+    swaps = [(a, "forward", torch.compiler.disable(a.forward)) for a in _attention_modules(model)]
+    swaps += [(b, "forward", compiled(b.forward)) for b in compile_regions(model)]
     writes = (
         contextlib.nullcontext() if cache is None else cache.puts_through(compiled(put_columns))
     )
-    with forwards_swapped(swaps), writes:
-        for module, fn in rotary:
-            setattr(module, ROTARY, compiled(fn))
-        try:
-            yield
-        finally:
-            for module, fn in rotary:
-                setattr(module, ROTARY, fn)
+    swaps += [(module, ROTARY, compiled(fn)) for module, fn in rotary_functions(model)]
+    with attributes_swapped(swaps), writes:
+        yield
