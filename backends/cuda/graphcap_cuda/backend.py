@@ -87,13 +87,12 @@ class CUDABackend(Backend):
         return options | ({"triton.enable_pdl": True} if launch.ENABLED else {})
 
     def one_row_product(self) -> Callable[..., torch.Tensor] | None:
-        """graphcap_cuda's one-row and few-row kernels (graphcap_cuda.products) where Triton is
-        installed."""
+        """graphcap_cuda.gemv's one-row kernel where Triton is installed."""
         try:
-            from graphcap_cuda import products
+            from graphcap_cuda import gemv
         except ImportError:  # a torch build without Triton
             return None
-        return products.linear
+        return gemv.linear
 
 
 def _probe() -> Availability:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -93,7 +94,10 @@ def _gemv(
 def block_rows(n_rows: int, device: torch.device) -> int:
     """Rows of W per program: the power of two in [MIN_BLOCK_N, MAX_BLOCK_N] nearest to giving
     ``PROGRAMS_PER_SM`` programs per multiprocessor."""
-    sms = launch.multiprocessors(device)
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 132  # an H100/H200's count: the interpreter on CPU needs some number
     wanted = max(1.0, n_rows / (PROGRAMS_PER_SM * sms))
     return min(MAX_BLOCK_N, max(MIN_BLOCK_N, 1 << round(math.log2(wanted))))
 
@@ -129,3 +133,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 @gemv.register_fake
 def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through :func:`gemv` where it :func:`serves` (the backend's one-row
+    product)."""
+    if serves(x, weight) and (bias is None or bias.dtype == x.dtype):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gemv` computes ``F.linear(x, weight)``: one row, floating point, the
+    weight's rows contiguous (a view of a joined buffer is)."""
+    return (
+        x.numel() == x.shape[-1]
+        and x.dtype == weight.dtype
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.is_floating_point()
+    )

@@ -34,27 +34,3 @@ def _supported(device: torch.device) -> bool:
         and hasattr(tl.extra.cuda, "gdc_wait")
         and torch.cuda.get_device_capability(device)[0] >= 9
     )
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessor count, which launch shapes are sized by."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100/H200's count: the interpreter on CPU needs some number
-
-
-#: Arrival counts of the programs that share a piece of work (split-KV chunks of a row and K/V
-#: head, split-K programs of a tile), zero between launches (the last to arrive resets its
-#: count), by (device, stream, size). Launches on one stream never overlap (a dependent
-#: launch's programs touch the counts only after ``gdc_wait``); a graph keeps the address it
-#: captured, so a buffer is never freed or replaced.
-_COUNTS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 counts of ``size`` on the current stream."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream, size)
-    if key not in _COUNTS:
-        _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return _COUNTS[key]

@@ -257,13 +257,31 @@ def launch_shape(
 ) -> tuple[int, int]:
     """(columns per block, chunks per row and K/V head): enough programs to fill the device.
     ``block_bytes``: one column of a K block as loaded (padded head_dim x element size)."""
-    sms = launch.multiprocessors(device)
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 132  # an H100/H200's count: the interpreter on CPU needs some number
     block_n = BLOCK_N if rows * kv_heads >= sms else BLOCK_N_FEW_ROWS
     while block_n > 16 and block_n * block_bytes > MAX_BLOCK_BYTES:
         block_n //= 2
     blocks = triton.cdiv(length, block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, rows * kv_heads)
     return block_n, max(1, min(blocks, wanted))
+
+
+#: Arrival counts of the chunks of each row and K/V head, zero between launches (the last chunk
+#: resets its count), by (device, stream, size). Launches on one stream never overlap; a graph
+#: keeps the address it captured, so a buffer is never freed or replaced.
+_COUNTS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, size: int) -> torch.Tensor:
+    """The zeroed int32 counts for ``size`` (rows x K/V heads) on the current stream."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream, size)
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTS[key]
 
 
 @torch.library.custom_op("graphcap_cuda::split_kv_decode", mutates_args=())
@@ -300,7 +318,7 @@ def split_kv_decode(
             torch.empty(stats, dtype=torch.float32, device=query.device),
         )
     )
-    counts = out if direct else launch.arrival_counts(query.device, rows * kv_heads)
+    counts = out if direct else arrival_counts(query.device, rows * kv_heads)
     mask_bool = mask.dtype == torch.bool
     pdl = launch.dependent(query.device)
     blocked = float("-inf") if mask_bool else torch.finfo(mask.dtype).min

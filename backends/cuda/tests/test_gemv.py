@@ -34,6 +34,34 @@ def test_one_row_equals_linear(n, k, bias, dtype):
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
+def test_rows_of_a_joined_buffer():
+    """A parameter that is a row slice of a joined q/k/v buffer (fuse_projections) is read
+    from its own first row, with the buffer's row stride."""
+    joined = torch.randn(48, 128, device=DEVICE)
+    x = torch.randn(1, 128, device=DEVICE)
+    middle = joined[16:40]
+    assert gemv.serves(x, middle)
+    torch.testing.assert_close(gemv.gemv(x, middle), F.linear(x, middle), rtol=2e-5, atol=2e-5)
+
+
+def test_columns_of_a_wider_buffer():
+    """A weight whose rows are longer in memory than its columns (a column slice) is read with
+    its own row stride."""
+    wide = torch.randn(24, 200, device=DEVICE)
+    x = torch.randn(1, 1, 130, device=DEVICE)
+    left = wide[:, :130]
+    assert gemv.serves(x, left)
+    torch.testing.assert_close(gemv.gemv(x, left), F.linear(x, left), rtol=2e-5, atol=2e-5)
+
+
+def test_serves_one_row_of_the_weights_dtype_only():
+    w = torch.randn(8, 16)
+    assert gemv.serves(torch.randn(1, 1, 16), w)
+    assert not gemv.serves(torch.randn(2, 1, 16), w)  # two rows: a GEMM's job
+    assert not gemv.serves(torch.randn(1, 16, dtype=torch.float64), w)
+    assert not gemv.serves(torch.randn(1, 8), torch.randn(16, 8).t())  # columns not contiguous
+
+
 @pytest.mark.parametrize("n", [1, 100, 4096, 128256])
 def test_rows_per_program_stay_in_bounds(n):
     block = gemv.block_rows(n, torch.device("cpu"))

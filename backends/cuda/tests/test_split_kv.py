@@ -18,7 +18,7 @@ pytest.importorskip(
     "triton", reason="the split-KV kernel needs Triton (CUDA builds of torch ship it)"
 )
 
-from graphcap_cuda import CUDABackend, launch, plugin, split_kv
+from graphcap_cuda import CUDABackend, plugin, split_kv
 from graphcap_cuda.attention import SPLIT_KV, register_attention, softcapped_attention
 from graphcap_cuda.split_kv import BLOCK_N, split_kv_decode
 from test_gqa_attention import MODELS, check_captured_steps_equal_eager
@@ -125,7 +125,7 @@ def test_the_last_chunk_combines_and_leaves_the_counts_at_zero():
     q, k, v, valid = _case(3, 8, 2, 6 * BLOCK_N, 16, torch.float32, seed=11)
     splits = split_kv.launch_shape(3, 2, 6 * BLOCK_N, q.device)[1]
     assert splits > 1
-    counts = launch.arrival_counts(q.device, 3 * 2)
+    counts = split_kv.arrival_counts(q.device, 3 * 2)
     for scale in (0.3, 0.3, 0.7):
         out = split_kv_decode(q, k, v, valid, scale, 0.0)
         expected = _reference(q, k, v, valid, scale)
