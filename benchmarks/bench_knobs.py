@@ -4,8 +4,9 @@ changed, so variants of a step are timed with the same command (issue 11, run T)
     GRAPHCAP_KNOBS="launch.ENABLED=0,split_kv.BLOCK_N_FEW_ROWS=64,inductor.combo_kernels=1" \\
         python3 benchmarks/bench_knobs.py [graphcap bench arguments]
 
-Each knob is ``module.NAME=value`` (a graphcap_cuda module) or ``inductor.path.to.name=value``
-(``torch._inductor.config``); values are integers (0 / 1 for flags).
+Each knob is ``module.NAME=value`` (a graphcap_cuda module), ``graphcap.path.module.NAME=value``
+(a core module) or ``inductor.path.to.name=value`` (``torch._inductor.config``); values are
+integers (0 / 1 for flags).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def apply(knobs: str) -> None:
             target = torch._inductor.config
             for part in owner[1:]:
                 target = getattr(target, part)
+        elif owner[0] == "graphcap":
+            target = importlib.import_module(".".join(owner))
         else:
             target = importlib.import_module("graphcap_cuda." + ".".join(owner))
         old = getattr(target, name)

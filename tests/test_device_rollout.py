@@ -160,6 +160,37 @@ def test_compiled_blocks_and_joined_projections_equal_eager_in_fp32(backend, fam
     assert torch.equal(after.sequences, run(model, ids, mask, backend, False, **params).sequences)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"repetition_penalty": 1.3, "min_new_tokens": 4},
+        {"do_sample": True, "top_k": 8, "temperature": 0.8},
+        {"do_sample": True, "top_p": 0.9, "seed": 5},
+    ],
+    ids=["greedy-penalty-min-new", "sampled", "seeded"],
+)
+def test_compiled_sampler_equals_eager_in_fp32(backend, case):
+    """compile=True compiles the step's token choice too (inductor, random draws left to eager's
+    kernels): in fp32 the captured calls' tokens and the generator's state equal the eager
+    loop's, log-probs to rounding."""
+    if not backend.capabilities.captures_compiled:
+        pytest.skip(f"backend {backend.name!r} declares captures_compiled=False")
+    model = on_device(tiny_model("llama", fresh=True), backend)
+    ids, mask = (t.to(backend.device) for t in prompts(4, seed=3))
+    params = SamplingParams(max_new_tokens=NEW, return_logprobs=True, **NO_EOS, **case)
+    outs, states = {}, {}
+    for graph in (True, False):
+        config = RolloutConfig(enable_graph_capture=graph, backend=backend, compile=graph)
+        backend.manual_seed(11)
+        outs[graph] = RolloutEngine(model, config).generate(ids, mask, params)
+        states[graph] = backend.get_rng_state()
+    assert outs[True].stats.path == "static_graph", outs[True].stats.fallback_reason
+    assert outs[True].stats.compiled
+    assert torch.equal(outs[True].sequences, outs[False].sequences)
+    assert torch.allclose(outs[True].logprobs, outs[False].logprobs, atol=1e-4, rtol=0)
+    assert torch.equal(states[True], states[False])
+
+
 def test_in_place_weight_update_reuses_the_graph(backend):
     model = on_device(tiny_model("gpt2", fresh=True), backend)
     ids, mask = (t.to(backend.device) for t in prompts(3))

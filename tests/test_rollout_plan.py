@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,10 +25,13 @@ from graphcap.errors import CaptureFallbackWarning
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout import plan as plan_module
 from graphcap.rollout.cache import put_columns
+from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.regions import (
     ROTARY,
+    SAMPLER_OPTIONS,
     compile_regions,
     compiled_regions,
+    compiled_sampler,
     rotary_functions,
 )
 
@@ -189,16 +194,67 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots
             ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS)
         )
     rotary = rotary_functions(model)
-    assert [fn.__self__ for fn in compiled if hasattr(fn, "__self__")] == blocks
-    functions = [fn for fn in compiled if not hasattr(fn, "__self__")]
+    *regions, sampler = compiled
+    assert [fn.__self__ for fn in regions if hasattr(fn, "__self__")] == blocks
+    functions = [fn for fn in regions if not hasattr(fn, "__self__")]
     assert functions == [put_columns] + [fn for _, fn in rotary]  # K/V writes, rotary
-    assert options == [COMPILE_OPTIONS] * len(compiled)
+    assert sampler.__name__ == "commit" and "commit" not in vars(sampler.__self__)  # restored
+    assert options == [COMPILE_OPTIONS] * len(regions) + [COMPILE_OPTIONS | SAMPLER_OPTIONS]
     assert all(getattr(module, ROTARY) is fn for module, fn in rotary)  # restored
     assert result.stats.path.endswith("eager") and not result.stats.compiled
     assert "compiled" in result.stats.fallback_reason, result.stats.fallback_reason
     assert not any("forward" in vars(m) for m in model.modules())  # own forwards again
     expected = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
     assert torch.equal(result.sequences, expected.sequences)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},
+        {"return_logprobs": True, "repetition_penalty": 1.3, "min_new_tokens": 4},
+        {"do_sample": True, "top_k": 8, "temperature": 0.8, "return_logprobs": True},
+        {"do_sample": True, "top_p": 0.9, "seed": 5},
+    ],
+    ids=["greedy", "penalty-min-new-logprobs", "sampled", "seeded"],
+)
+def test_the_compiled_sampler_commits_what_the_eager_one_does(monkeypatch, sampling):
+    """Every step of a call commits through the compiled ``commit`` (dynamo and AOT autograd:
+    its in-place writes to the step's state are functionalised, then written back; random draws
+    stay eager's): tokens, log-probs and the generator's state equal the plain call's."""
+    options: list[object] = []
+    real_compile = torch.compile
+
+    def aot_compile(fn, **kwargs):  # no inductor: no C++ build in a test
+        options.append(kwargs.pop("options", None))
+        return real_compile(fn, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", aot_compile)
+    real_step_for = GraphHolder.step_for
+    swaps = contextlib.ExitStack()
+
+    def compiled_step_for(holder, *args):
+        step = real_step_for(holder, *args)
+        if "commit" not in vars(step):
+            swaps.enter_context(compiled_sampler(step))
+        return step
+
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    params = {"max_new_tokens": NEW, **NO_EOS, **sampling}
+    outs, states = [], []
+    for compiled in (False, True):
+        if compiled:
+            monkeypatch.setattr(GraphHolder, "step_for", compiled_step_for)
+        torch.manual_seed(11)
+        with swaps:
+            outs.append(run(model, ids, mask, False, **params))
+        states.append(torch.get_rng_state())
+    assert options == [SAMPLER_OPTIONS]
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    if sampling.get("return_logprobs"):
+        assert torch.equal(outs[0].logprobs, outs[1].logprobs)
+    assert torch.equal(states[0], states[1])
 
 
 #: What compile=True compiles in each tiny family: block classes (two decoder layers, the

@@ -23,13 +23,25 @@ import functools
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphcap.rollout.cache import StaticKVCache, put_columns
 from graphcap.rollout.fusion import ProjectionFusion
 from graphcap.rollout.swap import attributes_swapped, forwards_swapped
+
+if TYPE_CHECKING:
+    from graphcap.rollout.step import DecodeStep
+
+#: Whether compiled captures compile the step's token choice too (:func:`compiled_sampler`;
+#: benchmarks turn it off to time the step without it).
+COMPILE_SAMPLER = True
+
+#: Inductor options the sampler compiles with besides the backend's: random draws (the shared
+#: generator's ``multinomial``) stay eager's kernels, so a compiled capture draws what the eager
+#: loop draws.
+SAMPLER_OPTIONS = {"fallback_random": True}
 
 #: The rotary-embedding function transformers' modeling files define and their attention calls
 #: (about ten small kernels for q and k per layer when eager).
@@ -132,4 +144,19 @@ def compiled_regions(
     )
     swaps += [(module, ROTARY, compiled(fn)) for module, fn in rotary_functions(model)]
     with attributes_swapped(swaps), writes:
+        yield
+
+
+@contextlib.contextmanager
+def compiled_sampler(step: DecodeStep, options: dict[str, Any] | None = None) -> Iterator[None]:
+    """Within the block, ``step.commit`` (the logits processors, the choice of the next token
+    and its bookkeeping) runs through ``torch.compile`` with inductor ``options`` and
+    :data:`SAMPLER_OPTIONS`; as it was after it. Eager, it is a dozen small kernels a step, the
+    longest an argmax over the vocabulary in one pass (28 µs of llama-8b's batch-1 step, run
+    U's profile); compiled, the float cast joins the argmax and the bookkeeping joins up."""
+    if not COMPILE_SAMPLER:
+        yield
+        return
+    compiled = torch.compile(step.commit, options={**(options or {}), **SAMPLER_OPTIONS})
+    with attributes_swapped([(step, "commit", compiled)]):
         yield
