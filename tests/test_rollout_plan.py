@@ -27,11 +27,11 @@ from graphcap.rollout import plan as plan_module
 from graphcap.rollout.cache import put_columns
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.regions import (
+    BOOKKEEPING_OPTIONS,
     ROTARY,
-    SAMPLER_OPTIONS,
     compile_regions,
+    compiled_bookkeeping,
     compiled_regions,
-    compiled_sampler,
     rotary_functions,
 )
 
@@ -194,12 +194,15 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots
             ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS)
         )
     rotary = rotary_functions(model)
-    *regions, sampler = compiled
+    *regions, prepare, finish = compiled
     assert [fn.__self__ for fn in regions if hasattr(fn, "__self__")] == blocks
     functions = [fn for fn in regions if not hasattr(fn, "__self__")]
     assert functions == [put_columns] + [fn for _, fn in rotary]  # K/V writes, rotary
-    assert sampler.__name__ == "commit" and "commit" not in vars(sampler.__self__)  # restored
-    assert options == [COMPILE_OPTIONS] * len(regions) + [COMPILE_OPTIONS | SAMPLER_OPTIONS]
+    step = prepare.__self__
+    assert (prepare.__name__, finish.__name__) == ("prepare", "finish")
+    assert finish.__self__ is step and not {"prepare", "finish"} & set(vars(step))  # restored
+    bookkeeping = COMPILE_OPTIONS | BOOKKEEPING_OPTIONS
+    assert options == [COMPILE_OPTIONS] * len(regions) + [bookkeeping] * 2
     assert all(getattr(module, ROTARY) is fn for module, fn in rotary)  # restored
     assert result.stats.path.endswith("eager") and not result.stats.compiled
     assert "compiled" in result.stats.fallback_reason, result.stats.fallback_reason
@@ -218,10 +221,11 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots
     ],
     ids=["greedy", "penalty-min-new-logprobs", "sampled", "seeded"],
 )
-def test_the_compiled_sampler_commits_what_the_eager_one_does(monkeypatch, sampling):
-    """Every step of a call commits through the compiled ``commit`` (dynamo and AOT autograd:
-    its in-place writes to the step's state are functionalised, then written back; random draws
-    stay eager's): tokens, log-probs and the generator's state equal the plain call's."""
+def test_the_compiled_bookkeeping_commits_what_the_eager_one_does(monkeypatch, sampling):
+    """Every step of a call prepares its masks and finishes through the compiled ``prepare`` and
+    ``finish`` (dynamo and AOT autograd: their in-place writes to the step's masks and state
+    are functionalised, then written back; random draws stay eager's): tokens, log-probs and
+    the generator's state equal the plain call's."""
     options: list[object] = []
     real_compile = torch.compile
 
@@ -235,8 +239,8 @@ def test_the_compiled_sampler_commits_what_the_eager_one_does(monkeypatch, sampl
 
     def compiled_step_for(holder, *args):
         step = real_step_for(holder, *args)
-        if "commit" not in vars(step):
-            swaps.enter_context(compiled_sampler(step))
+        if "finish" not in vars(step):
+            swaps.enter_context(compiled_bookkeeping(step))
         return step
 
     model = tiny_model("llama")
@@ -250,7 +254,7 @@ def test_the_compiled_sampler_commits_what_the_eager_one_does(monkeypatch, sampl
         with swaps:
             outs.append(run(model, ids, mask, False, **params))
         states.append(torch.get_rng_state())
-    assert options == [SAMPLER_OPTIONS]
+    assert options == [BOOKKEEPING_OPTIONS] * 2
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     if sampling.get("return_logprobs"):
         assert torch.equal(outs[0].logprobs, outs[1].logprobs)

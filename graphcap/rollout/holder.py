@@ -21,7 +21,7 @@ from graphcap.rollout.cache import LayerSpec
 from graphcap.rollout.capture import capture_step, fallback_reason
 from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.regions import compiled_regions, compiled_sampler, one_row_products
+from graphcap.rollout.regions import compiled_bookkeeping, compiled_regions, one_row_products
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.signature import GraphSignature, attention_implementation
@@ -140,14 +140,14 @@ class GraphHolder:
 
     @contextlib.contextmanager
     def _compiled(self, step: DecodeStep, compiled: bool) -> Iterator[None]:
-        """Compiled captures: :func:`compiled_regions` and :func:`compiled_sampler`, with the
+        """Compiled captures: :func:`compiled_regions` and :func:`compiled_bookkeeping`, with the
         projections through the backend's one-row product where it offers one."""
         product = self.backend.one_row_product() if compiled else None
         with contextlib.ExitStack() as stack:
             if compiled:
                 options = self.backend.compile_options()
                 stack.enter_context(compiled_regions(step.model, step.cache, options))
-                stack.enter_context(compiled_sampler(step, options))
+                stack.enter_context(compiled_bookkeeping(step, options))
             if product is not None:
                 stack.enter_context(one_row_products(step.model, product, self.fusion))
             yield

@@ -214,9 +214,7 @@ class DecodeStep:
     def __call__(self) -> None:
         """One decode step: forward the latest token, then choose and record the next one."""
         s = self.state
-        column = self.cache.write_pos
-        self.masks.attend(column)
-        mask, cache = self._view(self.masks.render(column))
+        mask, cache = self._view(self.prepare())
         out = self.model(
             input_ids=s.tokens,
             attention_mask=mask,
@@ -225,8 +223,18 @@ class DecodeStep:
             **{self._cache_keyword: cache},
             **self._extra,
         )
+        self.finish(out.logits[:, -1, :])
+
+    def prepare(self) -> MaskInput:
+        """Mark the column each row writes this step valid; render the masks the model reads."""
+        column = self.cache.write_pos
+        self.masks.attend(column)
+        return self.masks.render(column)
+
+    def finish(self, logits: torch.Tensor) -> None:
+        """Move every row on, then choose and record the next token from ``logits``."""
         self.advance()
-        self.commit(out.logits[:, -1, :])
+        self.commit(logits)
 
     def with_span(self, span: tuple[int, int]) -> DecodeStep:
         """This step (the same buffers) attending over cache columns ``span`` only."""
