@@ -20,8 +20,10 @@ from graphcap.rollout.cache import LayerSpec, StaticKVCache, put_columns, scatte
 from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.masks import MaskBuffers, layer_windows, unsupported_layer_types
 from graphcap.rollout.sampling import (
+    ARGMAX_CHUNK,
     RowSettings,
     SamplerShape,
+    argmax_rows,
     logprobs_of,
     repetition_penalty,
     sanitise,
@@ -287,3 +289,22 @@ def test_load_weights_in_place_keeps_addresses_and_checks_input():
         load_weights_in_place(model, {"lm_head.weight": head.detach().clone()})
     with pytest.raises(ValueError, match="shape"):
         load_weights_in_place(model, {"lm_head.weight": torch.zeros(2, 2)}, strict=False)
+
+
+@pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK + 5, 2 * ARGMAX_CHUNK, 5 * ARGMAX_CHUNK + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_pass_argmax_is_torch_argmax(vocab, dtype):
+    """The same index as ``torch.argmax`` where it matters: equal maxima in the first chunk and
+    the tail, many equal values, the maximum in the last column; infinities; a NaN; rows of
+    -inf only; one row or several."""
+    gen = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(6, vocab, generator=gen)
+    scores[0, [3, vocab - 2]] = 50.0  # first chunk and tail (or the last chunk) tie
+    scores[1, ::3] = float("inf")
+    scores[2, vocab // 2] = float("nan")
+    scores[3] = -float("inf")
+    scores[4] = scores[4].round()  # many equal values
+    scores[5, -1] = 50.0  # the last column alone
+    for batch in (scores, scores[:1], scores[4:]):
+        batch = batch.to(dtype)
+        assert torch.equal(argmax_rows(batch), torch.argmax(batch, dim=-1))

@@ -307,6 +307,32 @@ def gumbel(rows: RowSettings, generated: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log1p(-u))
 
 
+#: Columns per chunk of :func:`argmax_rows`'s first pass.
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(scores, dim=-1)`` of (B, V) scores in two passes: the maximum of each
+    chunk of :data:`ARGMAX_CHUNK` columns, then the first chunk that holds the row's maximum.
+    The index is one pass's (maxima are exact, and both passes take the first of equal
+    values), but the first pass spreads a row over many programs where one pass reads it with
+    one: a compiled batch-1 argmax over llama-8b's 128,256 scores took 31.5 µs (run X's
+    profile)."""
+    rows, vocab = scores.shape
+    chunks = vocab // ARGMAX_CHUNK
+    if chunks < 2:
+        return torch.argmax(scores, dim=-1)
+    split = chunks * ARGMAX_CHUNK
+    head = scores[:, :split].reshape(rows, chunks, ARGMAX_CHUNK).max(dim=-1)
+    starts = torch.arange(0, split, ARGMAX_CHUNK, device=scores.device)
+    values, where = head.values, head.indices + starts
+    if split < vocab:
+        tail = scores[:, split:].max(dim=-1, keepdim=True)
+        values = torch.cat([values, tail.values], dim=1)
+        where = torch.cat([where, tail.indices + split], dim=1)
+    return where.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
 def select(
     scores: torch.Tensor,
     rows: RowSettings,
@@ -322,9 +348,9 @@ def select(
     """
     warped = sanitise(warp(scores, rows), finished)
     drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
-    hashed = torch.argmax(warped + gumbel(rows, generated), dim=-1)
+    hashed = argmax_rows(warped + gumbel(rows, generated))
     sampled = torch.where(rows.seeded, hashed, drawn)
-    chosen = torch.where(rows.sample, sampled, torch.argmax(scores, dim=-1))
+    chosen = torch.where(rows.sample, sampled, argmax_rows(scores))
     return chosen, torch.where(rows.sample[:, None], warped, scores)
 
 

@@ -27,6 +27,7 @@ from graphcap.rollout.sampling import (
     RowPlan,
     RowSettings,
     SamplerShape,
+    argmax_rows,
     logprobs_of,
     process_scores,
     select,
@@ -198,7 +199,7 @@ class DecodeStep:
         if self.sampler.samples:
             chosen, drawn_from = select(scores, s.rows, s.finished, s.generated, self.generator)
         else:
-            chosen, drawn_from = torch.argmax(scores, dim=-1), scores
+            chosen, drawn_from = argmax_rows(scores), scores
         token = torch.where(s.finished, s.pad, chosen)
         column = self.cache.write_pos[:, None]
         s.sequences.scatter_(1, column, token[:, None])
