@@ -12,8 +12,10 @@ norms, the rotary embedding function the attention calls, the decoder stack's bl
 layers (final norm, rotary embedding), and the cache's K/V writes (two kernels a layer become
 one). The backend's graph attention stays as it is; the projections compute through the
 backend's one-row product where it offers one (:func:`one_row_products`: batch-1 steps, where
-cuBLAS read the q/k/v, o and down weights at 29-77% of the H200's bandwidth, run Q). Measured in
-benchmarks/results/h200/2026-12-01/step-variants-*.json and runs M-R (docs/benchmarks.md).
+cuBLAS read the q/k/v, o and down weights at 29-77% of the H200's bandwidth, run Q). The step's
+own work around the model (masks, write positions, the choice of the next token) compiles too
+(:func:`compiled_bookkeeping`). Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json
+and runs M-X (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -152,10 +154,9 @@ def compiled_bookkeeping(step: DecodeStep, options: dict[str, Any] | None = None
     """Within the block, the step's own work around the model runs through ``torch.compile``
     with inductor ``options`` and :data:`BOOKKEEPING_OPTIONS`: ``step.prepare`` (the masks) and
     ``step.finish`` (the write positions, the logits processors, the choice of the next token
-    and its records); as they were after it. Eager, they are over a dozen small kernels a step,
-    the longest an argmax over the vocabulary in one pass (28 µs of llama-8b's batch-1 step in
-    run U's profile); compiled, llama-8b's batch-1 step took 4.33 → 4.23 ms, llama-1b's batch-64
-    step 1.57 → 1.45 ms (run W, the token choice alone)."""
+    and its records); as they were after it. Eager, they are over a dozen small kernels a step
+    that do not launch dependent; compiled, a few that do (run X, same calls: llama-8b batch 1
+    4.33 → 4.22 ms, llama-1b batch 1 1.05 → 0.99 ms, batch 64 1.58 → 1.45 ms)."""
     if not COMPILE_BOOKKEEPING:
         yield
         return
