@@ -155,8 +155,9 @@ def compiled_bookkeeping(step: DecodeStep, options: dict[str, Any] | None = None
     with inductor ``options`` and :data:`BOOKKEEPING_OPTIONS`: ``step.prepare`` (the masks) and
     ``step.finish`` (the write positions, the logits processors, the choice of the next token
     and its records); as they were after it. Eager, they are over a dozen small kernels a step
-    that do not launch dependent; compiled, a few that do (run X, same calls: llama-8b batch 1
-    4.33 → 4.22 ms, llama-1b batch 1 1.05 → 0.99 ms, batch 64 1.58 → 1.45 ms)."""
+    that do not launch dependent; compiled, fewer that do (llama-8b's batch-1 step: 366 kernels
+    in run X's profile, 376 in run U's). Run X, one process per variant: llama-8b batch 1 4.33 →
+    4.22 ms, llama-1b batch 1 1.05 → 0.99 ms, batch 64 1.58 → 1.45 ms."""
     if not COMPILE_BOOKKEEPING:
         yield
         return
