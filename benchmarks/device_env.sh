@@ -35,3 +35,10 @@ step_bench() {
         --modes "$5" --fuse-projections --budget-s "$7" \
         --json "$1/bench-$3-$6.json" >"$1/bench-$3-$6.txt" 2>&1
 }
+
+# shown_bench OUT MODEL SIZES MODES TAG BUDGET: step_bench of graphcap bench itself, then the
+# rows of its table.
+shown_bench() {
+    step_bench "$1" -mgraphcap.bench "${@:2}"
+    grep -E '^(graphcap|hf)-' "$1/bench-$2-$5.txt"
+}

@@ -10,14 +10,9 @@ cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 cold_compile_caches
 
-bench() {  # MODEL SIZES MODES TAG BUDGET
-    step_bench "$out" -mgraphcap.bench "$@"
-    grep -E '^(graphcap|hf)-' "$out/bench-$1-$4.txt"
-}
-
-bench llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-u 150
-bench llama-8b 64,256 graphcap-graph-compiled bs64-256-u 90
-bench llama-1b 64,256 graphcap-graph-compiled bs64-256-u 50
+shown_bench "$out" llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-u 150
+shown_bench "$out" llama-8b 64,256 graphcap-graph-compiled bs64-256-u 90
+shown_bench "$out" llama-1b 64,256 graphcap-graph-compiled bs64-256-u 50
 timeout 120 $py -m graphcap.testing -q --graphcap-json "$out/cuda-h200.json" \
     >"$out/conformance-u.log" 2>&1
 tail -1 "$out/conformance-u.log"

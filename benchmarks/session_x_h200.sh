@@ -31,13 +31,9 @@ if [[ $2 == ab ]]; then
         done
     done
 else
-    bench() {  # MODEL SIZES MODES TAG BUDGET
-        step_bench "$work" -mgraphcap.bench "$@"
-        grep -E '^(graphcap|hf)-' "$work/bench-$1-$4.txt"
-    }
-    bench llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-x 150
-    bench llama-8b 64,256 graphcap-graph-compiled bs64-256-x 90
-    bench llama-1b 1,64,256 graphcap-graph-compiled bs1-64-256-x 70
+    shown_bench "$work" llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-x 150
+    shown_bench "$work" llama-8b 64,256 graphcap-graph-compiled bs64-256-x 90
+    shown_bench "$work" llama-1b 1,64,256 graphcap-graph-compiled bs1-64-256-x 70
     timeout 120 $py -m graphcap.testing -q --graphcap-json "$work/cuda-h200.json" \
         >"$work/conformance-x.log" 2>&1
     tail -1 "$work/conformance-x.log"

@@ -94,10 +94,7 @@ def _gemv(
 def block_rows(n_rows: int, device: torch.device) -> int:
     """Rows of W per program: the power of two in [MIN_BLOCK_N, MAX_BLOCK_N] nearest to giving
     ``PROGRAMS_PER_SM`` programs per multiprocessor."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 132  # an H100/H200's count: the interpreter on CPU needs some number
+    sms = launch.multiprocessors(device)
     wanted = max(1.0, n_rows / (PROGRAMS_PER_SM * sms))
     return min(MAX_BLOCK_N, max(MIN_BLOCK_N, 1 << round(math.log2(wanted))))
 

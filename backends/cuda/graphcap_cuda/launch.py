@@ -34,3 +34,10 @@ def _supported(device: torch.device) -> bool:
         and hasattr(tl.extra.cuda, "gdc_wait")
         and torch.cuda.get_device_capability(device)[0] >= 9
     )
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count, which the kernels' launch shapes are sized by."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100/H200's count: the interpreter on CPU needs some number

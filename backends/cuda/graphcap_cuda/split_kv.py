@@ -257,10 +257,7 @@ def launch_shape(
 ) -> tuple[int, int]:
     """(columns per block, chunks per row and K/V head): enough programs to fill the device.
     ``block_bytes``: one column of a K block as loaded (padded head_dim x element size)."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 132  # an H100/H200's count: the interpreter on CPU needs some number
+    sms = launch.multiprocessors(device)
     block_n = BLOCK_N if rows * kv_heads >= sms else BLOCK_N_FEW_ROWS
     while block_n > 16 and block_n * block_bytes > MAX_BLOCK_BYTES:
         block_n //= 2
