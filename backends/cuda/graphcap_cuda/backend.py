@@ -19,6 +19,9 @@ from graphcap_cuda.attention import DEFAULT_ATTENTION
 
 #: Whether compiled regions fuse independent kernels into one launch (benchmarks turn it off).
 COMBO_KERNELS = True
+#: Whether compiled regions move a gated MLP's activation and residual adds into the one-row
+#: product (graphcap_cuda.epilogues; benchmarks turn it off).
+EPILOGUES = True
 
 HINT = (
     "Work inside a CUDA graph capture must not synchronise with the host (.item(), "
@@ -82,8 +85,13 @@ class CUDABackend(Backend):
         inductor emits it on Hopper and later only), and independent kernels of a region launch
         as one (combo kernels). Run T on the H200, llama-8b batch 1: 4.54 ms a step without
         dependent launches, 4.58 with inductor's alone, 4.36 with both, 4.33 with combo kernels
-        too."""
+        too. Where the one-row product runs, a gated MLP's activation and the residual adds
+        around it move into its kernel (graphcap_cuda.epilogues)."""
         options = {"combo_kernels": COMBO_KERNELS}
+        if EPILOGUES and self.one_row_product() is not None:
+            from graphcap_cuda import epilogues
+
+            options["post_grad_custom_post_pass"] = epilogues.PASS
         return options | ({"triton.enable_pdl": True} if launch.ENABLED else {})
 
     def one_row_product(self) -> Callable[..., torch.Tensor] | None:

@@ -35,6 +35,12 @@ PROGRAMS_PER_SM = 6
 MIN_BLOCK_N = 2
 MAX_BLOCK_N = 8
 NUM_WARPS = 4
+#: Columns a load of the gated form (two rows per output) over K of at least
+#: ``GATED_LONG_K``: run Z's sweep of the gated gate/up product, one call, over a step's layers
+#: (gemv-ab-*.json): llama-8b (K 4,096) within 0.3% of the plain product with 256 and 2.5%
+#: slower with 512; llama-1b (K 2,048) 2.5% faster than plain with 512, 4.5% slower with 256.
+GATED_BLOCK_K = 256
+GATED_LONG_K = 4096
 
 
 @triton.jit
@@ -56,21 +62,35 @@ def _gemv(
     x_ptr,
     w_ptr,
     bias_ptr,
+    gate_ptr,
+    gate_bias_ptr,
+    residual_ptr,
     out_ptr,
     n_rows,
     k_cols,
     stride_wn,
+    stride_gn,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TILE_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
+    # A program reduces TILE_N rows of W: BLOCK_N output rows, or, gated, each output's gate
+    # row and W row interleaved (one load stream and one accumulator, as many bytes in flight
+    # as the plain kernel; two streams were 1.5-2.7 µs a llama-8b layer slower, run Z).
+    t = tl.arange(0, TILE_N)
+    n = tl.program_id(0) * BLOCK_N + (t // 2 if GATED else t)
     n_ok = n < n_rows
     rows = w_ptr + n[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if GATED:
+        rows = tl.where((t % 2 == 1)[:, None], rows, gate_ptr + n[:, None] * stride_gn)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([TILE_N, BLOCK_K], tl.float32)
     start = 0
     if PDL:
         # No kernel of a step writes the weights: the first block is read while the kernel
@@ -85,10 +105,25 @@ def _gemv(
         acc += w.to(tl.float32) * _inputs(x_ptr, cols, k_cols, EVEN_K).to(tl.float32)[None, :]
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    dtype = out_ptr.dtype.element_ty
     out = tl.sum(acc, axis=1)
+    if GATED:
+        gate, out = tl.split(tl.reshape(out, (BLOCK_N, 2)))
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < n_rows
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    # Each step below rounds to the output dtype where eager PyTorch's separate ops round.
+    if GATED:  # silu(x @ gate.T) * (x @ w.T)
+        if HAS_GATE_BIAS:
+            gate += tl.load(gate_bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        gate = gate.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out = act * out.to(dtype).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        out = out.to(dtype).to(tl.float32) + residual
+    tl.store(out_ptr + n, out.to(dtype), mask=n_ok)
 
 
 def block_rows(n_rows: int, device: torch.device) -> int:
@@ -100,26 +135,50 @@ def block_rows(n_rows: int, device: torch.device) -> int:
 
 
 @torch.library.custom_op("graphcap_cuda::gemv", mutates_args=())
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    gate_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an ``x`` holding one row (shape (..., K) with every
-    leading size 1); weight (N, K) with unit stride in K. fp32 accumulation."""
+    leading size 1); weight (N, K) with unit stride in K. fp32 accumulation. With ``gate``
+    (N, K): ``silu(F.linear(x, gate, gate_bias)) * F.linear(x, weight, bias)`` (a gated MLP's
+    activation); with ``residual`` (N values): ``residual +`` the result. Intermediates are
+    rounded to x's dtype as the separate eager ops round them (graphcap_cuda.epilogues moves
+    these ops here)."""
     n_rows, k_cols = weight.shape
+    if gate is not None and (gate.shape != weight.shape or gate.stride(1) != 1):
+        raise ValueError(f"gate {tuple(gate.shape)} must have weight's shape {tuple(weight.shape)}")
+    if residual is not None and (residual.numel() != n_rows or residual.dtype != x.dtype):
+        raise ValueError(f"residual must hold {n_rows} values of {x.dtype}")
     vector = x.reshape(k_cols).contiguous()
     out = torch.empty(n_rows, dtype=x.dtype, device=x.device)
     block_n = block_rows(n_rows, x.device)
+    block_k = GATED_BLOCK_K if gate is not None and k_cols >= GATED_LONG_K else BLOCK_K
     pdl = launch.dependent(x.device)
     _gemv[(triton.cdiv(n_rows, block_n),)](
         vector,
         weight,
         out if bias is None else bias,
+        weight if gate is None else gate,
+        out if gate_bias is None else gate_bias,
+        out if residual is None else residual.reshape(n_rows).contiguous(),
         out,
         n_rows,
         k_cols,
         weight.stride(0),
+        weight.stride(0) if gate is None else gate.stride(0),
         HAS_BIAS=bias is not None,
-        EVEN_K=k_cols % BLOCK_K == 0,
+        GATED=gate is not None,
+        HAS_GATE_BIAS=gate_bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        EVEN_K=k_cols % block_k == 0,
         BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k,
+        TILE_N=block_n * (1 if gate is None else 2),
         PDL=pdl,
         num_warps=NUM_WARPS,
         launch_pdl=pdl,
@@ -128,7 +187,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 @gemv.register_fake
-def _(x, weight, bias=None):
+def _(x, weight, bias=None, residual=None, gate=None, gate_bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -1,0 +1,201 @@
+"""An inductor graph pass that moves the one-row product's neighbours into it.
+
+In a batch-1 compiled step, :func:`graphcap_cuda.gemv.gemv` is a custom op: inductor cannot fuse
+the elementwise work around it into it, so that work is a kernel of its own. Run X's profile of
+llama-8b's step showed two per layer: a gated MLP's ``silu(gate) * up`` between the gate/up
+product and the down product (1.9 µs), and the residual add after the down product (1.6 µs;
+the next layer's norm is in another compiled frame, so it cannot take the add). This pass
+rewrites, in the post-grad graph of every region ``compile=True`` compiles:
+
+- ``silu(gemv(x, Wg)) * gemv(x, Wu)``, with the two products joined as one (``fuse_projections``:
+  one product split in two) or not, into one ``gemv(x, Wu, gate=Wg)``;
+- ``gemv(...) + r``, where ``r`` has the product's shape and dtype, into ``gemv(..., residual=r)``.
+
+Only products whose every use is the pattern are rewritten, so no weight is read twice. The
+kernel rounds each intermediate to the activation dtype where the eager ops round it. silu is
+matched as ``aten.silu`` or as inductor's decomposition of it (``x / (1 + exp(-x))`` with
+casts); a graph in another form is left as it was.
+"""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx import Graph, Node
+
+from graphcap_cuda import gemv as _register  # noqa: F401  (defines torch.ops.graphcap_cuda.gemv)
+
+aten, prims = torch.ops.aten, torch.ops.prims
+GEMV = torch.ops.graphcap_cuda.gemv.default
+SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
+CAST = prims.convert_element_type.default
+ARGS = ("x", "weight", "bias", "residual", "gate", "gate_bias")
+
+
+def _is(node: object, target: object) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target == target
+
+
+def _value(node: object) -> torch.Tensor | None:
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _product(node: object) -> dict[str, object] | None:
+    """The arguments of a plain one-row product node (no epilogue yet), by name."""
+    if not _is(node, GEMV):
+        return None
+    args = dict(zip(ARGS, node.args, strict=False)) | node.kwargs
+    plain = all(args.get(name) is None for name in ("residual", "gate", "gate_bias"))
+    return args if plain else None
+
+
+def silu_input(node: Node) -> Node | None:
+    """``v`` where ``node`` computes ``silu(v)`` in ``v``'s dtype, else None."""
+    if _is(node, aten.silu.default):
+        return node.args[0]
+    ratio = node.args[0] if _is(node, CAST) else node
+    if not _is(ratio, aten.div.Tensor):
+        return None
+    upcast, denominator = ratio.args
+    if not _is(denominator, aten.add.Tensor) or denominator.args[1:] != (1,):
+        return None
+    exp = denominator.args[0]
+    if not _is(exp, aten.exp.default):
+        return None
+    neg = exp.args[0]
+    if not _is(neg, aten.neg.default) or neg.args[0] is not upcast:
+        return None
+    source = upcast.args[0] if _is(upcast, CAST) else upcast
+    same = (_value(source) is not None and _value(node) is not None) and (
+        _value(source).dtype == _value(node).dtype
+    )
+    return source if same else None
+
+
+def _pieces(node: object) -> tuple[Node, int, int, int] | None:
+    """(product, first row, rows, piece count) when ``node`` is a piece of a product split along
+    its last dimension."""
+    if not (_is(node, operator.getitem) and any(_is(node.args[0], s) for s in SPLITS)):
+        return None
+    split, index = node.args
+    product, sizes, dim = (*split.args, -1)[:3]
+    ndim = _value(product).dim() if _value(product) is not None else 0
+    if _product(product) is None or dim % max(ndim, 1) != ndim - 1:
+        return None
+    rows = _value(product).shape[-1]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, rows - i) for i in range(0, rows, sizes)]
+    return product, sum(sizes[:index]), sizes[index], len(sizes)
+
+
+def _only_feeds(nodes: list[Node], into: Node) -> bool:
+    """Whether every use of ``nodes`` is another of them or ``into``."""
+    inside = {*nodes, into}
+    return all(user in inside for node in nodes for user in node.users)
+
+
+def _chain(start: Node, end: Node) -> list[Node]:
+    """The nodes from ``start`` up to (not including) ``end`` along first arguments and the
+    silu decomposition's operands."""
+    seen, todo = [], [end]
+    while todo:
+        node = todo.pop()
+        for arg in node.all_input_nodes:
+            if arg is not start and arg not in seen and arg.op == "call_function":
+                seen.append(arg)
+                todo.append(arg)
+    return seen
+
+
+def _rows(graph: Graph, tensor: object, first: int, count: int) -> object:
+    """An FX node for rows ``[first, first + count)`` of ``tensor`` (None stays None)."""
+    if tensor is None:
+        return None
+    node = graph.call_function(aten.slice.Tensor, (tensor, 0, first, first + count))
+    node.meta["val"] = _value(tensor)[first : first + count]
+    return node
+
+
+def _fuse_gate(graph: Graph, mul: Node) -> bool:
+    if len(mul.args) != 2 or mul.kwargs:
+        return False
+    for act, up in (mul.args, mul.args[::-1]):
+        gate = silu_input(act) if isinstance(act, Node) else None
+        if gate is None or not isinstance(up, Node):
+            continue
+        split_gate, split_up = _pieces(gate), _pieces(up)
+        if split_gate and split_up and split_gate[0] is split_up[0] and split_gate[3] == 2:
+            product = split_gate[0]
+            args = _product(product)
+            gate_rows, up_rows = split_gate[1:3], split_up[1:3]
+            inner = [product, gate.args[0], gate, up, *_chain(gate, act), act]
+            if gate_rows[1] != up_rows[1] or not _only_feeds(inner, mul):
+                continue
+            with graph.inserting_before(mul):
+                new = dict(args)
+                new["weight"] = _rows(graph, args["weight"], *up_rows)
+                new["bias"] = _rows(graph, args.get("bias"), *up_rows)
+                new["gate"] = _rows(graph, args["weight"], *gate_rows)
+                new["gate_bias"] = _rows(graph, args.get("bias"), *gate_rows)
+                return _replace(graph, mul, new)
+        gate_args, up_args = _product(gate), _product(up)
+        if gate_args and up_args and gate_args["x"] is up_args["x"]:
+            if not _only_feeds([gate, up, *_chain(gate, act), act], mul):
+                continue
+            with graph.inserting_before(mul):
+                new = dict(up_args, gate=gate_args["weight"], gate_bias=gate_args.get("bias"))
+                return _replace(graph, mul, new)
+    return False
+
+
+def _fuse_residual(graph: Graph, add: Node) -> bool:
+    if len(add.args) != 2 or add.kwargs:
+        return False
+    for product, other in (add.args, add.args[::-1]):
+        if not _is(product, GEMV) or not isinstance(other, Node) or len(product.users) != 1:
+            continue
+        args = dict(zip(ARGS, product.args, strict=False)) | product.kwargs
+        mine, theirs = _value(product), _value(other)
+        if args.get("residual") is not None or mine is None or theirs is None:
+            continue
+        if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+            continue  # a broadcast or a type promotion is not the kernel's add
+        with graph.inserting_before(add):
+            return _replace(graph, add, dict(args, residual=other))
+    return False
+
+
+def _replace(graph: Graph, old: Node, args: dict[str, object]) -> bool:
+    new = graph.call_function(GEMV, tuple(args.get(name) for name in ARGS))
+    new.meta["val"] = _value(old)
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+    return True
+
+
+class GemvEpilogues(CustomGraphPass):
+    """The pass, for inductor's ``post_grad_custom_post_pass``; ``fused`` counts what it
+    rewrote (tests and benchmarks read it)."""
+
+    def __init__(self) -> None:
+        self.fused = {"gate": 0, "residual": 0}
+
+    def __call__(self, graph: Graph) -> None:
+        for node in list(graph.nodes):
+            if _is(node, aten.mul.Tensor):
+                self.fused["gate"] += _fuse_gate(graph, node)
+        for node in list(graph.nodes):
+            if _is(node, aten.add.Tensor):
+                self.fused["residual"] += _fuse_residual(graph, node)
+        graph.eliminate_dead_code()
+
+    def uuid(self) -> bytes:
+        """Inductor's cache key: this file and the kernel's."""
+        return get_hash_for_files((__file__, str(Path(__file__).with_name("gemv.py"))))
+
+
+#: The instance the CUDA backend's compile options carry.
+PASS = GemvEpilogues()
