@@ -16,8 +16,10 @@ out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 cold_compile_caches
-work=/tmp/z-$2
+part=$2
+work=/tmp/z-$part
 mkdir -p "$work"
+keep() { tar -cf "$out/run-z-$part.tar" -C /tmp "z-$part"; }
 if [[ $2 == ab ]]; then
     timeout 150 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_gemv.py \
         backends/cuda/tests/test_epilogues.py >"$work/kernel-tests-z.log" 2>&1
@@ -56,15 +58,19 @@ elif [[ $2 == ab2 ]]; then
             grep -E '^graphcap-graph-compiled|Error' "$work/bench-$model-z-${variant%%=*}.txt"
         done
     done
-else
+else  # the tarball is rewritten after each part, so a call cut short keeps what ran
     shown_bench "$work" llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-z 150
-    shown_bench "$work" llama-8b 64,256 graphcap-graph-compiled bs64-256-z 90
-    shown_bench "$work" llama-1b 1,64,256 graphcap-graph-compiled bs1-64-256-z 70
-    timeout 120 $py -m graphcap.testing -q --graphcap-json "$work/cuda-h200.json" \
-        >"$work/conformance-z.log" 2>&1
-    tail -1 "$work/conformance-z.log"
+    keep
     timeout 90 $py benchmarks/profile_decode.py "$work/profile-decode-z.json" --fast \
         --cases llama-8b:bf16:1 --new-tokens 256 >"$work/profile-z.log" 2>&1
     grep -E '"(kernels_per_step|device_ms_per_step|decode_ms_per_step_wall)"' "$work/profile-z.log"
+    keep
+    shown_bench "$work" llama-8b 64,256 graphcap-graph-compiled bs64-256-z 90
+    keep
+    shown_bench "$work" llama-1b 1,64,256 graphcap-graph-compiled bs1-64-256-z 70
+    keep
+    timeout 120 $py -m graphcap.testing -q --graphcap-json "$work/cuda-h200.json" \
+        >"$work/conformance-z.log" 2>&1
+    tail -1 "$work/conformance-z.log"
 fi
-tar -cf "$out/run-z-$2.tar" -C /tmp "z-$2"
+keep
