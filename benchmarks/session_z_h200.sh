@@ -20,36 +20,17 @@ part=$2
 work=/tmp/z-$part
 mkdir -p "$work"
 keep() { tar -cf "$out/run-z-$part.tar" -C /tmp "z-$part"; }
-if [[ $2 == ab ]]; then
+# The kernel and pass tests on the GPU, and the device tests of compiled captures.
+tests() {
     timeout 150 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_gemv.py \
         backends/cuda/tests/test_epilogues.py >"$work/kernel-tests-z.log" 2>&1
     tail -1 "$work/kernel-tests-z.log"
     timeout 150 $py -m pytest -q -rs -m device -p no:cacheprovider tests/test_device_rollout.py \
         -k compiled >"$work/device-tests-z.log" 2>&1
     tail -1 "$work/device-tests-z.log"
-    for variant in off=backend.EPILOGUES=0 now=; do
-        for case in llama-8b:1 llama-1b:1; do
-            model=${case%%:*}
-            GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py "$model" \
-                "${case#*:}" graphcap-graph-compiled "z-${variant%%=*}" 40
-            echo "${variant%%=*} $model:"
-            grep -E '^graphcap-graph-compiled|Error' "$work/bench-$model-z-${variant%%=*}.txt"
-        done
-    done
-    timeout 200 $py benchmarks/host_stalls_h200.py "$work/host-stalls-z.json" \
-        >"$work/host-stalls-z.log" 2>&1
-    tail -4 "$work/host-stalls-z.log"
-elif [[ $2 == ab2 ]]; then
-    timeout 150 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_gemv.py \
-        backends/cuda/tests/test_epilogues.py >"$work/kernel-tests-z.log" 2>&1
-    tail -1 "$work/kernel-tests-z.log"
-    timeout 150 $py -m pytest -q -rs -m device -p no:cacheprovider tests/test_device_rollout.py \
-        -k compiled >"$work/device-tests-z.log" 2>&1
-    tail -1 "$work/device-tests-z.log"
-    for model in llama-8b llama-1b; do
-        timeout 150 $py benchmarks/gemv_ab_h200.py "$work/gemv-ab-$model.json" "$3" \
-            --model "$model" 2>&1 | grep -E '"(cublas|base|tree|tree_fused|products_plain)"'
-    done
+}
+# The compiled step at batch 1 without the epilogue pass and with it, one process each.
+with_and_without() {
     for variant in off=backend.EPILOGUES=0 now=; do
         for model in llama-8b llama-1b; do
             GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py "$model" \
@@ -58,6 +39,20 @@ elif [[ $2 == ab2 ]]; then
             grep -E '^graphcap-graph-compiled|Error' "$work/bench-$model-z-${variant%%=*}.txt"
         done
     done
+}
+if [[ $2 == ab ]]; then
+    tests
+    with_and_without
+    timeout 200 $py benchmarks/host_stalls_h200.py "$work/host-stalls-z.json" \
+        >"$work/host-stalls-z.log" 2>&1
+    tail -4 "$work/host-stalls-z.log"
+elif [[ $2 == ab2 ]]; then
+    tests
+    for model in llama-8b llama-1b; do
+        timeout 150 $py benchmarks/gemv_ab_h200.py "$work/gemv-ab-$model.json" "$3" \
+            --model "$model" 2>&1 | grep -E '"(cublas|base|tree|tree_fused|products_plain)"'
+    done
+    with_and_without
 else  # the tarball is rewritten after each part, so a call cut short keeps what ran
     shown_bench "$work" llama-8b 1 hf-static-compile,graphcap-graph,graphcap-graph-compiled bs1-z 150
     keep

@@ -298,6 +298,38 @@ PLANTS = (
         "columns = columns + 0 * torch.arange(",
         ("tests/test_rollout_units.py",),
     ),
+    Plant(
+        "the gated product reads W's rows as the gate's",
+        "backends/cuda/graphcap_cuda/gemv.py",
+        "rows, gate_ptr + n[:, None] * stride_gn)",
+        "rows, rows)",
+        (
+            "backends/cuda/tests/test_epilogues.py::test_gated_and_residual_forms_equal_the_eager_ops",
+        ),
+    ),
+    Plant(
+        "the residual added to the unrounded product",
+        "backends/cuda/graphcap_cuda/gemv.py",
+        "out = out.to(dtype).to(tl.float32) + residual",
+        "out = out + residual",
+        (
+            "backends/cuda/tests/test_epilogues.py::test_gated_and_residual_forms_equal_the_eager_ops",
+        ),
+    ),
+    Plant(
+        "the epilogue pass fuses a product that has another use",
+        "backends/cuda/graphcap_cuda/epilogues.py",
+        "    return all(user in inside for node in nodes for user in node.users)",
+        "    return True",
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
+    Plant(
+        "the epilogue pass fuses a broadcasting add",
+        "backends/cuda/graphcap_cuda/epilogues.py",
+        "        if mine.shape != theirs.shape or mine.dtype != theirs.dtype:",
+        "        if mine.dtype != theirs.dtype:",
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
 )
 
 
