@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Phi3Config, Phi3ForCausalLM
 
 pytest.importorskip("triton", reason="the kernel needs Triton (CUDA builds of torch ship it)")
 
@@ -64,10 +65,27 @@ def test_bad_epilogue_operands_are_refused():
         gemv.gemv(x, up, None, torch.zeros(3, device=DEVICE))
 
 
-def _compiled_layers(fuse: bool) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
-    """A transformers Llama's logits for one token through one-row products in compiled regions
+def _phi3() -> torch.nn.Module:
+    """A tiny Phi-3: one gate/up projection of its own, chunked, the activation on the right."""
+    torch.manual_seed(0)
+    config = Phi3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return Phi3ForCausalLM(config).eval()
+
+
+def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
+    """A transformers model's logits for one token through one-row products in compiled regions
     with a fresh pass, the pass's counts, and the eager logits."""
-    model = tiny_model("llama", fresh=True).to(DEVICE)
+    model = (_phi3() if family == "phi3" else tiny_model(family, fresh=True)).to(DEVICE)
     fusion = ProjectionFusion(model) if fuse else None
     if fusion is not None:
         fusion.join(scan_model(model))
@@ -84,12 +102,18 @@ def _compiled_layers(fuse: bool) -> tuple[dict[str, int], torch.Tensor, torch.Te
     return found.fused, logits, eager
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["joined-gate-up", "separate-gate-up"])
-def test_pass_moves_a_llama_mlps_activation_and_residual_into_the_product(fuse):
+@pytest.mark.parametrize(
+    "family,fuse",
+    [("llama", True), ("llama", False), ("phi3", False)],
+    ids=["llama-joined-gate-up", "llama-separate-gate-up", "phi3-chunked-gate-up"],
+)
+def test_pass_moves_a_gated_mlps_activation_and_residual_into_the_product(family, fuse):
     """The decoder layer compiles once for every layer: its gate activation and its residual
     add after the down projection are rewritten (the add after attention meets the attention's
-    output, not a product), and the logits stay the eager ones."""
-    fused, logits, eager = _compiled_layers(fuse)
+    output, not a product), and the logits stay the eager ones. The three forms: gate and up
+    joined by fuse_projections (split in two), two products, and Phi-3's own gate/up product
+    chunked with the activation on the right of the product."""
+    fused, logits, eager = _compiled_layers(family, fuse)
     assert fused == {"gate": 1, "residual": 1}
     torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
 
