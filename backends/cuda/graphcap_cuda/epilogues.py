@@ -98,8 +98,8 @@ def _only_feeds(nodes: list[Node], into: Node) -> bool:
 
 
 def _chain(start: Node, end: Node) -> list[Node]:
-    """The nodes from ``start`` up to (not including) ``end`` along first arguments and the
-    silu decomposition's operands."""
+    """The call nodes ``end`` is computed from, back to ``start`` (both left out): the silu
+    decomposition's nodes, which the rewrite must leave unused."""
     seen, todo = [], [end]
     while todo:
         node = todo.pop()
@@ -161,11 +161,17 @@ def _fuse_residual(graph: Graph, add: Node) -> bool:
         mine, theirs = _value(product), _value(other)
         if args.get("residual") is not None or mine is None or theirs is None:
             continue
-        if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+        if not _same_static_shape(mine, theirs) or mine.dtype != theirs.dtype:
             continue  # a broadcast or a type promotion is not the kernel's add
         with graph.inserting_before(add):
             return _replace(graph, add, dict(args, residual=other))
     return False
+
+
+def _same_static_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes of plain sizes (a symbolic size is never matched: no guard is added)."""
+    sizes = (*a.shape, *b.shape)
+    return all(isinstance(size, int) for size in sizes) and tuple(a.shape) == tuple(b.shape)
 
 
 def _replace(graph: Graph, old: Node, args: dict[str, object]) -> bool:
