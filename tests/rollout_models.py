@@ -19,6 +19,8 @@ from transformers import (
     MistralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -29,7 +31,8 @@ EOS = 1
 HIDDEN = 64
 #: Init std per family: GPT-2 / OPT (learned positions, LayerNorm) need a larger one than the
 #: rotary families before greedy outputs stop repeating a single token.
-INIT = {"gpt2": 1.0, "opt": 1.0, "llama": 0.3, "qwen2": 0.3, "mistral": 0.3}
+INIT = {"gpt2": 1.0, "opt": 1.0, "llama": 0.3, "qwen2": 0.3, "mistral": 0.3, "phi3": 0.3}
+#: The families every-family tests run (phi3 is built for the tests that name it).
 FAMILIES = ("gpt2", "llama", "qwen2", "opt", "mistral")
 
 
@@ -63,6 +66,7 @@ def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Mod
             "llama": (LlamaConfig, LlamaForCausalLM),
             "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "mistral": (MistralConfig, MistralForCausalLM),
+            "phi3": (Phi3Config, Phi3ForCausalLM),
         }[family]
         kwargs = {
             "hidden_size": HIDDEN,

@@ -86,7 +86,7 @@ def _gemv(
 ):
     # A program reduces TILE_N rows of W: BLOCK_N output rows, or, gated, each output's gate
     # row and W row interleaved (one load stream and one accumulator, as many bytes in flight
-    # as the plain kernel; two streams were 1.5-2.7 µs a llama-8b layer slower, run Z).
+    # as the plain kernel; two streams were 1.5-5 µs a llama-8b layer slower, run Z).
     t = tl.arange(0, TILE_N)
     n = tl.program_id(0) * BLOCK_N + (t // 2 if GATED else t)
     n_ok = n < n_rows

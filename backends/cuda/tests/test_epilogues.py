@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Phi3Config, Phi3ForCausalLM
 
 pytest.importorskip("triton", reason="the kernel needs Triton (CUDA builds of torch ship it)")
 
@@ -65,27 +64,10 @@ def test_bad_epilogue_operands_are_refused():
         gemv.gemv(x, up, None, torch.zeros(3, device=DEVICE))
 
 
-def _phi3() -> torch.nn.Module:
-    """A tiny Phi-3: one gate/up projection of its own, chunked, the activation on the right."""
-    torch.manual_seed(0)
-    config = Phi3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return Phi3ForCausalLM(config).eval()
-
-
 def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
     """A transformers model's logits for one token through one-row products in compiled regions
     with a fresh pass, the pass's counts, and the eager logits."""
-    model = (_phi3() if family == "phi3" else tiny_model(family, fresh=True)).to(DEVICE)
+    model = tiny_model(family, fresh=True).to(DEVICE)
     fusion = ProjectionFusion(model) if fuse else None
     if fusion is not None:
         fusion.join(scan_model(model))
