@@ -1,13 +1,16 @@
 """Launch settings of the split-KV decode kernel on one H200 (issue 11, run N): which span scan,
 pipeline depth, block and warp count, and split policy read the written K/V fastest, per batch.
 
-    python3 benchmarks/split_kv_tuning_h200.py RESULTS.json [default,scan,pipeline,small]
+    python3 benchmarks/split_kv_tuning_h200.py RESULTS.json [default,scan,pipeline,small,loads]
 
 Same shapes and timing as ``split_kv_h200.py`` (CUDA-graph replays, 640-column cache, three
 fifths written); SDPA with ``enable_gqa`` is timed alongside as the baseline. Stages:
 ``scan`` (the span scan in blocks of columns, as before, against one wide read of the mask),
 ``pipeline`` (num_stages x num_warps x block_n at batch 64 and 256), ``small`` (the split count
-at batch 1: one program per row and K/V head, ``direct``, against more chunks and a combine).
+at batch 1: one program per row and K/V head, ``direct``, against more chunks and a combine),
+``loads`` (run AA: K/V loads bounded by the open span alone, ``SPAN_LOADS``, against loads
+that wait for each column's mask entry, at three fills, then the pipeline and split count
+again with span loads).
 """
 
 from __future__ import annotations
@@ -24,19 +27,27 @@ from split_kv_h200 import HBM_BYTES_PER_S, LENGTH, SHAPES, inputs
 from triton.runtime.errors import OutOfResources
 
 FILL = 0.6
-KNOBS = ("BLOCK_N", "BLOCK_N_FEW_ROWS", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM", "MAX_SCAN")
+KNOBS = (
+    "BLOCK_N",
+    "BLOCK_N_FEW_ROWS",
+    "NUM_WARPS",
+    "NUM_STAGES",
+    "PROGRAMS_PER_SM",
+    "MAX_SCAN",
+    "SPAN_LOADS",
+)
 
 
 def replay_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn)
 
 
-def time_case(shape: str, batch: int, sdpa: bool = False) -> dict:
+def time_case(shape: str, batch: int, sdpa: bool = False, fill: float = FILL) -> dict:
     heads, kv_heads, dim = SHAPES[shape]
-    written = int(LENGTH * FILL)
+    written = int(LENGTH * fill)
     q, k, v, _, additive = inputs(batch, heads, kv_heads, dim, written)
     us = replay_us(lambda: split_kv.split_kv_decode(q, k, v, additive, dim**-0.5, 0.0))
-    row = {"shape": shape, "batch": batch, "fill": FILL, "split_kv_us": us}
+    row = {"shape": shape, "batch": batch, "fill": fill, "split_kv_us": us}
     row["share_of_written_bytes"] = (
         2 * batch * kv_heads * dim * 2 * written / HBM_BYTES_PER_S / (us * 1e-6)
     )
@@ -49,7 +60,7 @@ def time_case(shape: str, batch: int, sdpa: bool = False) -> dict:
     return row
 
 
-def with_knobs(knobs: dict, cases) -> list[dict]:
+def with_knobs(knobs: dict, cases, fill: float = FILL) -> list[dict]:
     saved = {name: getattr(split_kv, name) for name in KNOBS}
     stage = knobs.pop("_stage")
     try:
@@ -58,7 +69,7 @@ def with_knobs(knobs: dict, cases) -> list[dict]:
         rows = []
         for shape, batch in cases:
             try:
-                timed = time_case(shape, batch)
+                timed = time_case(shape, batch, fill=fill)
             except OutOfResources as exc:  # e.g. 256-column blocks: too much shared memory
                 timed = {"shape": shape, "batch": batch, "error": str(exc)}
             row = {"stage": stage, **timed, **knobs}
@@ -107,6 +118,19 @@ def main() -> int:
                 for warps in (2, 4, 8):
                     knobs = {"PROGRAMS_PER_SM": programs, "BLOCK_N_FEW_ROWS": block_n}
                     rows += with_knobs({**knobs, "NUM_WARPS": warps, "_stage": "small"}, small)
+        out.write_text(json.dumps(report, indent=1))
+    if "loads" in stages:
+        for fill in (0.3, 0.6, 1.0):
+            for span in (0, 1):
+                rows += with_knobs({"SPAN_LOADS": span, "_stage": "loads"}, everything, fill)
+        out.write_text(json.dumps(report, indent=1))
+        for num_stages in (2, 3, 4):
+            for block_n in (32, 64, 128):
+                knobs = {"NUM_STAGES": num_stages, "BLOCK_N": block_n, "SPAN_LOADS": 1}
+                rows += with_knobs({**knobs, "_stage": "loads-pipeline"}, large)
+        for programs in (1, 2, 4, 8, 16):
+            knobs = {"PROGRAMS_PER_SM": programs, "SPAN_LOADS": 1, "_stage": "loads-splits"}
+            rows += with_knobs(knobs, everything)
         out.write_text(json.dumps(report, indent=1))
     return 0
 

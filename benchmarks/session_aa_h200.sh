@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# H200 run AA (issue 11): the split-KV kernel's K/V loads bounded by the open span alone
+# (split_kv.SPAN_LOADS) against loads that wait for each column's mask entry, cold caches:
+#   bash benchmarks/session_aa_h200.sh OUT loads   # kernel tests; the kernel alone; the step
+# "loads": the split-KV tests on the GPU; benchmarks/split_kv_tuning_h200.py's "loads" stage
+# (the kernel alone in CUDA-graph replays); graphcap bench of the compiled step at batch 64 and
+# 256 (benchmarks/bench_knobs.py) with split_kv.SPAN_LOADS=0 and as committed, one process
+# each. One tarball comes back (run-aa-PART.tar), rewritten after each part.
+set -uo pipefail
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+source benchmarks/device_env.sh
+cold_compile_caches
+part=$2
+work=/tmp/aa-$part
+mkdir -p "$work"
+keep() { tar -cf "$out/run-aa-$part.tar" -C /tmp "aa-$part"; }
+if [[ $part == loads ]]; then
+    timeout 120 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
+        backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-aa.log" 2>&1
+    tail -1 "$work/split-kv-tests-aa.log"
+    (cd benchmarks && timeout 220 $py split_kv_tuning_h200.py "$work/split-kv-loads-aa.json" \
+        loads >"$work/split-kv-loads-aa.log" 2>&1)
+    tail -3 "$work/split-kv-loads-aa.log"
+    keep
+    for variant in off=split_kv.SPAN_LOADS=0 span=; do
+        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-8b \
+            64,256 graphcap-graph-compiled "aa-${variant%%=*}" 70
+        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-8b-aa-${variant%%=*}.txt"
+        keep
+    done
+    for variant in off=split_kv.SPAN_LOADS=0 span=; do
+        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-1b \
+            64 graphcap-graph-compiled "aa-${variant%%=*}" 40
+        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-1b-aa-${variant%%=*}.txt"
+    done
+fi
+keep
