@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# H200 run AA (issue 11): the split-KV kernel's K/V loads bounded by the open span alone
-# (split_kv.SPAN_LOADS) against loads that wait for each column's mask entry, cold caches:
-#   bash benchmarks/session_aa_h200.sh OUT loads   # kernel tests; the kernel alone; the step
+# H200 run AA (issue 11): the split-KV kernel's loads and split count, cold caches:
+#   bash benchmarks/session_aa_h200.sh OUT loads    # commit b378ae1: span-bounded K/V loads
+#   bash benchmarks/session_aa_h200.sh OUT splits   # programs per SM and block width
 # "loads": the split-KV tests on the GPU; benchmarks/split_kv_tuning_h200.py's "loads" stage
 # (the kernel alone in CUDA-graph replays); graphcap bench of the compiled step at batch 64 and
-# 256 (benchmarks/bench_knobs.py) with split_kv.SPAN_LOADS=0 and as committed, one process
-# each. One tarball comes back (run-aa-PART.tar), rewritten after each part.
+# 256 (benchmarks/bench_knobs.py) with split_kv.SPAN_LOADS=0 and 1, one process each.
+# "splits": the tuning script's "splits" stage; the compiled step at batch 64 and 256 with
+# split_kv's PROGRAMS_PER_SM / BLOCK_N as committed and changed, one process each.
+# One tarball comes back (run-aa-PART.tar), rewritten after each part.
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
@@ -32,6 +34,25 @@ if [[ $part == loads ]]; then
     for variant in off=split_kv.SPAN_LOADS=0 span=; do
         GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-1b \
             64 graphcap-graph-compiled "aa-${variant%%=*}" 40
+        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-1b-aa-${variant%%=*}.txt"
+    done
+elif [[ $part == splits ]]; then
+    (cd benchmarks && timeout 200 $py split_kv_tuning_h200.py "$work/split-kv-splits-aa.json" \
+        splits >"$work/split-kv-splits-aa.log" 2>&1)
+    tail -1 "$work/split-kv-splits-aa.log"
+    keep
+    for variant in now= pps2=split_kv.PROGRAMS_PER_SM=2 \
+        pps2-b32=split_kv.PROGRAMS_PER_SM=2,split_kv.BLOCK_N=32; do
+        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-8b \
+            64,256 graphcap-graph-compiled "aa-${variant%%=*}" 70
+        echo "${variant%%=*}:"
+        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-8b-aa-${variant%%=*}.txt"
+        keep
+    done
+    for variant in now= pps2=split_kv.PROGRAMS_PER_SM=2; do
+        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-1b \
+            64 graphcap-graph-compiled "aa-${variant%%=*}" 40
+        echo "${variant%%=*}:"
         grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-1b-aa-${variant%%=*}.txt"
     done
 fi

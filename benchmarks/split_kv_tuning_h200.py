@@ -1,16 +1,17 @@
 """Launch settings of the split-KV decode kernel on one H200 (issue 11, run N): which span scan,
 pipeline depth, block and warp count, and split policy read the written K/V fastest, per batch.
 
-    python3 benchmarks/split_kv_tuning_h200.py RESULTS.json [default,scan,pipeline,small,loads]
+    python3 benchmarks/split_kv_tuning_h200.py RESULTS.json [default,scan,pipeline,small,splits]
 
 Same shapes and timing as ``split_kv_h200.py`` (CUDA-graph replays, 640-column cache, three
 fifths written); SDPA with ``enable_gqa`` is timed alongside as the baseline. Stages:
 ``scan`` (the span scan in blocks of columns, as before, against one wide read of the mask),
 ``pipeline`` (num_stages x num_warps x block_n at batch 64 and 256), ``small`` (the split count
 at batch 1: one program per row and K/V head, ``direct``, against more chunks and a combine),
-``loads`` (run AA: K/V loads bounded by the open span alone, ``SPAN_LOADS``, against loads
-that wait for each column's mask entry, at three fills, then the pipeline and split count
-again with span loads).
+``splits`` (run AA: the programs per multiprocessor that set the split count, and the block
+width, at batch 64 and 256 and three fills). Run AA's first call also timed K/V loads bounded
+by the open span alone against the kernel's loads masked by each column's entry (a stage
+``loads`` on commit b378ae1, knob ``SPAN_LOADS``): slower in every case, not kept.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ KNOBS = (
     "NUM_STAGES",
     "PROGRAMS_PER_SM",
     "MAX_SCAN",
-    "SPAN_LOADS",
 )
 
 
@@ -119,18 +119,12 @@ def main() -> int:
                     knobs = {"PROGRAMS_PER_SM": programs, "BLOCK_N_FEW_ROWS": block_n}
                     rows += with_knobs({**knobs, "NUM_WARPS": warps, "_stage": "small"}, small)
         out.write_text(json.dumps(report, indent=1))
-    if "loads" in stages:
+    if "splits" in stages:
         for fill in (0.3, 0.6, 1.0):
-            for span in (0, 1):
-                rows += with_knobs({"SPAN_LOADS": span, "_stage": "loads"}, everything, fill)
-        out.write_text(json.dumps(report, indent=1))
-        for num_stages in (2, 3, 4):
-            for block_n in (32, 64, 128):
-                knobs = {"NUM_STAGES": num_stages, "BLOCK_N": block_n, "SPAN_LOADS": 1}
-                rows += with_knobs({**knobs, "_stage": "loads-pipeline"}, large)
-        for programs in (1, 2, 4, 8, 16):
-            knobs = {"PROGRAMS_PER_SM": programs, "SPAN_LOADS": 1, "_stage": "loads-splits"}
-            rows += with_knobs(knobs, everything)
+            for programs in (1, 2, 4):
+                for block_n in (32, 64):
+                    knobs = {"PROGRAMS_PER_SM": programs, "BLOCK_N": block_n, "_stage": "splits"}
+                    rows += with_knobs(knobs, large, fill)
         out.write_text(json.dumps(report, indent=1))
     return 0
 

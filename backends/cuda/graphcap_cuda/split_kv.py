@@ -48,9 +48,6 @@ NUM_WARPS = 4
 NUM_STAGES: int | None = None
 #: Most columns of the mask the span scan reads at once (a power of two).
 MAX_SCAN = 1024
-#: Whether K/V loads are bounded by the open span only, not by each column's mask entry (so
-#: they need not wait for the mask's load); closed columns inside the span are then read.
-SPAN_LOADS = True
 
 
 @triton.jit
@@ -111,7 +108,6 @@ def _split_kv_partial(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SCAN_N: tl.constexpr,
-    SPAN_LOADS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # launched dependent (graphcap_cuda.launch): everything read may be the last kernel's
@@ -152,14 +148,9 @@ def _split_kv_partial(
         cols = first + n
         inside = cols < hi
         allowed, bias = _open_columns(mask_row, cols, inside, blocked, MASK_BOOL)
-        if SPAN_LOADS:  # the loads wait for no mask load; a closed column's V counts as zero
-            kv_mask = inside[:, None] & d_ok[None, :]
-        else:  # closed columns inside the span are not read
-            kv_mask = allowed[:, None] & d_ok[None, :]
+        kv_mask = allowed[:, None] & d_ok[None, :]  # closed columns inside the span: not read
         k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
-        if SPAN_LOADS:
-            v = tl.where(allowed[:, None], v, 0.0)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         if SOFTCAP:  # tanh(x / c) * c, with tanh(y) = 1 - 2 / (exp(2y) + 1)
             scores = softcap - 2.0 * softcap / (tl.exp(2.0 * scores / softcap) + 1.0)
@@ -365,7 +356,6 @@ def split_kv_decode(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         SCAN_N=scan_n,
-        SPAN_LOADS=SPAN_LOADS,
         PDL=pdl,
         num_warps=NUM_WARPS,
         launch_pdl=pdl,
