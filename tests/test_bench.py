@@ -303,6 +303,36 @@ def test_static_compile_that_compiled_nothing_and_compile_limits_and_budget(
     assert {r.status for r in spent.results} == {"skipped"} and "budget" in spent.results[0].reason
 
 
+def test_isolated_pairs_run_in_fresh_processes_and_fill_the_same_report(
+    backend: CPUBackend,
+) -> None:
+    lines: list[str] = []
+    names = ["graphcap-eager", "graphcap-graph"]
+    cfg = BenchConfig(batch_sizes=[1], modes=names, isolate=True, **{**SMALL, "repeats": 1})
+    result = run_benchmark(cfg, backend=backend, progress=lines.append)
+    assert [(r.mode, r.batch_size) for r in result.results] == [(n, 1) for n in names]
+    for r in result.results:
+        assert r.status == "ok" and r.first_call_s > 0 and len(r.steady_s) == 1, r.reason
+        assert r.decode_step_s > 0 and r.weight_bandwidth_gbps > 0
+        # The tokens came back from the children: fp32 graph replay equals the eager reference.
+        assert r.tokens_identical and r.first_call_tokens_identical and r.distinct_tokens
+    assert result.result("graphcap-graph", 1).captures == 1
+    # Each child builds its own model and reports its calls; the parent builds one after them.
+    builds = [i for i, line in enumerate(lines) if line.startswith("building ")]
+    pairs = [i for i, line in enumerate(lines) if " left] bs 1: " in line]
+    assert len(builds) == 3 and pairs[0] < builds[0] < pairs[1] < builds[1] < builds[2]
+    assert any(line.startswith("  steady 1: ") for line in lines)
+    assert result.config["isolate"] and "a fresh process per mode" in report.format_table(result)
+
+
+def test_a_failed_child_gives_its_pair_an_error_with_its_last_lines() -> None:
+    # The child looks the backend up by name: one only the parent has cannot be found there.
+    cfg = BenchConfig(batch_sizes=[1], modes=["graphcap-eager"], isolate=True, **SMALL)
+    (r,) = run_benchmark(cfg, backend=NoGraphBackend()).results
+    assert r.status == "error" and r.reason.startswith("child process exited with status 1")
+    assert "BackendSelectionError" in r.reason and "'no-graph'" in r.reason
+
+
 @pytest.mark.parametrize(("optimizer", "lr"), [("sgd", 1e-2), ("adamw", 1e-3)])
 def test_rl_loop_keeps_one_capture_across_in_place_updates(optimizer: str, lr: float) -> None:
     work = tiny(batch=2)

@@ -1,6 +1,6 @@
 """Compare rollout speed with and without graphs on this machine: transformers' generate (eager,
-static cache + torch.compile) against graphcap's eager and graph paths, one process, one model.
-See docs/benchmarks.md."""
+static cache + torch.compile) against graphcap's eager and graph paths, one process (or one per
+mode and batch size with --isolate), one model. See docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -67,6 +67,13 @@ class BenchConfig:
     budget_s: float | None = option(
         "time limit for the mode sweep; pairs not started in time are reported skipped", type=float
     )
+    isolate: bool = option(
+        "run each mode and batch size in a fresh Python process, so that none inherits another's "
+        "compiled code, allocator state or caches (costs one process start and model build per "
+        "pair; the backend is found again by name)",
+        False,
+        action="store_true",
+    )
     backend: str | None = option("graphcap backend name (default: $GRAPHCAP_BACKEND)")
     graph_attention: str = option("graph steps' attention: auto (backend's), model, a name", "auto")
     fuse_projections: bool = option(

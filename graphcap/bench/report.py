@@ -176,10 +176,11 @@ def _mode_row(r: ModeResult) -> list[str]:
 def format_table(report: BenchReport) -> str:
     """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
     cfg, model, backend = report.config, report.model, report.backend
+    where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
     lines = [
         f"graphcap bench: {cfg['model']} ({model['architecture']}, "
         f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
-        f"{backend['device_name']} [backend {backend['name']}]",
+        f"{backend['device_name']} [backend {backend['name']}], {where}",
         f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
         f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
         f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "

@@ -4,12 +4,19 @@ the steady state an RL run pays per rollout is the median, min and max of ``repe
 
 from __future__ import annotations
 
+import collections
+import functools
 import gc
+import json
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,12 +26,14 @@ import graphcap
 from graphcap.backend import Backend
 from graphcap.bench import models
 from graphcap.bench.config import BenchConfig, resolve
-from graphcap.bench.modes import MODES, Workload, compile_counts, spread, timed_call
+from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
 from graphcap.bench.report import ERROR, FALLBACK, OK, SKIPPED, UNSUPPORTED, BenchReport, ModeResult
 
 #: Fewer distinct response tokens than this in the reference makes agreement nearly vacuous.
 MIN_DISTINCT_TOKENS = 4
 REFERENCES = ("graphcap-eager", "hf-eager")
+#: Lines of a failed child's output (stderr included) kept as its result's reason.
+CHILD_REASON_LINES = 8
 
 
 def run_benchmark(
@@ -33,66 +42,28 @@ def run_benchmark(
     backend: Backend | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
-    """Every selected mode at every batch size (same process, model and prompts, so ratios are
-    comparable); ``progress`` receives one line per step of the run."""
+    """Every selected mode at every batch size (same model and prompts, so ratios are
+    comparable; one process, or a fresh one per pair with ``isolate``); ``progress`` receives one
+    line per step of the run."""
     backend = backend or graphcap.get_backend(config.backend if config else None)
     cfg, say = resolve(config or BenchConfig(), backend), progress or (lambda _line: None)
-    threads, started, device = torch.get_num_threads(), time.monotonic(), backend.device
+    threads, started = torch.get_num_threads(), time.monotonic()
     torch.set_num_threads(cfg.threads or threads)
     try:
-        say(f"building {cfg.model} ({cfg.dtype}) on {device}")
-        dtype, name = models.DTYPES[cfg.dtype], models.device_name(backend)
-        model = models.build_model(
-            cfg.model, dtype=dtype, device=device, seed=cfg.seed, backend_seed=backend.manual_seed
-        )
-        peak = models.peak_bandwidth(name, cfg.peak_bandwidth)
-        report = BenchReport(
-            environment={
-                **{m.__name__: m.__version__ for m in (graphcap, torch, transformers)},
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            },
-            backend={**backend.describe(), "device_name": name},
-            config=asdict(cfg),
-            model=models.describe_model(model),
-            weight_bytes_per_step=models.weight_bytes_per_step(model),
-            peak_bandwidth_gbps=None if peak is None else peak / 1e9,
-            reference_mode=next((m for m in REFERENCES if m in cfg.modes), None),
-        )
-        with torch.no_grad():  # one forward first: the first mode must not pay device start-up
-            model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
-        backend.synchronize()
+        # Isolated pairs run before this process builds its model: none shares the device with it.
+        in_child = functools.partial(_run_child, cfg, backend.name, say)
+        isolated = _sweep(cfg, started, say, in_child) if cfg.isolate else None
+        report, workload = _prepare(cfg, backend, say)
 
-        def workload(batch: int, slots: int | None = None) -> Workload:
-            vocab = model.config.vocab_size
-            ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
-            attention = None if cfg.graph_attention == "model" else cfg.graph_attention
-            return Workload(
-                model, backend, ids, mask, cfg.new_tokens, slots, attention, cfg.fuse_projections
-            )
+        def in_process(bs: int, mode: str) -> tuple[ModeResult, Any]:
+            return _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
 
-        compiled = cfg.compile_batch_sizes or cfg.batch_sizes
-        pairs = [
-            (b, m)
-            for b in cfg.batch_sizes
-            for m in cfg.modes
-            if b in compiled or not MODES[m].compiles
-        ]
-        outputs: dict[tuple[str, int], tuple[Any, Any]] = {}
-        for done, (bs, mode) in enumerate(pairs):
-            if cfg.budget_s is not None and time.monotonic() - started > cfg.budget_s:
-                reason = f"time budget of {cfg.budget_s:g} s spent"
-                report.results.append(ModeResult(mode, bs, SKIPPED, reason))
-                continue
-            say(f"[{done + 1}/{len(pairs)}, {len(pairs) - done - 1} left] bs {bs}: {mode}")
-            result, calls = _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
-            report.results.append(result)
-            if calls is not None:
-                outputs[mode, bs] = calls
-            if step := result.decode_step_s:  # the roofline: weight bytes a step reads / step time
-                result.weight_bandwidth_gbps = gbps = report.weight_bytes_per_step / step / 1e9
-                result.bandwidth_fraction = None if peak is None else gbps * 1e9 / peak
+        report.results, outputs = isolated or _sweep(cfg, started, say, in_process)
+        for result in report.results:  # the roofline: weight bytes a step reads / step time
+            if step := result.decode_step_s:
+                gbps = result.weight_bandwidth_gbps = report.weight_bytes_per_step / step / 1e9
+                peak = report.peak_bandwidth_gbps
+                result.bandwidth_fraction = None if peak is None else gbps / peak
         _agreement(report, outputs)
         fill_ratios(report.results)
         if cfg.rl_loop:
@@ -111,6 +82,114 @@ def run_benchmark(
         return report
     finally:
         torch.set_num_threads(threads)
+
+
+def _prepare(
+    cfg: BenchConfig, backend: Backend, say: Callable[[str], None]
+) -> tuple[BenchReport, Callable[..., Workload]]:
+    """Build the model: an empty report describing the run, and a workload builder (batch
+    size, continuous slots) on that model."""
+    say(f"building {cfg.model} ({cfg.dtype}) on {backend.device}")
+    dtype, name, device = models.DTYPES[cfg.dtype], models.device_name(backend), backend.device
+    model = models.build_model(
+        cfg.model, dtype=dtype, device=device, seed=cfg.seed, backend_seed=backend.manual_seed
+    )
+    peak = models.peak_bandwidth(name, cfg.peak_bandwidth)
+    report = BenchReport(
+        environment={
+            **{m.__name__: m.__version__ for m in (graphcap, torch, transformers)},
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        backend={**backend.describe(), "device_name": name},
+        config=asdict(cfg),
+        model=models.describe_model(model),
+        weight_bytes_per_step=models.weight_bytes_per_step(model),
+        peak_bandwidth_gbps=None if peak is None else peak / 1e9,
+        reference_mode=next((m for m in REFERENCES if m in cfg.modes), None),
+    )
+    with torch.no_grad():  # one forward first: the first mode must not pay device start-up
+        model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
+    backend.synchronize()
+
+    def workload(batch: int, slots: int | None = None) -> Workload:
+        vocab = model.config.vocab_size
+        ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
+        attention = None if cfg.graph_attention == "model" else cfg.graph_attention
+        return Workload(
+            model, backend, ids, mask, cfg.new_tokens, slots, attention, cfg.fuse_projections
+        )
+
+    return report, workload
+
+
+def _sweep(
+    cfg: BenchConfig,
+    started: float,
+    say: Callable[[str], None],
+    run_pair: Callable[[int, str], tuple[ModeResult, Any]],
+) -> tuple[list[ModeResult], dict[tuple[str, int], tuple[Any, Any]]]:
+    """Every (batch size, mode) pair in order, measured by ``run_pair`` while the time budget
+    lasts (the rest are skipped); the results, and the first and last calls by (mode, size)."""
+    compiled = cfg.compile_batch_sizes or cfg.batch_sizes
+    pairs = [
+        (b, m) for b in cfg.batch_sizes for m in cfg.modes if b in compiled or not MODES[m].compiles
+    ]
+    results: list[ModeResult] = []
+    outputs: dict[tuple[str, int], tuple[Any, Any]] = {}
+    for done, (bs, mode) in enumerate(pairs):
+        if cfg.budget_s is not None and time.monotonic() - started > cfg.budget_s:
+            reason = f"time budget of {cfg.budget_s:g} s spent"
+            results.append(ModeResult(mode, bs, SKIPPED, reason))
+            continue
+        say(f"[{done + 1}/{len(pairs)}, {len(pairs) - done - 1} left] bs {bs}: {mode}")
+        result, calls = run_pair(bs, mode)
+        results.append(result)
+        if calls is not None:
+            outputs[mode, bs] = calls
+    return results, outputs
+
+
+def _run_child(
+    cfg: BenchConfig, backend: str, say: Callable[[str], None], bs: int, mode: str
+) -> tuple[ModeResult, Any]:
+    """One pair in a fresh process (``python -m graphcap.bench.run``), so that it inherits no
+    other mode's compiled code, allocator state or caches; its output lines go to ``say``, and
+    the last ones are the reason of the ERROR result a failed child gives."""
+    only = {"batch_sizes": [bs], "modes": [mode], "compile_batch_sizes": None, "rl_loop": 0}
+    child = replace(cfg, **only, budget_s=None, isolate=False, backend=backend)
+    with tempfile.TemporaryDirectory(prefix="graphcap-bench-") as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(asdict(child)))
+        command = [sys.executable, "-m", "graphcap.bench.run", folder]
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        tail: collections.deque[str] = collections.deque(maxlen=CHILD_REASON_LINES)
+        for line in proc.stdout or ():
+            say(line.rstrip())
+            if line.strip():
+                tail.append(line.rstrip())
+        if proc.wait() != 0:
+            reason = f"child process exited with status {proc.returncode}: " + "\n".join(tail)
+            return ModeResult(mode, bs, ERROR, reason), None
+        saved = torch.load(Path(folder) / "result.pt", weights_only=True)
+    tokens = saved["tokens"]
+    calls = None if tokens is None else tuple(CallOutput(t, None, None) for t in tokens)
+    return ModeResult(**saved["result"]), calls
+
+
+def _child_main(folder: str) -> None:
+    """A child of :func:`_run_child`: its one pair, measured as in-process runs measure theirs."""
+    cfg = BenchConfig(**json.loads((Path(folder) / "config.json").read_text()))
+    backend, say = graphcap.get_backend(cfg.backend), functools.partial(print, flush=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _, workload = _prepare(cfg, backend, say)
+    (bs,), (mode,) = cfg.batch_sizes, cfg.modes
+    result, calls = _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
+    tokens = None if calls is None else [c.tokens.cpu() for c in calls]
+    torch.save({"result": asdict(result), "tokens": tokens}, Path(folder) / "result.pt")
 
 
 def _run_mode(
@@ -210,3 +289,7 @@ def fill_ratios(results: list[ModeResult]) -> None:
             eager, static = (base.get((m, r.batch_size)) for m in ("hf-eager", "hf-static-compile"))
             r.speedup_vs_hf_eager = eager / r.steady_median_s if eager else None
             r.speedup_vs_hf_static_compile = static / r.steady_median_s if static else None
+
+
+if __name__ == "__main__":  # _run_child's entry point
+    _child_main(sys.argv[1])
