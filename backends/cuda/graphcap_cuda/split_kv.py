@@ -31,13 +31,20 @@ import triton.language as tl
 
 from graphcap_cuda import launch
 
-#: Columns per block (the unit of each K/V load) when the rows and K/V heads alone fill the
-#: device, and when they do not (batch 1: fewer, longer chunks). Measured on the H200
-#: (benchmarks/split_kv_h200.py's sweep, docs/benchmarks.md).
-BLOCK_N = 64
+#: Bytes of one K (or V) block (the unit of each load) when the rows and K/V heads alone fill
+#: the device: 32 columns at head_dim 128 in bf16, 64 at head_dim 64. Run AA's sweep
+#: (split-kv-splits-aa.json, three fifths written): llama-8b batch 64 33.7 -> 28.3 µs a layer
+#: with 32 columns instead of 64, llama-1b 13.9 µs with 64 against 16.3 with 32; batch 256
+#: within 1% on llama-8b, and 64 columns best on llama-1b. The byte count, not the column
+#: count, is what both shapes agree on.
+BLOCK_BYTES = 8192
+#: Columns per block when they do not (batch 1: fewer, longer chunks; run N's sweep).
 BLOCK_N_FEW_ROWS = 128
-#: Programs to aim for per launch (a few per multiprocessor) when choosing the split count.
-PROGRAMS_PER_SM = 4
+#: Programs to aim for per launch when choosing the split count. Two a multiprocessor give
+#: batch 64 (512 rows x K/V heads on the H200's 132) one chunk per row and K/V head: 36.0 ->
+#: 28.3 µs a layer on llama-8b, 19.6 -> 13.8 on llama-1b (run AA) against four and two chunks.
+#: Batch 1 keeps its chunks (the span's blocks are fewer than the programs wanted either way).
+PROGRAMS_PER_SM = 2
 #: Most bytes of one K (or V) block: 128 columns of bf16 at head_dim 128. Wider heads (256) or
 #: fp32 take fewer columns a block, or the pipelined loads outgrow shared memory (an fp32 test
 #: at head_dim 80 asked for 278,528 bytes of the H200's 232,448 in run Q).
@@ -253,12 +260,14 @@ def _combine(
 
 
 def launch_shape(
-    rows: int, kv_heads: int, length: int, device: torch.device, block_bytes: int = 0
+    rows: int, kv_heads: int, length: int, device: torch.device, block_bytes: int
 ) -> tuple[int, int]:
     """(columns per block, chunks per row and K/V head): enough programs to fill the device.
-    ``block_bytes``: one column of a K block as loaded (padded head_dim x element size)."""
+    ``block_bytes``: one column of a K block as loaded (padded head_dim x element size, a power
+    of two)."""
     sms = launch.multiprocessors(device)
-    block_n = BLOCK_N if rows * kv_heads >= sms else BLOCK_N_FEW_ROWS
+    fill = rows * kv_heads >= sms
+    block_n = BLOCK_N_FEW_ROWS if not fill else max(16, BLOCK_BYTES // block_bytes)
     while block_n > 16 and block_n * block_bytes > MAX_BLOCK_BYTES:
         block_n //= 2
     blocks = triton.cdiv(length, block_n)

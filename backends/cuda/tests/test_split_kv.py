@@ -20,7 +20,7 @@ pytest.importorskip(
 
 from graphcap_cuda import CUDABackend, plugin, split_kv
 from graphcap_cuda.attention import SPLIT_KV, register_attention, softcapped_attention
-from graphcap_cuda.split_kv import BLOCK_N, split_kv_decode
+from graphcap_cuda.split_kv import split_kv_decode
 from test_gqa_attention import MODELS, check_captured_steps_equal_eager
 
 from graphcap.cpu import CPUBackend
@@ -28,6 +28,9 @@ from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 register_attention(SPLIT_KV)
 
+#: Columns the test caches are laid out in (padding, holes and prefixes over whole blocks of
+#: the launch shapes' widths and not).
+BLOCK_N = 64
 #: Under the interpreter the kernel takes CPU tensors; compiled, it takes CUDA ones.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -75,11 +78,14 @@ def test_kernel_equals_sdpa(rows, heads, kv_heads, length, dim, form):
 @pytest.mark.parametrize("rows", [1, 256])
 @pytest.mark.parametrize("head_dim,itemsize", [(64, 2), (128, 2), (256, 2), (128, 4), (256, 4)])
 def test_blocks_stay_within_shared_memory(rows, head_dim, itemsize):
-    """Wide heads and fp32 take fewer columns a block; the tuned bf16 blocks stay as tuned."""
-    block_n, _ = split_kv.launch_shape(rows, 8, 640, torch.device("cpu"), head_dim * itemsize)
-    assert block_n * head_dim * itemsize <= split_kv.MAX_BLOCK_BYTES
-    if head_dim * itemsize <= 256:
-        assert block_n == (split_kv.BLOCK_N if rows > 16 else split_kv.BLOCK_N_FEW_ROWS)
+    """Wide heads and fp32 take fewer columns a block; the tuned bf16 blocks stay as tuned:
+    as many bytes a block when rows fill the device, as many columns when they do not."""
+    column = head_dim * itemsize
+    block_n, _ = split_kv.launch_shape(rows, 8, 640, torch.device("cpu"), column)
+    assert block_n * column <= split_kv.MAX_BLOCK_BYTES and block_n >= 16
+    if column <= 256:
+        wanted = split_kv.BLOCK_BYTES // column if rows > 16 else split_kv.BLOCK_N_FEW_ROWS
+        assert block_n == wanted
 
 
 def test_softcapping_equals_the_eager_formula():
@@ -90,7 +96,7 @@ def test_softcapping_equals_the_eager_formula():
 
 
 #: 0: one chunk per row, no combine; 64: more chunks than the span has blocks
-CHUNKINGS = [4, 0, 64]
+CHUNKINGS = [split_kv.PROGRAMS_PER_SM, 0, 64]
 
 
 @pytest.mark.parametrize("programs_per_sm", CHUNKINGS)
@@ -123,7 +129,7 @@ def test_the_last_chunk_combines_and_leaves_the_counts_at_zero():
     """Several chunks per row and K/V head in one launch: the output is the reference's on
     every launch (a replay relies on it), and the arrival counts are zero after each."""
     q, k, v, valid = _case(3, 8, 2, 6 * BLOCK_N, 16, torch.float32, seed=11)
-    splits = split_kv.launch_shape(3, 2, 6 * BLOCK_N, q.device)[1]
+    splits = split_kv.launch_shape(3, 2, 6 * BLOCK_N, q.device, 16 * 4)[1]
     assert splits > 1
     counts = split_kv.arrival_counts(q.device, 3 * 2)
     for scale in (0.3, 0.3, 0.7):
