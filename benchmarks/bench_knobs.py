@@ -6,7 +6,8 @@ changed, so variants of a step are timed with the same command (issue 11, run T)
 
 Each knob is ``module.NAME=value`` (a graphcap_cuda module), ``graphcap.path.module.NAME=value``
 (a core module) or ``inductor.path.to.name=value`` (``torch._inductor.config``); values are
-integers (0 / 1 for flags).
+integers (0 / 1 for flags). ``blas=NAME`` sets ``torch.backends.cuda.preferred_blas_library``
+(``cublas`` or ``cublaslt``; run AA).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib
 import os
 import sys
 
+import torch
 import torch._inductor.config
 
 from graphcap.bench.command import main
@@ -23,6 +25,10 @@ from graphcap.bench.command import main
 def apply(knobs: str) -> None:
     for knob in filter(None, knobs.split(",")):
         path, value = knob.split("=")
+        if path == "blas":
+            torch.backends.cuda.preferred_blas_library(value)
+            print(f"knob blas: {torch.backends.cuda.preferred_blas_library()}", file=sys.stderr)
+            continue
         *owner, name = path.split(".")
         if owner[0] == "inductor":
             target = torch._inductor.config

@@ -2,11 +2,15 @@
 # H200 run AA (issue 11): the split-KV kernel's loads and split count, cold caches:
 #   bash benchmarks/session_aa_h200.sh OUT loads    # commit b378ae1: span-bounded K/V loads
 #   bash benchmarks/session_aa_h200.sh OUT splits   # programs per SM and block width
+#   bash benchmarks/session_aa_h200.sh OUT blas     # tests; warps x stages; cuBLASLt products
 # "loads": the split-KV tests on the GPU; benchmarks/split_kv_tuning_h200.py's "loads" stage
 # (the kernel alone in CUDA-graph replays); graphcap bench of the compiled step at batch 64 and
 # 256 (benchmarks/bench_knobs.py) with split_kv.SPAN_LOADS=0 and 1, one process each.
 # "splits": the tuning script's "splits" stage; the compiled step at batch 64 and 256 with
 # split_kv's PROGRAMS_PER_SM / BLOCK_N as committed and changed, one process each.
+# "blas": the split-KV and attention tests on the GPU; the tuning script's "warps" stage; the
+# compiled step at batch 64 and 256 with cuBLAS (as committed) and cuBLASLt products
+# (torch.backends.cuda.preferred_blas_library), one process each.
 # One tarball comes back (run-aa-PART.tar), rewritten after each part.
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -54,6 +58,22 @@ elif [[ $part == splits ]]; then
             64 graphcap-graph-compiled "aa-${variant%%=*}" 40
         echo "${variant%%=*}:"
         grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-1b-aa-${variant%%=*}.txt"
+    done
+elif [[ $part == blas ]]; then
+    timeout 150 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
+        backends/cuda/tests/test_split_kv_cuda.py backends/cuda/tests/test_gqa_attention_cuda.py \
+        >"$work/attention-tests-aa.log" 2>&1
+    tail -1 "$work/attention-tests-aa.log"
+    (cd benchmarks && timeout 150 $py split_kv_tuning_h200.py "$work/split-kv-warps-aa.json" \
+        warps >"$work/split-kv-warps-aa.log" 2>&1)
+    tail -1 "$work/split-kv-warps-aa.log"
+    keep
+    for variant in cublas= cublaslt=blas=cublaslt; do
+        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-8b \
+            64,256 graphcap-graph-compiled "aa-${variant%%=*}" 70
+        echo "${variant%%=*}:"
+        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-8b-aa-${variant%%=*}.txt"
+        keep
     done
 fi
 keep

@@ -1,17 +1,20 @@
-"""Launch settings of the split-KV decode kernel on one H200 (issue 11, run N): which span scan,
-pipeline depth, block and warp count, and split policy read the written K/V fastest, per batch.
+"""Launch settings of the split-KV decode kernel on one H200 (issue 11, runs N and AA): which
+span scan, pipeline depth, block and warp count, and split policy read the written K/V fastest.
 
-    python3 benchmarks/split_kv_tuning_h200.py RESULTS.json [default,scan,pipeline,small,splits]
+    python3 benchmarks/split_kv_tuning_h200.py RESULTS.json [STAGE,...]
 
 Same shapes and timing as ``split_kv_h200.py`` (CUDA-graph replays, 640-column cache, three
 fifths written); SDPA with ``enable_gqa`` is timed alongside as the baseline. Stages:
-``scan`` (the span scan in blocks of columns, as before, against one wide read of the mask),
-``pipeline`` (num_stages x num_warps x block_n at batch 64 and 256), ``small`` (the split count
-at batch 1: one program per row and K/V head, ``direct``, against more chunks and a combine),
-``splits`` (run AA: the programs per multiprocessor that set the split count, and the block
-width, at batch 64 and 256 and three fills). Run AA's first call also timed K/V loads bounded
-by the open span alone against the kernel's loads masked by each column's entry (a stage
-``loads`` on commit b378ae1, knob ``SPAN_LOADS``): slower in every case, not kept.
+``default``; ``scan`` (the span scan in blocks of columns, as before, against one wide read of
+the mask); ``pipeline`` (num_stages x num_warps x block size at batch 64 and 256); ``small``
+(the split count at batch 1: one program per row and K/V head, ``direct``, against more chunks
+and a combine); ``splits`` (run AA: programs per multiprocessor, which set the split count, x
+block size, at batch 64 and 256 and three fills); ``warps`` (run AA: pipeline depth x warps
+with the defaults that came of it). Runs N and AA swept blocks in columns (``BLOCK_N``, at
+their commits; AA's ``splits`` on 0dacdb1 with 32 and 64 columns); the kernel now sizes them
+in bytes. Run AA's first call also timed K/V loads bounded by the open span alone against the
+kernel's loads masked by each column's entry (stage ``loads`` on commit b378ae1, knob
+``SPAN_LOADS``): slower in every case, not kept.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 FILL = 0.6
 KNOBS = (
-    "BLOCK_N",
+    "BLOCK_BYTES",
     "BLOCK_N_FEW_ROWS",
     "NUM_WARPS",
     "NUM_STAGES",
@@ -108,8 +111,12 @@ def main() -> int:
     if "pipeline" in stages:
         for num_stages in (1, 2, 3, 4):
             for warps in (4, 8):
-                for block_n in (32, 64, 128):
-                    knobs = {"NUM_STAGES": num_stages, "NUM_WARPS": warps, "BLOCK_N": block_n}
+                for block_bytes in (4096, 8192, 16384):
+                    knobs = {
+                        "NUM_STAGES": num_stages,
+                        "NUM_WARPS": warps,
+                        "BLOCK_BYTES": block_bytes,
+                    }
                     rows += with_knobs({**knobs, "_stage": "pipeline"}, large)
             out.write_text(json.dumps(report, indent=1))
     if "small" in stages:
@@ -122,9 +129,15 @@ def main() -> int:
     if "splits" in stages:
         for fill in (0.3, 0.6, 1.0):
             for programs in (1, 2, 4):
-                for block_n in (32, 64):
-                    knobs = {"PROGRAMS_PER_SM": programs, "BLOCK_N": block_n, "_stage": "splits"}
-                    rows += with_knobs(knobs, large, fill)
+                for block_bytes in (8192, 16384):
+                    knobs = {"PROGRAMS_PER_SM": programs, "BLOCK_BYTES": block_bytes}
+                    rows += with_knobs({**knobs, "_stage": "splits"}, large, fill)
+        out.write_text(json.dumps(report, indent=1))
+    if "warps" in stages:
+        for num_stages in (2, 3, 4, 5):
+            for warps in (2, 4, 8):
+                knobs = {"NUM_STAGES": num_stages, "NUM_WARPS": warps, "_stage": "warps"}
+                rows += with_knobs(knobs, large)
         out.write_text(json.dumps(report, indent=1))
     return 0
 
