@@ -6,8 +6,8 @@ changed, so variants of a step are timed with the same command (issue 11, run T)
 
 Each knob is ``module.NAME=value`` (a graphcap_cuda module), ``graphcap.path.module.NAME=value``
 (a core module) or ``inductor.path.to.name=value`` (``torch._inductor.config``); values are
-integers (0 / 1 for flags). ``blas=NAME`` sets ``torch.backends.cuda.preferred_blas_library``
-(``cublas`` or ``cublaslt``; run AA).
+integers (0 / 1 for flags) or ``none``. ``blas=NAME`` sets
+``torch.backends.cuda.preferred_blas_library`` (``cublas`` or ``cublaslt``; run AA).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def apply(knobs: str) -> None:
         else:
             target = importlib.import_module("graphcap_cuda." + ".".join(owner))
         old = getattr(target, name)
-        setattr(target, name, type(old)(int(value)))
+        setattr(target, name, None if value == "none" else type(old)(int(value)))
         print(f"knob {path}: {old!r} -> {getattr(target, name)!r}", file=sys.stderr)
 
 

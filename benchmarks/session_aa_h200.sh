@@ -3,6 +3,7 @@
 #   bash benchmarks/session_aa_h200.sh OUT loads    # commit b378ae1: span-bounded K/V loads
 #   bash benchmarks/session_aa_h200.sh OUT splits   # programs per SM and block width
 #   bash benchmarks/session_aa_h200.sh OUT blas     # tests; warps x stages; cuBLASLt products
+#   bash benchmarks/session_aa_h200.sh OUT final    # issue 11's figures; HF ratio with --isolate
 # "loads": the split-KV tests on the GPU; benchmarks/split_kv_tuning_h200.py's "loads" stage
 # (the kernel alone in CUDA-graph replays); graphcap bench of the compiled step at batch 64 and
 # 256 (benchmarks/bench_knobs.py) with split_kv.SPAN_LOADS=0 and 1, one process each.
@@ -11,6 +12,12 @@
 # "blas": the split-KV and attention tests on the GPU; the tuning script's "warps" stage; the
 # compiled step at batch 64 and 256 with cuBLAS (as committed) and cuBLASLt products
 # (torch.backends.cuda.preferred_blas_library), one process each.
+# "final": llama-8b batch 1 with HF static + compile, the default graph and the compiled step,
+# each in its own process (graphcap bench --isolate; cold caches, first in the call), then in
+# one process as runs U-Z took it; llama-8b 64 / 256 and llama-1b 1 / 64 / 256 compiled; the
+# CUDA backend and device rollout tests (fp32 tokens of graph paths); the conformance suite;
+# the compiled step with backend.CAPTURE_BLAS=none (torch's cuBLAS) at the sizes where
+# cuBLASLt was not timed.
 # One tarball comes back (run-aa-PART.tar), rewritten after each part.
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -75,5 +82,31 @@ elif [[ $part == blas ]]; then
         grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-8b-aa-${variant%%=*}.txt"
         keep
     done
+elif [[ $part == final ]]; then
+    timeout 240 $py -m graphcap.bench --model llama-8b --batch-sizes 1 --prompt-len 128 \
+        --new-tokens 512 --repeats 3 --warmup 1 --fuse-projections --isolate \
+        --modes hf-static-compile,graphcap-graph,graphcap-graph-compiled \
+        --json "$work/bench-llama-8b-bs1-isolated-aa.json" >"$work/bench-llama-8b-bs1-isolated-aa.txt" 2>&1
+    grep -E '^(graphcap|hf)-' "$work/bench-llama-8b-bs1-isolated-aa.txt"
+    keep
+    shown_bench "$work" llama-8b 64,256 graphcap-graph-compiled bs64-256-aa 90
+    keep
+    shown_bench "$work" llama-1b 1,64,256 graphcap-graph-compiled bs1-64-256-aa 70
+    keep
+    timeout 100 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_cuda_backend.py \
+        >"$work/backend-tests-aa.log" 2>&1
+    tail -1 "$work/backend-tests-aa.log"
+    timeout 130 $py -m pytest -q -rs -m device -p no:cacheprovider tests/test_device_rollout.py \
+        -k "greedy_graph_equals or compiled or continuous or per_position" \
+        >"$work/device-tests-aa.log" 2>&1
+    tail -1 "$work/device-tests-aa.log"
+    keep
+    timeout 100 $py -m graphcap.testing -q --graphcap-json "$work/cuda-h200.json" \
+        >"$work/conformance-aa.log" 2>&1
+    tail -1 "$work/conformance-aa.log"
+    keep
+    GRAPHCAP_KNOBS=backend.CAPTURE_BLAS=none step_bench "$work" benchmarks/bench_knobs.py \
+        llama-1b 64,256 graphcap-graph-compiled aa-cublas 40
+    grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-1b-aa-cublas.txt"
 fi
 keep

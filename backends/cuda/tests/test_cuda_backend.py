@@ -178,3 +178,59 @@ def test_failed_capture_restores_the_stream_and_says_why() -> None:
     assert torch.cuda.current_stream() == before
     assert not backend.is_current_stream_capturing()
     assert (x + 1).sum().item() == 8.0
+
+
+def test_captures_choose_their_blas_library_and_restore_torchs(monkeypatch) -> None:
+    """A capture's products run on CAPTURE_BLAS; torch's setting is back after it (also when
+    the capture fails), and a build that cannot use the library keeps its own."""
+    from graphcap_cuda import backend as cuda_backend
+
+    chosen, calls = ["cublas"], []
+
+    def preferred(library=None):
+        if library is not None:
+            if library == "missing":
+                raise RuntimeError("Cannot set preferred backend")
+            calls.append(library)
+            chosen[0] = library
+        return chosen[0]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    seen = []
+
+    class Capture:
+        def __enter__(self):
+            seen.append(chosen[0])
+
+        def __exit__(self, *exc):
+            return False
+
+    with cuda_backend.with_blas_library("cublaslt", Capture()):
+        pass
+    with pytest.raises(ValueError), cuda_backend.with_blas_library("cublaslt", Capture()):
+        raise ValueError("capture failed")
+    with cuda_backend.with_blas_library("missing", Capture()):
+        pass
+    with cuda_backend.with_blas_library(None, Capture()):
+        pass
+    assert seen == ["cublaslt", "cublaslt", "cublas", "cublas"] and chosen == ["cublas"]
+    assert cuda_backend.CAPTURE_BLAS == "cublaslt"
+
+
+@needs_cuda
+def test_a_capture_runs_on_cublaslt_and_leaves_torchs_setting() -> None:
+    backend, before = CUDABackend(), torch.backends.cuda.preferred_blas_library()
+    a = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    out = a @ b
+    side = backend.capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = backend.create_graph()
+    with backend.capture_to_graph(graph, stream=side):
+        inside = torch.backends.cuda.preferred_blas_library()
+        out.copy_(a @ b)
+    backend.replay_graph(graph)
+    torch.cuda.synchronize()
+    assert str(inside).lower().endswith("cublaslt")
+    assert torch.backends.cuda.preferred_blas_library() == before
+    torch.testing.assert_close(out, (a.float() @ b.float()).to(out.dtype), rtol=2e-2, atol=2e-2)
