@@ -16,7 +16,8 @@
 # each in its own process (graphcap bench --isolate; cold caches, first in the call), then in
 # one process as runs U-Z took it; llama-8b 64 / 256 and llama-1b 1 / 64 / 256 compiled; the
 # CUDA backend and device rollout tests (fp32 tokens of graph paths); the conformance suite;
-# the compiled step with backend.CAPTURE_BLAS=none (torch's cuBLAS) at the sizes where
+# a profile of llama-8b's compiled step at batch 64; the compiled step with
+# backend.CAPTURE_BLAS=none (torch's cuBLAS) at the sizes where
 # cuBLASLt was not timed.
 # One tarball comes back (run-aa-PART.tar), rewritten after each part.
 set -uo pipefail
@@ -104,6 +105,10 @@ elif [[ $part == final ]]; then
     timeout 100 $py -m graphcap.testing -q --graphcap-json "$work/cuda-h200.json" \
         >"$work/conformance-aa.log" 2>&1
     tail -1 "$work/conformance-aa.log"
+    keep
+    timeout 70 $py benchmarks/profile_decode.py "$work/profile-decode-aa-bs64.json" --fast \
+        --cases llama-8b:bf16:64 --new-tokens 256 >"$work/profile-aa.log" 2>&1
+    grep -E '"(kernels_per_step|device_ms_per_step|decode_ms_per_step_wall)"' "$work/profile-aa.log"
     keep
     GRAPHCAP_KNOBS=backend.CAPTURE_BLAS=none step_bench "$work" benchmarks/bench_knobs.py \
         llama-1b 64,256 graphcap-graph-compiled aa-cublas 40
