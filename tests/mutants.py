@@ -257,6 +257,20 @@ PLANTS = (
         ("backends/cuda/tests/test_cuda_backend.py",),
     ),
     Plant(
+        "a capture leaves its BLAS library set after it",
+        "backends/cuda/graphcap_cuda/backend.py",
+        "    finally:\n        torch.backends.cuda.preferred_blas_library(before)\n",
+        "    finally:\n        pass\n",
+        ("backends/cuda/tests/test_cuda_backend.py",),
+    ),
+    Plant(
+        "split-KV blocks sized in columns whatever the head size",
+        "backends/cuda/graphcap_cuda/split_kv.py",
+        "max(16, BLOCK_BYTES // block_bytes)",
+        "64",
+        ("backends/cuda/tests/test_split_kv.py",),
+    ),
+    Plant(
         "swapped attributes keep their swapped value after the block",
         "graphcap/rollout/swap.py",
         "            else:\n                setattr(obj, name, value)\n",

@@ -220,8 +220,10 @@ def test_captures_choose_their_blas_library_and_restore_torchs(monkeypatch) -> N
 @needs_cuda
 def test_a_capture_runs_on_cublaslt_and_leaves_torchs_setting() -> None:
     backend, before = CUDABackend(), torch.backends.cuda.preferred_blas_library()
-    a = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    # Drawn on the CPU: a test before this one may leave the CUDA generator unusable on purpose.
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 256, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(256, 128, generator=gen).to("cuda", torch.bfloat16)
     out = a @ b
     side = backend.capture_stream()
     side.wait_stream(torch.cuda.current_stream())
