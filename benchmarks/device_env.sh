@@ -42,3 +42,14 @@ shown_bench() {
     step_bench "$1" -mgraphcap.bench "${@:2}"
     grep -E '^(graphcap|hf)-' "$1/bench-$2-$5.txt"
 }
+
+# session_part RUN PART: a session script's work folder /tmp/RUN-PART ($work, $part) with empty
+# compile caches, and keep, which tars it into $out/run-RUN-PART.tar ($out: the caller's output
+# folder); scripts call keep after each part so a call cut short returns what ran.
+session_part() {
+    part=$2
+    work=/tmp/$1-$2
+    mkdir -p "$work"
+    cold_compile_caches
+    eval "keep() { tar -cf \"\$out/run-$1-$2.tar\" -C /tmp \"$1-$2\"; }"
+}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# H200 run AA (issue 11): the split-KV kernel's loads and split count, cold caches:
+# H200 run AA (issue 11): the split-KV kernel's loads and split count, captures on cuBLASLt, and
+# the figures, cold caches (the variant loops became `variants` after the runs; same commands):
 #   bash benchmarks/session_aa_h200.sh OUT loads    # commit b378ae1: span-bounded K/V loads
-#   bash benchmarks/session_aa_h200.sh OUT splits   # programs per SM and block width
+#   bash benchmarks/session_aa_h200.sh OUT splits   # commit 0dacdb1: programs per SM, block width
 #   bash benchmarks/session_aa_h200.sh OUT blas     # tests; warps x stages; cuBLASLt products
 #   bash benchmarks/session_aa_h200.sh OUT final    # issue 11's figures; HF ratio with --isolate
 # "loads": the split-KV tests on the GPU; benchmarks/split_kv_tuning_h200.py's "loads" stage
@@ -24,11 +25,19 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-cold_compile_caches
-part=$2
-work=/tmp/aa-$part
-mkdir -p "$work"
-keep() { tar -cf "$out/run-aa-$part.tar" -C /tmp "aa-$part"; }
+session_part aa "$2"
+# variants MODEL SIZES BUDGET NAME=KNOBS...: the compiled step through bench_knobs.py, one
+# process per variant (KNOBS as GRAPHCAP_KNOBS; empty: as committed), its rows shown.
+variants() {
+    local model=$1 sizes=$2 budget=$3 variant
+    for variant in "${@:4}"; do
+        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py "$model" \
+            "$sizes" graphcap-graph-compiled "aa-${variant%%=*}" "$budget"
+        echo "${variant%%=*}:"
+        grep -E '^graphcap-graph-compiled|Error' "$work/bench-$model-aa-${variant%%=*}.txt"
+        keep
+    done
+}
 if [[ $part == loads ]]; then
     timeout 120 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
         backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-aa.log" 2>&1
@@ -37,36 +46,16 @@ if [[ $part == loads ]]; then
         loads >"$work/split-kv-loads-aa.log" 2>&1)
     tail -3 "$work/split-kv-loads-aa.log"
     keep
-    for variant in off=split_kv.SPAN_LOADS=0 span=; do
-        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-8b \
-            64,256 graphcap-graph-compiled "aa-${variant%%=*}" 70
-        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-8b-aa-${variant%%=*}.txt"
-        keep
-    done
-    for variant in off=split_kv.SPAN_LOADS=0 span=; do
-        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-1b \
-            64 graphcap-graph-compiled "aa-${variant%%=*}" 40
-        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-1b-aa-${variant%%=*}.txt"
-    done
+    variants llama-8b 64,256 70 off=split_kv.SPAN_LOADS=0 span=
+    variants llama-1b 64 40 off=split_kv.SPAN_LOADS=0 span=
 elif [[ $part == splits ]]; then
     (cd benchmarks && timeout 200 $py split_kv_tuning_h200.py "$work/split-kv-splits-aa.json" \
         splits >"$work/split-kv-splits-aa.log" 2>&1)
     tail -1 "$work/split-kv-splits-aa.log"
     keep
-    for variant in now= pps2=split_kv.PROGRAMS_PER_SM=2 \
-        pps2-b32=split_kv.PROGRAMS_PER_SM=2,split_kv.BLOCK_N=32; do
-        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-8b \
-            64,256 graphcap-graph-compiled "aa-${variant%%=*}" 70
-        echo "${variant%%=*}:"
-        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-8b-aa-${variant%%=*}.txt"
-        keep
-    done
-    for variant in now= pps2=split_kv.PROGRAMS_PER_SM=2; do
-        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-1b \
-            64 graphcap-graph-compiled "aa-${variant%%=*}" 40
-        echo "${variant%%=*}:"
-        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-1b-aa-${variant%%=*}.txt"
-    done
+    variants llama-8b 64,256 70 now= pps2=split_kv.PROGRAMS_PER_SM=2 \
+        pps2-b32=split_kv.PROGRAMS_PER_SM=2,split_kv.BLOCK_N=32
+    variants llama-1b 64 40 now= pps2=split_kv.PROGRAMS_PER_SM=2
 elif [[ $part == blas ]]; then
     timeout 150 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
         backends/cuda/tests/test_split_kv_cuda.py backends/cuda/tests/test_gqa_attention_cuda.py \
@@ -76,13 +65,7 @@ elif [[ $part == blas ]]; then
         warps >"$work/split-kv-warps-aa.log" 2>&1)
     tail -1 "$work/split-kv-warps-aa.log"
     keep
-    for variant in cublas= cublaslt=blas=cublaslt; do
-        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py llama-8b \
-            64,256 graphcap-graph-compiled "aa-${variant%%=*}" 70
-        echo "${variant%%=*}:"
-        grep -E '^graphcap-graph-compiled|Error' "$work/bench-llama-8b-aa-${variant%%=*}.txt"
-        keep
-    done
+    variants llama-8b 64,256 70 cublas= cublaslt=blas=cublaslt
 elif [[ $part == final ]]; then
     timeout 240 $py -m graphcap.bench --model llama-8b --batch-sizes 1 --prompt-len 128 \
         --new-tokens 512 --repeats 3 --warmup 1 --fuse-projections --isolate \
