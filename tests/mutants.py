@@ -344,6 +344,22 @@ PLANTS = (
         "        if mine.dtype != theirs.dtype:",
         ("backends/cuda/tests/test_epilogues.py",),
     ),
+    Plant(
+        "the gated product computes SiLU whatever its activation",
+        "backends/cuda/graphcap_cuda/gemv.py",
+        "        if ACTIVATION == 0:  # silu",
+        "        if True:  # silu",
+        (
+            "backends/cuda/tests/test_epilogues.py::test_gated_and_residual_forms_equal_the_eager_ops",
+        ),
+    ),
+    Plant(
+        "the epilogue pass takes any elementwise function for an activation",
+        "backends/cuda/graphcap_cuda/epilogues.py",
+        "if got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol):",
+        "if True:",
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
 )
 
 

@@ -11,6 +11,8 @@ import functools
 
 import torch
 from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -31,8 +33,9 @@ EOS = 1
 HIDDEN = 64
 #: Init std per family: GPT-2 / OPT (learned positions, LayerNorm) need a larger one than the
 #: rotary families before greedy outputs stop repeating a single token.
-INIT = {"gpt2": 1.0, "opt": 1.0, "llama": 0.3, "qwen2": 0.3, "mistral": 0.3, "phi3": 0.3}
-#: The families every-family tests run (phi3 is built for the tests that name it).
+ROTARY_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma")
+INIT = {"gpt2": 1.0, "opt": 1.0} | dict.fromkeys(ROTARY_FAMILIES, 0.3)
+#: The families every-family tests run (phi3 and gemma are built for the tests that name them).
 FAMILIES = ("gpt2", "llama", "qwen2", "opt", "mistral")
 
 
@@ -67,6 +70,7 @@ def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Mod
             "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "mistral": (MistralConfig, MistralForCausalLM),
             "phi3": (Phi3Config, Phi3ForCausalLM),
+            "gemma": (GemmaConfig, GemmaForCausalLM),
         }[family]
         kwargs = {
             "hidden_size": HIDDEN,
@@ -80,6 +84,8 @@ def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Mod
         }
         if family == "mistral":
             kwargs["sliding_window"] = None
+        if family == "gemma":  # its default head size (256) is wider than the model
+            kwargs["head_dim"] = HIDDEN // 4
         kwargs.update(common)
         config = config_cls(**kwargs)
     config._attn_implementation = attn

@@ -7,32 +7,52 @@ product and the down product (1.9 µs), and the residual add after the down prod
 the next layer's norm is in another compiled frame, so it cannot take the add). This pass
 rewrites, in the post-grad graph of every region ``compile=True`` compiles:
 
-- ``silu(gemv(x, Wg)) * gemv(x, Wu)``, with the two products joined as one (``fuse_projections``:
-  one product split in two) or not, into one ``gemv(x, Wu, gate=Wg)``;
+- ``act(gemv(x, Wg)) * gemv(x, Wu)``, with the two products joined as one (``fuse_projections``:
+  one product split in two) or not, into one ``gemv(x, Wu, gate=Wg, activation=...)``;
 - ``gemv(...) + r``, where ``r`` has the product's shape and dtype, into ``gemv(..., residual=r)``.
 
 Only products whose every use is the pattern are rewritten, so no weight is read twice. The
-kernel rounds each intermediate to the activation dtype where the eager ops round it. silu is
-matched as ``aten.silu`` or as inductor's decomposition of it (``x / (1 + exp(-x))`` with
-casts); a graph in another form is left as it was.
+kernel rounds each intermediate to the activation dtype where the eager ops round it.
+
+``act`` is recognised by what it computes, not by how it is written: the elementwise nodes
+between the product and the multiply are evaluated on a probe of values and compared with each
+activation the kernel has (SiLU, tanh-approximated GELU). Inductor decomposes both into a few
+primitive ops whose form differs between torch versions; a form matched by its nodes would lose
+the rewrite silently when it changed.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
+from torch.fx.node import map_arg
 
-from graphcap_cuda import gemv as _register  # noqa: F401  (defines torch.ops.graphcap_cuda.gemv)
+from graphcap_cuda import gemv
 
 aten, prims = torch.ops.aten, torch.ops.prims
 GEMV = torch.ops.graphcap_cuda.gemv.default
 SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
 CAST = prims.convert_element_type.default
-ARGS = ("x", "weight", "bias", "residual", "gate", "gate_bias")
+ARGS = ("x", "weight", "bias", "residual", "gate", "gate_bias", "activation")
+#: torch's definition of each of the kernel's activations (gemv.ACTIVATIONS), in fp32.
+DEFINITIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+#: Elementwise operators an activation's decomposition may be made of.
+ELEMENTWISE = {
+    CAST,
+    *(getattr(aten, op).Tensor for op in ("mul", "add", "sub", "div")),
+    *(getattr(aten, op).default for op in ("neg", "exp", "tanh", "sigmoid", "silu", "erf")),
+    aten.gelu.default,
+    aten.reciprocal.default,
+    aten.pow.Tensor_Scalar,
+}
+#: The values an activation's nodes are evaluated on: where SiLU and GELU saturate and between.
+PROBE = torch.linspace(-12.0, 12.0, 2401)
 
 
 def _is(node: object, target: object) -> bool:
@@ -52,27 +72,47 @@ def _product(node: object) -> dict[str, object] | None:
     return args if plain else None
 
 
-def silu_input(node: Node) -> Node | None:
-    """``v`` where ``node`` computes ``silu(v)`` in ``v``'s dtype, else None."""
-    if _is(node, aten.silu.default):
-        return node.args[0]
-    ratio = node.args[0] if _is(node, CAST) else node
-    if not _is(ratio, aten.div.Tensor):
+def activation_of(act: Node) -> tuple[Node, str, list[Node]] | None:
+    """``(v, name, nodes)`` where ``act`` computes the kernel's activation ``name`` of ``v``
+    elementwise in ``v``'s dtype through ``nodes`` (``act`` included), else None."""
+    nodes, sources, todo = [], [], [act]
+    while todo:
+        node = todo.pop()
+        if node in nodes or node in sources:
+            continue
+        if node.op == "call_function" and node.target in ELEMENTWISE:
+            nodes.append(node)
+            todo.extend(node.all_input_nodes)
+        else:
+            sources.append(node)
+    if len(sources) != 1 or _value(sources[0]) is None or _value(act) is None:
         return None
-    upcast, denominator = ratio.args
-    if not _is(denominator, aten.add.Tensor) or denominator.args[1:] != (1,):
+    (source,) = sources
+    dtype = _value(source).dtype
+    if _value(act).dtype != dtype or not dtype.is_floating_point:
         return None
-    exp = denominator.args[0]
-    if not _is(exp, aten.exp.default):
+    probe = PROBE.to(dtype)
+    try:
+        got = _evaluate(act, source, probe, {}).float()
+    except Exception:  # an operand the probe cannot stand for (a non-scalar constant)
         return None
-    neg = exp.args[0]
-    if not _is(neg, aten.neg.default) or neg.args[0] is not upcast:
-        return None
-    source = upcast.args[0] if _is(upcast, CAST) else upcast
-    same = (_value(source) is not None and _value(node) is not None) and (
-        _value(source).dtype == _value(node).dtype
-    )
-    return source if same else None
+    tol = 2 * torch.finfo(dtype).eps
+    for name in gemv.ACTIVATIONS:
+        want = DEFINITIONS[name](probe.float()).to(dtype).float()
+        if got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol):
+            return source, name, nodes
+    return None
+
+
+def _evaluate(node: Node, source: Node, value: torch.Tensor, seen: dict) -> torch.Tensor:
+    """``node``'s value when ``source`` holds ``value`` (the nodes between are elementwise)."""
+    if node is source:
+        return value
+    if node not in seen:
+        inputs = (node.args, node.kwargs)
+        args, kwargs = map_arg(inputs, lambda n: _evaluate(n, source, value, seen))
+        seen[node] = node.target(*args, **kwargs)
+    return seen[node]
 
 
 def _pieces(node: object) -> tuple[Node, int, int, int] | None:
@@ -97,19 +137,6 @@ def _only_feeds(nodes: list[Node], into: Node) -> bool:
     return all(user in inside for node in nodes for user in node.users)
 
 
-def _chain(start: Node, end: Node) -> list[Node]:
-    """The call nodes ``end`` is computed from, back to ``start`` (both left out): the silu
-    decomposition's nodes, which the rewrite must leave unused."""
-    seen, todo = [], [end]
-    while todo:
-        node = todo.pop()
-        for arg in node.all_input_nodes:
-            if arg is not start and arg not in seen and arg.op == "call_function":
-                seen.append(arg)
-                todo.append(arg)
-    return seen
-
-
 def _rows(graph: Graph, tensor: object, first: int, count: int) -> object:
     """An FX node for rows ``[first, first + count)`` of ``tensor`` (None stays None)."""
     if tensor is None:
@@ -123,15 +150,16 @@ def _fuse_gate(graph: Graph, mul: Node) -> bool:
     if len(mul.args) != 2 or mul.kwargs:
         return False
     for act, up in (mul.args, mul.args[::-1]):
-        gate = silu_input(act) if isinstance(act, Node) else None
-        if gate is None or not isinstance(up, Node):
+        found = activation_of(act) if isinstance(act, Node) else None
+        if found is None or not isinstance(up, Node):
             continue
+        gate, activation, nodes = found
         split_gate, split_up = _pieces(gate), _pieces(up)
         if split_gate and split_up and split_gate[0] is split_up[0] and split_gate[3] == 2:
             product = split_gate[0]
-            args = _product(product)
+            args = _product(product) | {"activation": activation}
             gate_rows, up_rows = split_gate[1:3], split_up[1:3]
-            inner = [product, gate.args[0], gate, up, *_chain(gate, act), act]
+            inner = [product, gate.args[0], gate, up, *nodes]
             if gate_rows[1] != up_rows[1] or not _only_feeds(inner, mul):
                 continue
             with graph.inserting_before(mul):
@@ -143,11 +171,11 @@ def _fuse_gate(graph: Graph, mul: Node) -> bool:
                 return _replace(graph, mul, new)
         gate_args, up_args = _product(gate), _product(up)
         if gate_args and up_args and gate_args["x"] is up_args["x"]:
-            if not _only_feeds([gate, up, *_chain(gate, act), act], mul):
+            if not _only_feeds([gate, up, *nodes], mul):
                 continue
             with graph.inserting_before(mul):
                 new = dict(up_args, gate=gate_args["weight"], gate_bias=gate_args.get("bias"))
-                return _replace(graph, mul, new)
+                return _replace(graph, mul, new | {"activation": activation})
     return False
 
 
@@ -175,7 +203,8 @@ def _same_static_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _replace(graph: Graph, old: Node, args: dict[str, object]) -> bool:
-    new = graph.call_function(GEMV, tuple(args.get(name) for name in ARGS))
+    values = {"activation": "silu"} | {k: v for k, v in args.items() if v is not None}
+    new = graph.call_function(GEMV, tuple(values.get(name) for name in ARGS))
     new.meta["val"] = _value(old)
     old.replace_all_uses_with(new)
     graph.erase_node(old)

@@ -11,7 +11,7 @@ R's profile).
 
 The kernel also takes the elementwise work a decode layer does right after a product, which
 inductor cannot fuse into a custom op (graphcap_cuda.epilogues moves it here): a gated MLP's
-``silu(x @ gate.T) * (x @ W.T)`` and a residual add.
+``act(x @ gate.T) * (x @ W.T)`` (``act`` one of :data:`ACTIVATIONS`) and a residual add.
 
 The launcher is a torch custom op (``graphcap_cuda::gemv``) so that ``torch.compile`` and
 operator-level graph recorders see one opaque operation. With ``TRITON_INTERPRET=1`` set
@@ -45,6 +45,9 @@ NUM_WARPS = 4
 #: slower with 512; llama-1b (K 2,048) 2.5% faster than plain with 512, 4.5% slower with 256.
 GATED_BLOCK_K = 256
 GATED_LONG_K = 4096
+#: The gated form's activations by name (Llama's SiLU; Gemma's tanh-approximated GELU), as
+#: the kernel's ``ACTIVATION`` number.
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 @triton.jit
@@ -78,6 +81,7 @@ def _gemv(
     GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -120,12 +124,16 @@ def _gemv(
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     # Each step below rounds to the output dtype where eager PyTorch's separate ops round.
-    if GATED:  # silu(x @ gate.T) * (x @ w.T)
+    if GATED:  # act(x @ gate.T) * (x @ w.T)
         if HAS_GATE_BIAS:
             gate += tl.load(gate_bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         gate = gate.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = act * out.to(dtype).to(tl.float32)
+        if ACTIVATION == 0:  # silu
+            act = gate / (1.0 + tl.exp(-gate))
+        else:  # gelu, tanh approximation; tanh(y) = 1 - 2 / (exp(2y) + 1)
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+        out = act.to(dtype).to(tl.float32) * out.to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         out = out.to(dtype).to(tl.float32) + residual
@@ -148,14 +156,17 @@ def gemv(
     residual: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     gate_bias: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an ``x`` holding one row (shape (..., K) with every
     leading size 1); weight (N, K) with unit stride in K. fp32 accumulation. With ``gate``
-    (N, K): ``silu(F.linear(x, gate, gate_bias)) * F.linear(x, weight, bias)`` (a gated MLP's
-    activation); with ``residual`` (N values): ``residual +`` the result. Intermediates are
-    rounded to x's dtype as the separate eager ops round them (graphcap_cuda.epilogues moves
-    these ops here)."""
+    (N, K): ``act(F.linear(x, gate, gate_bias)) * F.linear(x, weight, bias)`` (a gated MLP's
+    activation, ``act`` named by ``activation``, a key of :data:`ACTIVATIONS`); with
+    ``residual`` (N values): ``residual +`` the result. Intermediates are rounded to x's dtype
+    as the separate eager ops round them (graphcap_cuda.epilogues moves these ops here)."""
     n_rows, k_cols = weight.shape
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     if gate is not None and (gate.shape != weight.shape or gate.stride(1) != 1):
         raise ValueError(f"gate {tuple(gate.shape)} must have weight's shape {tuple(weight.shape)}")
     if residual is not None and (residual.numel() != n_rows or residual.dtype != x.dtype):
@@ -181,6 +192,7 @@ def gemv(
         GATED=gate is not None,
         HAS_GATE_BIAS=gate_bias is not None,
         HAS_RESIDUAL=residual is not None,
+        ACTIVATION=ACTIVATIONS[activation],
         EVEN_K=k_cols % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -193,7 +205,7 @@ def gemv(
 
 
 @gemv.register_fake
-def _(x, weight, bias=None, residual=None, gate=None, gate_bias=None):
+def _(x, weight, bias=None, residual=None, gate=None, gate_bias=None, activation="silu"):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

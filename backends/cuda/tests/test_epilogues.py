@@ -36,17 +36,22 @@ def _data(n: int, k: int, dtype: torch.dtype, seed: int):
     return make(1, 1, k), make(n, k, scale=k**-0.5), make(n, k, scale=k**-0.5), make(n), make(n)
 
 
+#: The kernel's activations as torch defines them.
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(96, 256), (70, 300), (20, gemv.GATED_LONG_K)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gated_and_residual_forms_equal_the_eager_ops(n, k, bias, dtype):
+@pytest.mark.parametrize("activation", sorted(gemv.ACTIVATIONS))
+def test_gated_and_residual_forms_equal_the_eager_ops(n, k, bias, dtype, activation):
     """Each intermediate is rounded where the separate ops round it, so the fused forms equal
-    the ops applied to the plain kernel's products (up to silu's last fp32 bit)."""
+    the ops applied to the plain kernel's products (up to the activation's last fp32 bit)."""
     x, up, gate, up_bias, gate_bias = _data(n, k, dtype, n + k)
     up_bias, gate_bias = (up_bias, gate_bias) if bias else (None, None)
     residual = torch.randn(1, 1, n).to(DEVICE, dtype)
-    act = F.silu(gemv.gemv(x, gate, gate_bias)) * gemv.gemv(x, up, up_bias)
-    fused = gemv.gemv(x, up, up_bias, None, gate, gate_bias)
+    act = ACTIVATIONS[activation](gemv.gemv(x, gate, gate_bias)) * gemv.gemv(x, up, up_bias)
+    fused = gemv.gemv(x, up, up_bias, None, gate, gate_bias, activation)
     tol = 2e-6 if dtype == torch.float32 else 1e-3
     torch.testing.assert_close(fused, act, rtol=tol, atol=tol)
     torch.testing.assert_close(
@@ -62,6 +67,8 @@ def test_bad_epilogue_operands_are_refused():
         gemv.gemv(x, up, None, None, gate[:4])
     with pytest.raises(ValueError, match="residual"):
         gemv.gemv(x, up, None, torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="activation 'relu' is not one of"):
+        gemv.gemv(x, up, None, None, gate, None, "relu")
 
 
 def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
@@ -86,18 +93,44 @@ def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Ten
 
 @pytest.mark.parametrize(
     "family,fuse",
-    [("llama", True), ("llama", False), ("phi3", False)],
-    ids=["llama-joined-gate-up", "llama-separate-gate-up", "phi3-chunked-gate-up"],
+    [("llama", True), ("llama", False), ("phi3", False), ("gemma", True)],
+    ids=[
+        "llama-joined-gate-up",
+        "llama-separate-gate-up",
+        "phi3-chunked-gate-up",
+        "gemma-gelu-tanh-joined",
+    ],
 )
 def test_pass_moves_a_gated_mlps_activation_and_residual_into_the_product(family, fuse):
     """The decoder layer compiles once for every layer: its gate activation and its residual
     add after the down projection are rewritten (the add after attention meets the attention's
-    output, not a product), and the logits stay the eager ones. The three forms: gate and up
-    joined by fuse_projections (split in two), two products, and Phi-3's own gate/up product
-    chunked with the activation on the right of the product."""
+    output, not a product), and the logits stay the eager ones. The forms: gate and up joined
+    by fuse_projections (split in two), two products, Phi-3's own gate/up product chunked with
+    the activation on the right of the product, and Gemma's tanh-approximated GELU."""
     fused, logits, eager = _compiled_layers(family, fuse)
     assert fused == {"gate": 1, "residual": 1}
     torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [F.relu, F.gelu, lambda v: F.silu(v) * 2.0, lambda v: F.silu(v) + v],
+    ids=["relu", "gelu-erf", "scaled-silu", "silu-plus-input"],
+)
+def test_pass_leaves_activations_the_kernel_does_not_compute(activation):
+    """What the nodes between the product and the multiply compute decides, not their ops:
+    near misses of SiLU and GELU stay as they were."""
+
+    def mlp(x, wg, wu):
+        return activation(gemv.linear(x, wg)) * gemv.linear(x, wu)
+
+    x, wg, wu, _, _ = _data(32, 16, torch.float32, 2)
+    found = epilogues.GemvEpilogues()
+    compiled = torch.compile(mlp, options={"post_grad_custom_post_pass": found, **UNCACHED})
+    out = compiled(x, wg, wu)
+    torch._dynamo.reset()
+    assert found.fused == {"gate": 0, "residual": 0}
+    torch.testing.assert_close(out, mlp(x, wg, wu), rtol=1e-5, atol=1e-5)
 
 
 def test_pass_leaves_products_with_other_uses_and_broadcast_adds():
