@@ -41,9 +41,10 @@ BLOCK_BYTES = 8192
 #: Columns per block when they do not (batch 1: fewer, longer chunks; run N's sweep).
 BLOCK_N_FEW_ROWS = 128
 #: Programs to aim for per launch when choosing the split count. Two a multiprocessor give
-#: batch 64 (512 rows x K/V heads on the H200's 132) one chunk per row and K/V head: 36.0 ->
-#: 28.3 µs a layer on llama-8b, 19.6 -> 13.8 on llama-1b (run AA) against four and two chunks.
-#: Batch 1 keeps its chunks (the span's blocks are fewer than the programs wanted either way).
+#: batch 64 (512 rows x K/V heads on the H200's 132) one chunk per row and K/V head instead of
+#: two (four a multiprocessor), with no combine: llama-8b 36.0 -> 33.8 µs a layer (64-column
+#: blocks), llama-1b 19.6 -> 13.8 (run AA). Batch 1 keeps its chunks (the span's blocks are
+#: fewer than the programs wanted either way); batch 256 had one already.
 PROGRAMS_PER_SM = 2
 #: Most bytes of one K (or V) block: 128 columns of bf16 at head_dim 128. Wider heads (256) or
 #: fp32 take fewer columns a block, or the pipelined loads outgrow shared memory (an fp32 test
