@@ -91,16 +91,22 @@ def activation_of(act: Node) -> tuple[Node, str, list[Node]] | None:
     dtype = _value(source).dtype
     if _value(act).dtype != dtype or not dtype.is_floating_point:
         return None
-    probe = PROBE.to(dtype)
     try:
-        got = _evaluate(act, source, probe, {}).float()
-    except Exception:  # an operand the probe cannot stand for (a non-scalar constant)
+        name = _identify(act, source, dtype)
+    except Exception:  # an operand the probe cannot stand for: not an activation of v alone
         return None
+    return None if name is None else (source, name, nodes)
+
+
+def _identify(act: Node, source: Node, dtype: torch.dtype) -> str | None:
+    """The kernel's activation ``act`` computes of ``source`` on :data:`PROBE`, if any."""
+    probe = PROBE.to(dtype)
+    got = _evaluate(act, source, probe, {}).float()
     tol = 2 * torch.finfo(dtype).eps
     for name in gemv.ACTIVATIONS:
         want = DEFINITIONS[name](probe.float()).to(dtype).float()
         if got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol):
-            return source, name, nodes
+            return name
     return None
 
 
