@@ -154,6 +154,15 @@ class Backend:
         from. Default: none."""
         return {}
 
+    def compiled_capture_context(self) -> contextlib.AbstractContextManager[None]:
+        """Settings the warm-up and capture of a ``RolloutConfig(compile=True)`` step run under,
+        such as which library's kernels its products use: a graph replays the kernels its
+        capture recorded, so the choice reaches that step's replays and nothing else (eager
+        steps, the prefill, training). Only compiled captures, whose rounding already differs
+        from eager steps', take it: a plain capture stays bit-equal to eager steps. Default:
+        nothing changes."""
+        return contextlib.nullcontext()
+
     def graph_pool_handle(self) -> Any | None:
         """A memory-pool handle several graphs can share, or ``None`` if pools are not shared."""
         return None

@@ -264,6 +264,15 @@ PLANTS = (
         ("backends/cuda/tests/test_cuda_backend.py",),
     ),
     Plant(
+        "plain captures run under the backend's compiled-capture settings",
+        "graphcap/rollout/holder.py",
+        "            if compiled:\n"
+        "                stack.enter_context(self.backend.compiled_capture_context())\n",
+        "            stack.enter_context(self.backend.compiled_capture_context())\n"
+        "            if compiled:\n",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
         "split-KV blocks sized in columns whatever the head size",
         "backends/cuda/graphcap_cuda/split_kv.py",
         "max(16, BLOCK_BYTES // block_bytes)",

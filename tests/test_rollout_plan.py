@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -163,6 +165,44 @@ class OptionsBackend(CompiledCaptureBackend):
 
     def compile_options(self) -> dict[str, object]:
         return dict(COMPILE_OPTIONS)
+
+
+class SettingsBackend(OptionsBackend):
+    """Records when its compiled-capture settings are entered and left, and its captures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    @contextlib.contextmanager
+    def compiled_capture_context(self) -> Iterator[None]:
+        self.events.append("enter")
+        try:
+            yield
+        finally:
+            self.events.append("exit")
+
+    def capture_to_graph(self, graph, **kwargs):
+        self.events.append("capture")
+        return super().capture_to_graph(graph, **kwargs)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "plain"])
+def test_only_compiled_captures_run_under_the_backends_settings(monkeypatch, compiled):
+    """A compiled capture (its warm-up and capture) runs inside the backend's
+    ``compiled_capture_context``; a plain capture never does, so it stays bit-equal to eager
+    steps."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager"))
+    backend = SettingsBackend()
+    config = RolloutConfig(enable_graph_capture=True, backend=backend, compile=compiled)
+    ids, mask = prompts(2)
+    with warnings.catch_warnings():  # the CPU reference graph refuses compiled regions
+        warnings.simplefilter("ignore", CaptureFallbackWarning)
+        RolloutEngine(tiny_model("llama", fresh=True), config).generate(
+            ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS)
+        )
+    assert backend.events == (["enter", "capture", "exit"] if compiled else ["capture"])
 
 
 @pytest.mark.parametrize("slots", [None, 2], ids=["static", "continuous"])

@@ -141,10 +141,12 @@ class GraphHolder:
     @contextlib.contextmanager
     def _compiled(self, step: DecodeStep, compiled: bool) -> Iterator[None]:
         """Compiled captures: :func:`compiled_regions` and :func:`compiled_bookkeeping`, with the
-        projections through the backend's one-row product where it offers one."""
+        projections through the backend's one-row product where it offers one, under the
+        backend's compiled-capture settings."""
         product = self.backend.one_row_product() if compiled else None
         with contextlib.ExitStack() as stack:
             if compiled:
+                stack.enter_context(self.backend.compiled_capture_context())
                 options = self.backend.compile_options()
                 stack.enter_context(compiled_regions(step.model, step.cache, options))
                 stack.enter_context(compiled_bookkeeping(step, options))

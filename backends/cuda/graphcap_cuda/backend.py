@@ -22,9 +22,10 @@ COMBO_KERNELS = True
 #: Whether compiled regions move a gated MLP's activation and residual adds into the one-row
 #: product (graphcap_cuda.epilogues; benchmarks turn it off).
 EPILOGUES = True
-#: The BLAS library a capture's matrix products run on (``preferred_blas_library`` while the
-#: graph is captured; replays keep the kernels the capture recorded, and nothing outside a
-#: capture changes). None: torch's setting. Run AA on the H200, compiled steps, one process
+#: The BLAS library a compiled capture's matrix products run on (``preferred_blas_library``
+#: during its warm-up and capture; replays keep the kernels the capture recorded, and nothing
+#: outside it changes; plain captures keep torch's, so they stay bit-equal to eager steps).
+#: None: torch's setting. Run AA on the H200, compiled steps, one process
 #: each, cuBLAS -> cuBLASLt: llama-8b batch 64 5.54 -> 5.35 ms, batch 256 11.05 -> 11.11;
 #: llama-1b batch 64 / 256 1.34 / 2.44 -> 1.35 / 2.45 (level).
 CAPTURE_BLAS: str | None = "cublaslt"
@@ -71,8 +72,7 @@ class CUDABackend(Backend):
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str | None = None,
     ) -> contextlib.AbstractContextManager[None]:
-        capture = device_graph_capture(torch.cuda, graph, pool, stream, capture_error_mode, HINT)
-        return with_blas_library(CAPTURE_BLAS, capture)
+        return device_graph_capture(torch.cuda, graph, pool, stream, capture_error_mode, HINT)
 
     def replay_graph(self, graph: torch.cuda.CUDAGraph) -> None:
         graph.replay()
@@ -101,6 +101,10 @@ class CUDABackend(Backend):
             options["post_grad_custom_post_pass"] = epilogues.PASS
         return options | ({"triton.enable_pdl": True} if launch.ENABLED else {})
 
+    def compiled_capture_context(self) -> contextlib.AbstractContextManager[None]:
+        """Compiled captures' products on :data:`CAPTURE_BLAS` (cuBLASLt)."""
+        return blas_library(CAPTURE_BLAS)
+
     def one_row_product(self) -> Callable[..., torch.Tensor] | None:
         """graphcap_cuda.gemv's one-row kernel where Triton is installed."""
         try:
@@ -111,10 +115,8 @@ class CUDABackend(Backend):
 
 
 @contextlib.contextmanager
-def with_blas_library(
-    library: str | None, inner: contextlib.AbstractContextManager[None]
-) -> Iterator[None]:
-    """``inner`` with torch's preferred BLAS library set to ``library`` (restored after); a
+def blas_library(library: str | None) -> Iterator[None]:
+    """Within the block, torch's preferred BLAS library is ``library`` (restored after); a
     torch build that cannot use it keeps its own."""
     before = torch.backends.cuda.preferred_blas_library()
     try:
@@ -123,8 +125,7 @@ def with_blas_library(
     except RuntimeError:  # e.g. a build without cuBLASLt
         pass
     try:
-        with inner:
-            yield
+        yield
     finally:
         torch.backends.cuda.preferred_blas_library(before)
 

@@ -180,45 +180,36 @@ def test_failed_capture_restores_the_stream_and_says_why() -> None:
     assert (x + 1).sum().item() == 8.0
 
 
-def test_captures_choose_their_blas_library_and_restore_torchs(monkeypatch) -> None:
-    """A capture's products run on CAPTURE_BLAS; torch's setting is back after it (also when
-    the capture fails), and a build that cannot use the library keeps its own."""
+def test_compiled_captures_choose_their_blas_library_and_restore_torchs(monkeypatch) -> None:
+    """A compiled capture's products run on CAPTURE_BLAS; torch's setting is back after it
+    (also when the capture fails), and a build that cannot use the library keeps its own."""
     from graphcap_cuda import backend as cuda_backend
 
-    chosen, calls = ["cublas"], []
+    chosen = ["cublas"]
 
     def preferred(library=None):
+        if library == "missing":
+            raise RuntimeError("Cannot set preferred backend")
         if library is not None:
-            if library == "missing":
-                raise RuntimeError("Cannot set preferred backend")
-            calls.append(library)
             chosen[0] = library
         return chosen[0]
 
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
     seen = []
-
-    class Capture:
-        def __enter__(self):
-            seen.append(chosen[0])
-
-        def __exit__(self, *exc):
-            return False
-
-    with cuda_backend.with_blas_library("cublaslt", Capture()):
-        pass
-    with pytest.raises(ValueError), cuda_backend.with_blas_library("cublaslt", Capture()):
+    with CUDABackend().compiled_capture_context():
+        seen.append(chosen[0])
+    with pytest.raises(ValueError), cuda_backend.blas_library("cublaslt"):
+        seen.append(chosen[0])
         raise ValueError("capture failed")
-    with cuda_backend.with_blas_library("missing", Capture()):
-        pass
-    with cuda_backend.with_blas_library(None, Capture()):
-        pass
+    for library in ("missing", None):
+        with cuda_backend.blas_library(library):
+            seen.append(chosen[0])
     assert seen == ["cublaslt", "cublaslt", "cublas", "cublas"] and chosen == ["cublas"]
     assert cuda_backend.CAPTURE_BLAS == "cublaslt"
 
 
 @needs_cuda
-def test_a_capture_runs_on_cublaslt_and_leaves_torchs_setting() -> None:
+def test_only_compiled_captures_run_on_cublaslt() -> None:
     backend, before = CUDABackend(), torch.backends.cuda.preferred_blas_library()
     # Drawn on the CPU: a test before this one may leave the CUDA generator unusable on purpose.
     gen = torch.Generator().manual_seed(0)
@@ -227,12 +218,14 @@ def test_a_capture_runs_on_cublaslt_and_leaves_torchs_setting() -> None:
     out = a @ b
     side = backend.capture_stream()
     side.wait_stream(torch.cuda.current_stream())
+    with backend.capture_to_graph(backend.create_graph(), stream=side):
+        plain = torch.backends.cuda.preferred_blas_library()
     graph = backend.create_graph()
-    with backend.capture_to_graph(graph, stream=side):
-        inside = torch.backends.cuda.preferred_blas_library()
+    with backend.compiled_capture_context(), backend.capture_to_graph(graph, stream=side):
+        compiled = torch.backends.cuda.preferred_blas_library()
         out.copy_(a @ b)
     backend.replay_graph(graph)
     torch.cuda.synchronize()
-    assert str(inside).lower().endswith("cublaslt")
+    assert plain == before and str(compiled).lower().endswith("cublaslt")
     assert torch.backends.cuda.preferred_blas_library() == before
     torch.testing.assert_close(out, (a.float() @ b.float()).to(out.dtype), rtol=2e-2, atol=2e-2)
