@@ -47,9 +47,8 @@ shown_bench() {
 # compile caches, and keep, which tars it into $out/run-RUN-PART.tar ($out: the caller's output
 # folder); scripts call keep after each part so a call cut short returns what ran.
 session_part() {
-    part=$2
-    work=/tmp/$1-$2
+    run=$1 part=$2 work=/tmp/$1-$2
     mkdir -p "$work"
     cold_compile_caches
-    eval "keep() { tar -cf \"\$out/run-$1-$2.tar\" -C /tmp \"$1-$2\"; }"
 }
+keep() { tar -cf "$out/run-$run-$part.tar" -C /tmp "$run-$part"; }

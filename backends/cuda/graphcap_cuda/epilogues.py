@@ -63,11 +63,16 @@ def _value(node: object) -> torch.Tensor | None:
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
+def _arguments(node: Node) -> dict[str, object]:
+    """A one-row product node's arguments, by name."""
+    return dict(zip(ARGS, node.args, strict=False)) | node.kwargs
+
+
 def _product(node: object) -> dict[str, object] | None:
     """The arguments of a plain one-row product node (no epilogue yet), by name."""
     if not _is(node, GEMV):
         return None
-    args = dict(zip(ARGS, node.args, strict=False)) | node.kwargs
+    args = _arguments(node)
     plain = all(args.get(name) is None for name in ("residual", "gate", "gate_bias"))
     return args if plain else None
 
@@ -191,7 +196,7 @@ def _fuse_residual(graph: Graph, add: Node) -> bool:
     for product, other in (add.args, add.args[::-1]):
         if not _is(product, GEMV) or not isinstance(other, Node) or len(product.users) != 1:
             continue
-        args = dict(zip(ARGS, product.args, strict=False)) | product.kwargs
+        args = _arguments(product)
         mine, theirs = _value(product), _value(other)
         if args.get("residual") is not None or mine is None or theirs is None:
             continue
@@ -209,8 +214,10 @@ def _same_static_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _replace(graph: Graph, old: Node, args: dict[str, object]) -> bool:
-    values = {"activation": "silu"} | {k: v for k, v in args.items() if v is not None}
-    new = graph.call_function(GEMV, tuple(values.get(name) for name in ARGS))
+    values = [args.get(name) for name in ARGS]
+    while values[-1] is None:  # unset trailing arguments keep the operator's defaults
+        values.pop()
+    new = graph.call_function(GEMV, tuple(values))
     new.meta["val"] = _value(old)
     old.replace_all_uses_with(new)
     graph.erase_node(old)
