@@ -1,0 +1,60 @@
+"""Where the default graph mode's first call spends its time in a fresh process (issue 11's
+first-call target): the first ``generate`` of a new engine under cProfile, then a second call.
+
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)/i TRITON_CACHE_DIR=$(mktemp -d)/t \\
+        python3 benchmarks/first_call_profile_h200.py OUT.txt [--model llama-8b] [--batch 1]
+
+The engine is opened as ``graphcap bench``'s graphcap-graph mode opens it (bf16, 128 + 512
+tokens, joined projections); the model is built before the clock starts, as the bench builds
+it. OUT.txt gets both calls' seconds, the engine's stats and the 60 costliest functions by
+cumulative time, then the 30 by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from graphcap.bench.models import build_model, make_prompts
+from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--model", default="llama-8b")
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(args.model, dtype=torch.bfloat16, device=device)
+    ids, mask = make_prompts(model.config.vocab_size, args.batch, 128, 0, device)
+    engine = RolloutEngine(model, RolloutConfig(backend="cuda", fuse_projections=True))
+    sampling = SamplingParams(max_new_tokens=512, pad_token_id=0)
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    seconds = []
+    for call in range(2):
+        start = time.perf_counter()
+        if call == 0:
+            out = profile.runcall(engine.generate, ids, mask, sampling=sampling)
+        else:
+            out = engine.generate(ids, mask, sampling=sampling)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        print(f"call {call + 1}: {seconds[-1]:.3f} s; stats {out.stats}", flush=True)
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(30)
+    with open(args.out, "w") as handle:
+        handle.write(f"first {seconds[0]:.3f} s, second {seconds[1]:.3f} s\n{out.stats}\n")
+        handle.write(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
