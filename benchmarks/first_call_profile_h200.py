@@ -7,7 +7,7 @@ first-call target): the first ``generate`` of a new engine under cProfile, then 
 The engine is opened as ``graphcap bench``'s graphcap-graph mode opens it (bf16, 128 + 512
 tokens, joined projections); the model is built before the clock starts, as the bench builds
 it. OUT.txt gets both calls' seconds, the engine's stats and the 60 costliest functions by
-cumulative time, then the 30 by own time.
+cumulative time, the 30 by own time, and what the prefill and the capture called.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def main() -> None:
     device = torch.device("cuda")
     model = build_model(args.model, dtype=torch.bfloat16, device=device)
     ids, mask = make_prompts(model.config.vocab_size, args.batch, 128, 0, device)
-    engine = RolloutEngine(model, RolloutConfig(backend="cuda", fuse_projections=True))
+    engine = RolloutEngine(
+        model, RolloutConfig(backend="cuda", enable_graph_capture=True, fuse_projections=True)
+    )
     sampling = SamplingParams(max_new_tokens=512, pad_token_id=0)
     torch.cuda.synchronize()
     profile = cProfile.Profile()
@@ -51,6 +53,7 @@ def main() -> None:
     stats = pstats.Stats(profile, stream=text)
     stats.sort_stats("cumulative").print_stats(60)
     stats.sort_stats("tottime").print_stats(30)
+    stats.print_callees("run_prefill|capture_step|holder.py.*capture")
     with open(args.out, "w") as handle:
         handle.write(f"first {seconds[0]:.3f} s, second {seconds[1]:.3f} s\n{out.stats}\n")
         handle.write(text.getvalue())
