@@ -32,6 +32,10 @@ class Plant:
     tests: tuple[str, ...]
 
 
+NORM_FORMS = (
+    "backends/cuda/tests/test_epilogues.py::test_norm_and_sum_prologues_equal_transformers_norms"
+)
+
 PLANTS = (
     Plant(
         "mask not cleared on reuse",
@@ -367,6 +371,41 @@ PLANTS = (
         "backends/cuda/graphcap_cuda/epilogues.py",
         "if got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol):",
         "if True:",
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
+    Plant(
+        "the product's norm leaves eps out",
+        "backends/cuda/graphcap_cuda/gemv.py",
+        "tl.rsqrt(tl.sum(squares, axis=0) / k_cols + eps)",
+        "tl.rsqrt(tl.sum(squares, axis=0) / k_cols)",
+        (NORM_FORMS,),
+    ),
+    Plant(
+        "the product computes Gemma's norm as Llama's",
+        "backends/cuda/graphcap_cuda/gemv.py",
+        "    if NORM == 1:  # w * (x * rstd).to(dtype)",
+        "    if True:  # w * (x * rstd).to(dtype)",
+        (NORM_FORMS,),
+    ),
+    Plant(
+        "the product drops the sum before its residual",
+        "backends/cuda/graphcap_cuda/gemv.py",
+        "            residual = (residual + other).to(dtype).to(tl.float32)",
+        "            residual = residual",
+        (NORM_FORMS,),
+    ),
+    Plant(
+        "the epilogue pass moves a sum that something else reads",
+        "backends/cuda/graphcap_cuda/epilogues.py",
+        "        args = _arguments(user) if _is(user, GEMV) else {}",
+        '        args = _arguments(user) if _is(user, GEMV) else {"residual": source}',
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
+    Plant(
+        "the epilogue pass takes a norm whatever its eps",
+        "backends/cuda/graphcap_cuda/epilogues.py",
+        "            want = [define(p, w, eps).float() for p in probes]",
+        "            want = [define(p, w, 1e-6).float() for p in probes]",
         ("backends/cuda/tests/test_epilogues.py",),
     ),
 )

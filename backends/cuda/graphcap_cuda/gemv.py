@@ -9,9 +9,12 @@ input row and keeps fp32 partial sums, then adds them once at the end. Enough pr
 launched to keep the device's loads in flight (84% of the bandwidth over llama-8b's step, run
 R's profile).
 
-The kernel also takes the elementwise work a decode layer does right after a product, which
-inductor cannot fuse into a custom op (graphcap_cuda.epilogues moves it here): a gated MLP's
-``act(x @ gate.T) * (x @ W.T)`` (``act`` one of :data:`ACTIVATIONS`) and a residual add.
+The kernel also takes the elementwise work a decode layer does right before and after a
+product, which inductor cannot fuse into a custom op (graphcap_cuda.epilogues moves it here): a
+gated MLP's ``act(x @ gate.T) * (x @ W.T)`` (``act`` one of :data:`ACTIVATIONS`), a residual add,
+and, before it, the RMSNorm of its input (one of :data:`NORMS`), where the input may be the sum
+of two tensors (the residual add after attention): every program reads the whole input row to
+find its norm, which costs L2 reads, not a kernel launch.
 
 The launcher is a torch custom op (``graphcap_cuda::gemv``) so that ``torch.compile`` and
 operator-level graph recorders see one opaque operation. With ``TRITON_INTERPRET=1`` set
@@ -48,6 +51,10 @@ GATED_LONG_K = 4096
 #: The gated form's activations by name (Llama's SiLU; Gemma's tanh-approximated GELU), as
 #: the kernel's ``ACTIVATION`` number.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+#: The RMSNorms the kernel can apply to its input, as its ``NORM`` number: ``rms`` is Llama's
+#: ``w * (x * rstd).to(dtype)``, ``rms_one_plus`` Gemma's ``(x * rstd * (1 + w)).to(dtype)``
+#: (``rstd = rsqrt(mean(x**2) + eps)``, in fp32).
+NORMS = {"rms": 1, "rms_one_plus": 2}
 
 
 @triton.jit
@@ -65,6 +72,60 @@ def _inputs(x_ptr, cols, k_cols, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _summed(x_ptr, addend_ptr, cols, k_cols, EVEN_K: tl.constexpr, HAS_ADDEND: tl.constexpr):
+    """x's block in fp32 (``x + addend`` rounded to x's dtype, as eager's add rounds it)."""
+    x = _inputs(x_ptr, cols, k_cols, EVEN_K)
+    if HAS_ADDEND:
+        x = (x.to(tl.float32) + _inputs(addend_ptr, cols, k_cols, EVEN_K).to(tl.float32)).to(
+            x.dtype
+        )
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rstd(
+    x_ptr,
+    addend_ptr,
+    k_cols,
+    eps,
+    EVEN_K: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``rsqrt(mean(x**2) + eps)`` over the whole input row."""
+    k = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    for first in range(0, k_cols, BLOCK_K):
+        x = _summed(x_ptr, addend_ptr, first + k, k_cols, EVEN_K, HAS_ADDEND)
+        squares += x * x
+    return tl.rsqrt(tl.sum(squares, axis=0) / k_cols + eps)
+
+
+@triton.jit
+def _row(
+    x_ptr,
+    addend_ptr,
+    norm_ptr,
+    cols,
+    k_cols,
+    rstd,
+    EVEN_K: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    """The product's input block in fp32: x (or x + addend), normalised where NORM is set,
+    rounded where eager's separate ops round."""
+    x = _summed(x_ptr, addend_ptr, cols, k_cols, EVEN_K, HAS_ADDEND)
+    if NORM == 0:
+        return x
+    dtype = x_ptr.dtype.element_ty
+    w = _inputs(norm_ptr, cols, k_cols, EVEN_K).to(tl.float32)
+    if NORM == 1:  # w * (x * rstd).to(dtype)
+        return (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)  # (x * rstd * (1 + w)).to(dtype)
+
+
+@triton.jit
 def _gemv(
     x_ptr,
     w_ptr,
@@ -72,16 +133,23 @@ def _gemv(
     gate_ptr,
     gate_bias_ptr,
     residual_ptr,
+    addend_ptr,
+    residual_addend_ptr,
+    norm_ptr,
     out_ptr,
     n_rows,
     k_cols,
     stride_wn,
     stride_gn,
+    eps,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
+    HAS_RESIDUAL_ADDEND: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    NORM: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -105,14 +173,20 @@ def _gemv(
         # that writes x finishes, then the program waits for it (two blocks: no faster, run T).
         w = _weights(rows, k, n_ok, k_cols, EVEN_K)
         tl.extra.cuda.gdc_wait()
-        acc += w.to(tl.float32) * _inputs(x_ptr, k, k_cols, EVEN_K).to(tl.float32)[None, :]
+    rstd = 1.0
+    if NORM != 0:
+        rstd = _rstd(x_ptr, addend_ptr, k_cols, eps, EVEN_K, HAS_ADDEND, BLOCK_K)
+    if PDL:
+        x = _row(x_ptr, addend_ptr, norm_ptr, k, k_cols, rstd, EVEN_K, HAS_ADDEND, NORM)
+        acc += w.to(tl.float32) * x[None, :]
         start = BLOCK_K
     for first in range(start, k_cols, BLOCK_K):
         cols = first + k
         # W's block before x's: loaded the other way round, llama-8b's compiled step took
         # 4.83 ms instead of 4.20, all else equal (run Z's first two calls).
         w = _weights(rows, cols, n_ok, k_cols, EVEN_K)
-        acc += w.to(tl.float32) * _inputs(x_ptr, cols, k_cols, EVEN_K).to(tl.float32)[None, :]
+        x = _row(x_ptr, addend_ptr, norm_ptr, cols, k_cols, rstd, EVEN_K, HAS_ADDEND, NORM)
+        acc += w.to(tl.float32) * x[None, :]
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
@@ -136,6 +210,9 @@ def _gemv(
         out = act.to(dtype).to(tl.float32) * out.to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL_ADDEND:
+            other = tl.load(residual_addend_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+            residual = (residual + other).to(dtype).to(tl.float32)
         out = out.to(dtype).to(tl.float32) + residual
     tl.store(out_ptr + n, out.to(dtype), mask=n_ok)
 
@@ -157,42 +234,67 @@ def gemv(
     gate: torch.Tensor | None = None,
     gate_bias: torch.Tensor | None = None,
     activation: str = "silu",
+    norm: str | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    addend: torch.Tensor | None = None,
+    residual_addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an ``x`` holding one row (shape (..., K) with every
     leading size 1); weight (N, K) with unit stride in K. fp32 accumulation. With ``gate``
     (N, K): ``act(F.linear(x, gate, gate_bias)) * F.linear(x, weight, bias)`` (a gated MLP's
     activation, ``act`` named by ``activation``, a key of :data:`ACTIVATIONS`); with
-    ``residual`` (N values): ``residual +`` the result. Intermediates are rounded to x's dtype
-    as the separate eager ops round them (graphcap_cuda.epilogues moves these ops here)."""
+    ``residual`` (N values): ``residual +`` the result. Before the product: ``x + addend``
+    instead of x, then, with ``norm`` (a key of :data:`NORMS`), its RMSNorm with weight
+    ``norm_weight`` (K values) and ``eps``; ``residual + residual_addend`` instead of residual.
+    Intermediates are rounded to x's dtype as the separate eager ops round them
+    (graphcap_cuda.epilogues moves these ops here)."""
     n_rows, k_cols = weight.shape
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     if gate is not None and (gate.shape != weight.shape or gate.stride(1) != 1):
         raise ValueError(f"gate {tuple(gate.shape)} must have weight's shape {tuple(weight.shape)}")
-    if residual is not None and (residual.numel() != n_rows or residual.dtype != x.dtype):
-        raise ValueError(f"residual must hold {n_rows} values of {x.dtype}")
+    _check_row("residual", residual, n_rows, x.dtype)
+    _check_row("residual_addend", residual_addend, n_rows, x.dtype)
+    _check_row("addend", addend, k_cols, x.dtype)
+    if residual_addend is not None and residual is None:
+        raise ValueError("residual_addend needs a residual to add to")
+    if (norm is None) != (norm_weight is None) or (norm is not None and norm not in NORMS):
+        raise ValueError(f"norm {norm!r} needs a norm_weight and one of {sorted(NORMS)}")
+    _check_row("norm_weight", norm_weight, k_cols, x.dtype)
     vector = x.reshape(k_cols).contiguous()
     out = torch.empty(n_rows, dtype=x.dtype, device=x.device)
     block_n = block_rows(n_rows, x.device)
     block_k = GATED_BLOCK_K if gate is not None and k_cols >= GATED_LONG_K else BLOCK_K
     pdl = launch.dependent(x.device)
+
+    def flat(tensor: torch.Tensor | None, rows: int) -> torch.Tensor:
+        return out if tensor is None else tensor.reshape(rows).contiguous()
+
     _gemv[(triton.cdiv(n_rows, block_n),)](
         vector,
         weight,
         out if bias is None else bias,
         weight if gate is None else gate,
         out if gate_bias is None else gate_bias,
-        out if residual is None else residual.reshape(n_rows).contiguous(),
+        flat(residual, n_rows),
+        vector if addend is None else addend.reshape(k_cols).contiguous(),
+        flat(residual_addend, n_rows),
+        vector if norm_weight is None else norm_weight.reshape(k_cols).contiguous(),
         out,
         n_rows,
         k_cols,
         weight.stride(0),
         weight.stride(0) if gate is None else gate.stride(0),
+        eps,
         HAS_BIAS=bias is not None,
         GATED=gate is not None,
         HAS_GATE_BIAS=gate_bias is not None,
         HAS_RESIDUAL=residual is not None,
+        HAS_ADDEND=addend is not None,
+        HAS_RESIDUAL_ADDEND=residual_addend is not None,
         ACTIVATION=ACTIVATIONS[activation],
+        NORM=0 if norm is None else NORMS[norm],
         EVEN_K=k_cols % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -204,8 +306,13 @@ def gemv(
     return out.reshape(*x.shape[:-1], n_rows)
 
 
+def _check_row(name: str, tensor: torch.Tensor | None, size: int, dtype: torch.dtype) -> None:
+    if tensor is not None and (tensor.numel() != size or tensor.dtype != dtype):
+        raise ValueError(f"{name} must hold {size} values of {dtype}")
+
+
 @gemv.register_fake
-def _(x, weight, bias=None, residual=None, gate=None, gate_bias=None, activation="silu"):
+def _(x, weight, *args, **kwargs):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

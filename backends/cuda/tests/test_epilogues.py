@@ -16,6 +16,8 @@ pytest.importorskip("triton", reason="the kernel needs Triton (CUDA builds of to
 
 from graphcap_cuda import backend, epilogues, gemv
 from rollout_models import tiny_model
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from graphcap.rollout import regions
 from graphcap.rollout.fusion import ProjectionFusion
@@ -58,6 +60,36 @@ def test_gated_and_residual_forms_equal_the_eager_ops(n, k, bias, dtype, activat
     torch.testing.assert_close(both, residual + gemv.gemv(act, up[:, :n].contiguous()))
 
 
+#: transformers' RMSNorm of each of the kernel's norms (gemv.NORMS).
+NORM_MODULES = {"rms": LlamaRMSNorm, "rms_one_plus": GemmaRMSNorm}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(96, 256), (70, 300), (20, gemv.GATED_LONG_K)])
+@pytest.mark.parametrize("norm", sorted(gemv.NORMS))
+@pytest.mark.parametrize("summed", [False, True], ids=["input", "sum"])
+def test_norm_and_sum_prologues_equal_transformers_norms(n, k, norm, summed, dtype):
+    """The input's RMSNorm (Llama's and Gemma's) and the sums before it and before the residual
+    equal transformers' modules and eager adds followed by the plain kernel, gated or not."""
+    x, up, gate, _, _ = _data(n, k, dtype, 3 * n + k)
+    addend = torch.randn(1, 1, k).to(DEVICE, dtype) if summed else None
+    residual, other = (torch.randn(1, 1, n).to(DEVICE, dtype) for _ in range(2))
+    module = NORM_MODULES[norm](k, eps=1e-2).to(DEVICE, dtype)  # large enough to matter
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(k) * 0.5)
+        h = module(x + addend if summed else x)
+    weights = {"norm": norm, "norm_weight": module.weight, "eps": 1e-2, "addend": addend}
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    plain = gemv.gemv(x, up, **weights)
+    torch.testing.assert_close(plain, gemv.gemv(h, up), rtol=tol, atol=tol)
+    gated = gemv.gemv(x, up, None, None, gate, **weights)
+    torch.testing.assert_close(gated, gemv.gemv(h, up, None, None, gate), rtol=tol, atol=tol)
+    extra = {"residual_addend": other} if summed else {}
+    added = gemv.gemv(x, up, None, residual, **weights, **extra)
+    want = gemv.gemv(h, up, None, residual + other if summed else residual)
+    torch.testing.assert_close(added, want, rtol=tol, atol=tol)
+
+
 def test_bad_epilogue_operands_are_refused():
     x, up, gate, _, _ = _data(8, 16, torch.float32, 0)
     with pytest.raises(ValueError, match="gate"):
@@ -66,6 +98,12 @@ def test_bad_epilogue_operands_are_refused():
         gemv.gemv(x, up, None, torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="activation 'relu' is not one of"):
         gemv.gemv(x, up, None, None, gate, None, "relu")
+    with pytest.raises(ValueError, match="norm 'layer' needs a norm_weight and one of"):
+        gemv.gemv(x, up, norm="layer", norm_weight=x.reshape(-1))
+    with pytest.raises(ValueError, match="norm_weight must hold 16 values"):
+        gemv.gemv(x, up, norm="rms", norm_weight=x.reshape(-1)[:8])
+    with pytest.raises(ValueError, match="residual_addend needs a residual"):
+        gemv.gemv(x, up, residual_addend=torch.zeros(8, device=DEVICE))
 
 
 def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
@@ -99,13 +137,14 @@ def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Ten
     ],
 )
 def test_pass_moves_a_gated_mlps_activation_and_residual_into_the_product(family, fuse):
-    """The decoder layer compiles once for every layer: its gate activation and its residual
-    add after the down projection are rewritten (the add after attention meets the attention's
-    output, not a product), and the logits stay the eager ones. The forms: gate and up joined
+    """The decoder layer compiles once for every layer: its gate activation, its residual add
+    after the down projection, and the add and norm after attention (into the gate/up product,
+    and the add into the down product's residual too) are rewritten, and the logits stay the
+    eager ones. The forms: gate and up joined
     by fuse_projections (split in two), two products, Phi-3's own gate/up product chunked with
     the activation on the right of the product, and Gemma's tanh-approximated GELU."""
     fused, logits, eager = _compiled_layers(family, fuse)
-    assert fused == {"gate": 1, "residual": 1}
+    assert fused == {"gate": 1, "residual": 1, "norm": 1, "sum": 1}
     torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
 
 
@@ -126,7 +165,7 @@ def test_pass_leaves_activations_the_kernel_does_not_compute(activation):
     compiled = torch.compile(mlp, options={"post_grad_custom_post_pass": found, **UNCACHED})
     out = compiled(x, wg, wu)
     torch._dynamo.reset()
-    assert found.fused == {"gate": 0, "residual": 0}
+    assert found.fused == dict.fromkeys(("gate", "residual", "norm", "sum"), 0)
     torch.testing.assert_close(out, mlp(x, wg, wu), rtol=1e-5, atol=1e-5)
 
 
@@ -145,8 +184,79 @@ def test_pass_leaves_products_with_other_uses_and_broadcast_adds():
     compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
     out, _ = compiled(x, r, wg, wu, wd)
     torch._dynamo.reset()
-    assert found.fused == {"gate": 0, "residual": 0}
+    assert found.fused == dict.fromkeys(("gate", "residual", "norm", "sum"), 0)
     torch.testing.assert_close(out, block(x, r, wg, wu, wd)[0], rtol=1e-5, atol=1e-5)
+
+
+def _rms(x, w, eps=1e-6):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize(
+    "norm,folds",
+    [
+        (lambda x, w: _rms(x, w), 1),
+        (lambda x, w: _rms(x, w, eps=1e-2), 1),
+        (lambda x, w: w * F.layer_norm(x, x.shape[-1:]), 0),
+        (lambda x, w: _rms(x, w) * 2.0, 0),
+        (lambda x, w: _rms(x, w) + x, 0),
+        (lambda x, w: _rms(x, 1.0) * x.sum(-1, keepdim=True), 0),
+    ],
+    ids=["rms", "rms-large-eps", "layer-norm", "scaled-rms", "rms-plus-input", "no-weight"],
+)
+def test_pass_moves_rms_norms_and_nothing_else_into_the_product(norm, folds):
+    """A norm of an input read by nothing else moves in (no sum: the input is the block's);
+    near misses of RMSNorm stay as they were."""
+
+    def block(x, w, up):
+        return gemv.linear(norm(x, w), up)
+
+    x, up, _, w, _ = _data(32, 16, torch.float32, 4)
+    w = w[:16]
+    found = epilogues.GemvEpilogues()
+    compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
+    out = compiled(x, w, up)
+    torch._dynamo.reset()
+    assert (found.fused["norm"], found.fused["sum"]) == (folds, 0)
+    torch.testing.assert_close(out, block(x, w, up), rtol=1e-5, atol=1e-5)
+
+
+def test_pass_leaves_norms_and_sums_read_elsewhere():
+    """A norm whose output is also returned, or of a sum that is returned (its kernel stays),
+    is not moved; a product that reads the sum normed and as its residual takes both."""
+
+    def returned_norm(x, r, w, up, down):
+        h = _rms(x + r, w)
+        return gemv.linear(h, up), h
+
+    def returned_sum(x, r, w, up, down):
+        s = x + r
+        return gemv.linear(_rms(s, w), up), s
+
+    def both(x, r, w, up, down):
+        s = x + r
+        return gemv.linear(_rms(s, w), up) + s
+
+    x, up, _, w, _ = _data(16, 16, torch.float32, 5)
+    r = torch.randn_like(x)
+    for block, want in ((returned_norm, (0, 0)), (returned_sum, (0, 0)), (both, (1, 1))):
+        found = epilogues.GemvEpilogues()
+        compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
+        got = compiled(x, r, w, up, None)
+        torch._dynamo.reset()
+        assert (found.fused["norm"], found.fused["sum"]) == want, block.__name__
+        torch.testing.assert_close(got, block(x, r, w, up, None), rtol=1e-5, atol=1e-5)
+
+
+def test_norms_stay_out_when_turned_off_and_the_cache_key_says_so(monkeypatch):
+    """Benchmarks time the step without the norm moved; inductor's cache must not hand one
+    setting's graph to the other."""
+    key = epilogues.PASS.uuid()
+    monkeypatch.setattr(epilogues, "FOLD_NORMS", False)
+    assert epilogues.PASS.uuid() != key
+    fused, logits, eager = _compiled_layers("llama", True)
+    assert fused == {"gate": 1, "residual": 1, "norm": 0, "sum": 0}
+    torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_backend_options_carry_the_pass(monkeypatch):
