@@ -115,6 +115,9 @@ def test_preset_outputs_are_varied_and_local_directories_load(tmp_path: Any) -> 
     work.model.save_pretrained(tmp_path)
     loaded = models.build_model(str(tmp_path), dtype=torch.float32, device=CPU)
     assert torch.equal(loaded.lm_head.weight, work.model.lm_head.weight)
+    shapes = models.build_model(str(tmp_path), dtype=torch.float32, device=torch.device("meta"))
+    assert models.describe_model(shapes) == models.describe_model(loaded)
+    assert models.weight_bytes_per_step(shapes) == models.weight_bytes_per_step(loaded)
     with pytest.raises(ValueError, match="neither a preset"):
         models.build_model(str(tmp_path / "missing"), dtype=torch.float32, device=CPU)
 
@@ -317,10 +320,13 @@ def test_isolated_pairs_run_in_fresh_processes_and_fill_the_same_report(
         # The tokens came back from the children: fp32 graph replay equals the eager reference.
         assert r.tokens_identical and r.first_call_tokens_identical and r.distinct_tokens
     assert result.result("graphcap-graph", 1).captures == 1
-    # Each child builds its own model and reports its calls; the parent builds one after them.
+    # Each child builds its own model and reports its calls; the parent describes the model
+    # after them from one built on the meta device (no weights).
     builds = [i for i, line in enumerate(lines) if line.startswith("building ")]
     pairs = [i for i, line in enumerate(lines) if " left] bs 1: " in line]
     assert len(builds) == 3 and pairs[0] < builds[0] < pairs[1] < builds[1] < builds[2]
+    assert lines[builds[2]].endswith(" on meta") and "on meta" not in lines[builds[0]]
+    assert result.model["parameters"] > 0 and result.weight_bytes_per_step > 0
     assert any(line.startswith("  steady 1: ") for line in lines)
     assert result.config["isolate"] and "a fresh process per mode" in report.format_table(result)
 

@@ -56,13 +56,18 @@ def build_model(
     backend_seed: Callable[[int], None] | None = None,
 ) -> PreTrainedModel:
     """A preset (random weights, built on the device) or a local model directory, with EOS off
-    so that every mode generates exactly ``max_new_tokens``."""
+    so that every mode generates exactly ``max_new_tokens``; on the meta device, shapes only
+    (a local model's weights are not read)."""
     torch.manual_seed(seed)
     if backend_seed is not None:
         backend_seed(seed)
     if model in PRESETS:
         with torch.device(device):
             built = AutoModelForCausalLM.from_config(preset_config(model), dtype=dtype)
+    elif (Path(model) / "config.json").is_file() and device.type == "meta":  # no weights read
+        with torch.device(device):
+            config = AutoConfig.from_pretrained(model, local_files_only=True)
+            built = AutoModelForCausalLM.from_config(config, dtype=dtype)
     elif (Path(model) / "config.json").is_file():
         built = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, local_files_only=True)
         built = built.to(device)

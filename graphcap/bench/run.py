@@ -53,7 +53,10 @@ def run_benchmark(
         # Isolated pairs run before this process builds its model: none shares the device with it.
         in_child = functools.partial(_run_child, cfg, backend.name, say) if cfg.isolate else None
         isolated = None if in_child is None else _sweep(cfg, started, say, in_child)
-        report, workload = _prepare(cfg, backend, say)
+        # After isolated pairs the model only describes the run (unless the RL loop runs here).
+        report, workload = _prepare(
+            cfg, backend, say, describe_only=cfg.isolate and not cfg.rl_loop
+        )
 
         def in_process(bs: int, mode: str) -> tuple[ModeResult, Any]:
             return _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
@@ -85,12 +88,14 @@ def run_benchmark(
 
 
 def _prepare(
-    cfg: BenchConfig, backend: Backend, say: Callable[[str], None]
+    cfg: BenchConfig, backend: Backend, say: Callable[[str], None], describe_only: bool = False
 ) -> tuple[BenchReport, Callable[..., Workload]]:
     """Build the model: an empty report describing the run, and a workload builder (batch
-    size, continuous slots) on that model."""
-    say(f"building {cfg.model} ({cfg.dtype}) on {backend.device}")
-    dtype, name, device = models.DTYPES[cfg.dtype], models.device_name(backend), backend.device
+    size, continuous slots) on that model. ``describe_only``: the model is built on the meta
+    device (shapes, no weights), enough for the report; no workload runs on it."""
+    device = torch.device("meta") if describe_only else backend.device
+    say(f"building {cfg.model} ({cfg.dtype}) on {device}")
+    dtype, name = models.DTYPES[cfg.dtype], models.device_name(backend)
     model = models.build_model(
         cfg.model, dtype=dtype, device=device, seed=cfg.seed, backend_seed=backend.manual_seed
     )
@@ -109,9 +114,10 @@ def _prepare(
         peak_bandwidth_gbps=None if peak is None else peak / 1e9,
         reference_mode=next((m for m in REFERENCES if m in cfg.modes), None),
     )
-    with torch.no_grad():  # one forward first: the first mode must not pay device start-up
-        model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
-    backend.synchronize()
+    if not describe_only:
+        with torch.no_grad():  # one forward first: the first mode must not pay device start-up
+            model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
+        backend.synchronize()
 
     def workload(batch: int, slots: int | None = None) -> Workload:
         vocab = model.config.vocab_size
