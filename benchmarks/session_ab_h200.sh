@@ -5,6 +5,7 @@
 #   bash benchmarks/session_ab_h200.sh OUT norms    # tests; the norm in the one-row product
 #   bash benchmarks/session_ab_h200.sh OUT final    # issue 11's figures
 #   bash benchmarks/session_ab_h200.sh OUT checks   # device tests, conformance, a profile
+#   bash benchmarks/session_ab_h200.sh OUT again    # HF's and the compiled batch-1 step again
 # "probe": benchmarks/first_call_profile_h200.py (llama-8b batch 1, a fresh process, first in the
 # call); llama-8b's compiled step at batch 256 as committed and with inductor's GEMM autotuning
 # (max_autotune_gemm, persistent TMA templates among the choices), one process each.
@@ -17,6 +18,8 @@
 # 64 / 256 and llama-1b 1 / 64 / 256 compiled.
 # "checks": the device rollout tests (fp32 tokens of graph paths), the conformance suite, and
 # a profile of llama-8b's compiled step at batch 1.
+# "again": the final part's isolated batch-1 comparison once more on another machine, HF and
+# the compiled step only (HF's step has varied 7.0-8.4 ms between runs).
 # One tarball comes back (run-ab-PART.tar), rewritten after each part.
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -65,6 +68,12 @@ elif [[ $part == final ]]; then
     shown_bench "$work" llama-8b 64,256 graphcap-graph-compiled bs64-256-ab 90
     keep
     shown_bench "$work" llama-1b 1,64,256 graphcap-graph-compiled bs1-64-256-ab 70
+elif [[ $part == again ]]; then
+    timeout 200 $py -m graphcap.bench --model llama-8b --batch-sizes 1 --prompt-len 128 \
+        --new-tokens 512 --repeats 3 --warmup 1 --fuse-projections --isolate \
+        --modes hf-static-compile,graphcap-graph-compiled \
+        --json "$work/bench-llama-8b-bs1-again-ab.json" >"$work/bench-llama-8b-bs1-again-ab.txt" 2>&1
+    grep -E '^(graphcap|hf)-' "$work/bench-llama-8b-bs1-again-ab.txt"
 elif [[ $part == checks ]]; then
     timeout 150 $py -m pytest -q -rs -m device -p no:cacheprovider tests/test_device_rollout.py \
         -k "greedy_graph_equals or compiled or continuous or per_position" \
