@@ -6,7 +6,6 @@
 #   bash benchmarks/session_ab_h200.sh OUT final    # issue 11's figures
 #   bash benchmarks/session_ab_h200.sh OUT checks   # device tests, conformance, a profile
 #   bash benchmarks/session_ab_h200.sh OUT again    # HF's and the compiled batch-1 step again
-#   bash benchmarks/session_ab_h200.sh OUT rstd     # the norm's row read in one load or not
 # "probe": benchmarks/first_call_profile_h200.py (llama-8b batch 1, a fresh process, first in the
 # call); llama-8b's compiled step at batch 256 as committed and with inductor's GEMM autotuning
 # (max_autotune_gemm, persistent TMA templates among the choices), one process each.
@@ -21,9 +20,6 @@
 # a profile of llama-8b's compiled step at batch 1.
 # "again": the final part's isolated batch-1 comparison once more on another machine, HF and
 # the compiled step only (HF's step has varied 7.0-8.4 ms between runs).
-# "rstd": the kernel's norm and sum tests on the GPU; the compiled batch-1 step with each
-# program reading the input row for its norm in one load (as committed) and block by block
-# (gemv.NORM_ONE_LOAD=0, as in the norms part), one process each.
 # One tarball comes back (run-ab-PART.tar), rewritten after each part.
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -78,13 +74,6 @@ elif [[ $part == again ]]; then
         --modes hf-static-compile,graphcap-graph-compiled \
         --json "$work/bench-llama-8b-bs1-again-ab.json" >"$work/bench-llama-8b-bs1-again-ab.txt" 2>&1
     grep -E '^(graphcap|hf)-' "$work/bench-llama-8b-bs1-again-ab.txt"
-elif [[ $part == rstd ]]; then
-    timeout 120 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_epilogues.py \
-        -k "norm_and_sum or pass_moves" >"$work/norm-tests-ab.log" 2>&1
-    tail -1 "$work/norm-tests-ab.log"
-    keep
-    variants llama-8b 1 40 one= blocks=gemv.NORM_ONE_LOAD=0 one2=
-    variants llama-1b 1 30 one= blocks=gemv.NORM_ONE_LOAD=0
 elif [[ $part == checks ]]; then
     timeout 150 $py -m pytest -q -rs -m device -p no:cacheprovider tests/test_device_rollout.py \
         -k "greedy_graph_equals or compiled or continuous or per_position" \

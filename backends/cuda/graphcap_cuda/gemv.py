@@ -55,10 +55,6 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 #: ``w * (x * rstd).to(dtype)``, ``rms_one_plus`` Gemma's ``(x * rstd * (1 + w)).to(dtype)``
 #: (``rstd = rsqrt(mean(x**2) + eps)``, in fp32).
 NORMS = {"rms": 1, "rms_one_plus": 2}
-#: Whether a program reads the input row for its norm in one load (up to ``MAX_NORM_ROW``
-#: columns) rather than block by block.
-NORM_ONE_LOAD = True
-MAX_NORM_ROW = 16384
 
 
 @triton.jit
@@ -95,13 +91,8 @@ def _rstd(
     EVEN_K: tl.constexpr,
     HAS_ADDEND: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ROW: tl.constexpr,
 ):
-    """``rsqrt(mean(x**2) + eps)`` over the whole input row: in one load of ``ROW`` (a power of
-    two at least K) columns, or, ``ROW`` 0, block by block."""
-    if ROW > 0:
-        x = _summed(x_ptr, addend_ptr, tl.arange(0, ROW), k_cols, False, HAS_ADDEND)
-        return tl.rsqrt(tl.sum(x * x, axis=0) / k_cols + eps)
+    """``rsqrt(mean(x**2) + eps)`` over the whole input row."""
     k = tl.arange(0, BLOCK_K)
     squares = tl.zeros([BLOCK_K], tl.float32)
     for first in range(0, k_cols, BLOCK_K):
@@ -159,7 +150,6 @@ def _gemv(
     HAS_RESIDUAL_ADDEND: tl.constexpr,
     ACTIVATION: tl.constexpr,
     NORM: tl.constexpr,
-    NORM_ROW: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -185,7 +175,7 @@ def _gemv(
         tl.extra.cuda.gdc_wait()
     rstd = 1.0
     if NORM != 0:
-        rstd = _rstd(x_ptr, addend_ptr, k_cols, eps, EVEN_K, HAS_ADDEND, BLOCK_K, NORM_ROW)
+        rstd = _rstd(x_ptr, addend_ptr, k_cols, eps, EVEN_K, HAS_ADDEND, BLOCK_K)
     if PDL:
         x = _row(x_ptr, addend_ptr, norm_ptr, k, k_cols, rstd, EVEN_K, HAS_ADDEND, NORM)
         acc += w.to(tl.float32) * x[None, :]
@@ -225,12 +215,6 @@ def _gemv(
             residual = (residual + other).to(dtype).to(tl.float32)
         out = out.to(dtype).to(tl.float32) + residual
     tl.store(out_ptr + n, out.to(dtype), mask=n_ok)
-
-
-def norm_row(k_cols: int) -> int:
-    """Columns of the one load that finds the input's norm (0: block by block)."""
-    row = triton.next_power_of_2(k_cols)
-    return row if NORM_ONE_LOAD and row <= MAX_NORM_ROW else 0
 
 
 def block_rows(n_rows: int, device: torch.device) -> int:
@@ -311,7 +295,6 @@ def gemv(
         HAS_RESIDUAL_ADDEND=residual_addend is not None,
         ACTIVATION=ACTIVATIONS[activation],
         NORM=0 if norm is None else NORMS[norm],
-        NORM_ROW=norm_row(k_cols) if norm is not None else 0,
         EVEN_K=k_cols % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
