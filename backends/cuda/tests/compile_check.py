@@ -1,0 +1,132 @@
+"""Compile the launches graphcap_cuda's host functions make for a Hopper GPU, without one.
+
+Run as a script in a process without ``TRITON_INTERPRET`` (test_kernels_compile.py does): the
+kernels are replaced by recorders, the host functions are called on CPU tensors for a set of
+cases (dependent launches on), and every recorded launch is compiled by Triton's own code
+generator for sm_90 down to a cubin (Triton ships ptxas). Prints one JSON line per launch:
+the kernel, its constexprs, the shared memory it needs, or the error.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import torch
+import triton
+from graphcap_cuda import gemv, launch, split_kv
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+#: Shared memory a block may use on an H100 / H200 (227 KB).
+SHARED_LIMIT = 232448
+DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "i1",
+}
+OPTIONS = ("num_warps", "num_stages")
+
+
+class Recorder:
+    """Stands for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, kernel: triton.JITFunction, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid: object):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def _type(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    return "fp32"
+
+
+def compile_launch(kernel: triton.JITFunction, args: tuple, kwargs: dict) -> dict:
+    names = kernel.arg_names
+    signature = {name: _type(value) for name, value in zip(names, args, strict=False)}
+    constexprs = {k: v for k, v in kwargs.items() if k in names}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    record = {"kernel": kernel.__name__, "constexprs": constexprs, "options": options}
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+    )
+    try:
+        compiled = triton.compile(source, target=TARGET, options=options)
+    except Exception as exc:  # reported, not raised: every launch is tried
+        cause = exc.__cause__ or exc.__context__
+        why = f"{type(exc).__name__}: {exc}" + (f"\ncaused by {cause!r}" if cause else "")
+        return record | {"error": why[-3000:]}
+    return record | {"shared": compiled.metadata.shared}
+
+
+def _gemv_cases() -> None:
+    for dtype in (torch.bfloat16, torch.float32):  # fp16 compiles as bf16 does
+        make = functools.partial(_random, dtype)
+        for n, k in ((96, 256), (70, 300), (20, gemv.GATED_LONG_K)):
+            x, w, g, r = make(1, 1, k), make(n, k), make(n, k), make(n)
+            gemv.gemv(x, w)
+            gemv.gemv(x, w, make(n), r)
+            for activation in gemv.ACTIVATIONS:
+                gemv.gemv(x, w, None, r, g, make(n), activation)
+            for norm in gemv.NORMS:
+                gemv.gemv(x, w, norm=norm, norm_weight=make(k), eps=1e-5)
+                gemv.gemv(
+                    x, w, None, r, g, None, "silu", norm, make(k), 1e-5, make(1, 1, k), make(n)
+                )
+
+
+def _random(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
+
+
+def _split_kv_cases() -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, heads, kv_heads, length, head_dim in (
+            (1, 32, 8, 640, 128),  # llama-8b batch 1: split chunks, combined
+            (64, 32, 8, 640, 128),  # batch 64: one chunk a row and K/V head
+            (256, 32, 8, 640, 64),
+            (2, 8, 8, 100, 80),  # no grouping, a head size that is not a power of two
+        ):
+            q = torch.randn(rows, heads, head_dim).to(dtype)
+            k, v = (torch.randn(rows, kv_heads, length, head_dim).to(dtype) for _ in range(2))
+            for mask in (
+                torch.ones(rows, length, dtype=torch.bool),
+                torch.zeros(rows, length, dtype=dtype),
+            ):
+                for softcap in (0.0, 30.0):
+                    split_kv.split_kv_decode(q, k, v, mask, head_dim**-0.5, softcap)
+
+
+def main() -> None:
+    launches: list = []
+    launch.dependent = lambda device: True  # compile the dependent-launch code too
+    gemv._gemv = Recorder(gemv._gemv, launches)
+    split_kv._split_kv_partial = Recorder(split_kv._split_kv_partial, launches)
+    _gemv_cases()
+    _split_kv_cases()
+    seen = set()
+    for kernel, args, kwargs in launches:
+        key = (kernel.__name__, tuple(map(_type, args)), repr(sorted(kwargs.items())))
+        if key not in seen:
+            seen.add(key)
+            print(json.dumps(compile_launch(kernel, args, kwargs)), flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
