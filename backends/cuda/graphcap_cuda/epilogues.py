@@ -321,7 +321,7 @@ def _fold_norm(graph: Graph, x: Node) -> tuple[int, int]:
     if not _only_feeds(nodes, *users):
         return 0, 0
     parts = _sum_parts(source, nodes)
-    if parts is None and _is_elementwise(source):
+    if parts is None and _inductor_computes(source):
         return 0, 0  # its own kernel stays: nothing would be saved
     a, b, residuals = parts if parts is not None else (source, None, [])
     norm = {"x": a, "norm": name, "norm_weight": weight, "eps": eps, "addend": b}
@@ -350,7 +350,9 @@ def _sum_parts(source: Node, nodes: list[Node]) -> tuple[Node, Node, list[Node]]
     return a, b, residuals
 
 
-def _is_elementwise(node: Node) -> bool:
+def _inductor_computes(node: Node) -> bool:
+    """Whether inductor computes ``node`` in a kernel of its own here (not an input or a
+    product)."""
     return node.op == "call_function" and node.target in NORM_OPS
 
 

@@ -92,7 +92,10 @@ def _rstd(
     HAS_ADDEND: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``rsqrt(mean(x**2) + eps)`` over the whole input row."""
+    """``rsqrt(mean(x**2) + eps)`` over the whole input row, block by block before the
+    product's loop. Moving the norm in saved llama-8b's step 0.4 µs a layer, against 2.4 µs
+    for the kernel it replaced (run X's profile; run AB's A/B): this pass is most of the rest,
+    where a faster form would go (one wide load did not compile on the GPU, ``ab-rstd/``)."""
     k = tl.arange(0, BLOCK_K)
     squares = tl.zeros([BLOCK_K], tl.float32)
     for first in range(0, k_cols, BLOCK_K):
