@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # H200 run AA (issue 11): the split-KV kernel's loads and split count, captures on cuBLASLt, and
-# the figures, cold caches (the variant loops became `variants` after the runs; same commands):
+# the figures, cold caches (after the runs, the variant loops became `variants` and the final
+# part's benches and checks `issue11_figures` and `device_checks`, in device_env.sh; the same
+# commands, the device tests' timeout 150 s instead of 130):
 #   bash benchmarks/session_aa_h200.sh OUT loads    # commit b378ae1: span-bounded K/V loads
 #   bash benchmarks/session_aa_h200.sh OUT splits   # commit 0dacdb1: programs per SM, block width
 #   bash benchmarks/session_aa_h200.sh OUT blas     # tests; warps x stages; cuBLASLt products
@@ -26,18 +28,6 @@ out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 session_part aa "$2"
-# variants MODEL SIZES BUDGET NAME=KNOBS...: the compiled step through bench_knobs.py, one
-# process per variant (KNOBS as GRAPHCAP_KNOBS; empty: as committed), its rows shown.
-variants() {
-    local model=$1 sizes=$2 budget=$3 variant
-    for variant in "${@:4}"; do
-        GRAPHCAP_KNOBS=${variant#*=} step_bench "$work" benchmarks/bench_knobs.py "$model" \
-            "$sizes" graphcap-graph-compiled "aa-${variant%%=*}" "$budget"
-        echo "${variant%%=*}:"
-        grep -E '^graphcap-graph-compiled|Error' "$work/bench-$model-aa-${variant%%=*}.txt"
-        keep
-    done
-}
 if [[ $part == loads ]]; then
     timeout 120 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
         backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-aa.log" 2>&1
@@ -67,31 +57,11 @@ elif [[ $part == blas ]]; then
     keep
     variants llama-8b 64,256 70 cublas= cublaslt=blas=cublaslt
 elif [[ $part == final ]]; then
-    timeout 240 $py -m graphcap.bench --model llama-8b --batch-sizes 1 --prompt-len 128 \
-        --new-tokens 512 --repeats 3 --warmup 1 --fuse-projections --isolate \
-        --modes hf-static-compile,graphcap-graph,graphcap-graph-compiled \
-        --json "$work/bench-llama-8b-bs1-isolated-aa.json" >"$work/bench-llama-8b-bs1-isolated-aa.txt" 2>&1
-    grep -E '^(graphcap|hf)-' "$work/bench-llama-8b-bs1-isolated-aa.txt"
-    keep
-    shown_bench "$work" llama-8b 64,256 graphcap-graph-compiled bs64-256-aa 90
-    keep
-    shown_bench "$work" llama-1b 1,64,256 graphcap-graph-compiled bs1-64-256-aa 70
-    keep
+    issue11_figures
     timeout 100 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_cuda_backend.py \
         >"$work/backend-tests-aa.log" 2>&1
     tail -1 "$work/backend-tests-aa.log"
-    timeout 130 $py -m pytest -q -rs -m device -p no:cacheprovider tests/test_device_rollout.py \
-        -k "greedy_graph_equals or compiled or continuous or per_position" \
-        >"$work/device-tests-aa.log" 2>&1
-    tail -1 "$work/device-tests-aa.log"
-    keep
-    timeout 100 $py -m graphcap.testing -q --graphcap-json "$work/cuda-h200.json" \
-        >"$work/conformance-aa.log" 2>&1
-    tail -1 "$work/conformance-aa.log"
-    keep
-    timeout 70 $py benchmarks/profile_decode.py "$work/profile-decode-aa-bs64.json" --fast \
-        --cases llama-8b:bf16:64 --new-tokens 256 >"$work/profile-aa.log" 2>&1
-    grep -E '"(kernels_per_step|device_ms_per_step|decode_ms_per_step_wall)"' "$work/profile-aa.log"
+    device_checks llama-8b:bf16:64 bs64
     keep
     GRAPHCAP_KNOBS=backend.CAPTURE_BLAS=none step_bench "$work" benchmarks/bench_knobs.py \
         llama-1b 64,256 graphcap-graph-compiled aa-cublas 40
