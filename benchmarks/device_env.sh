@@ -43,11 +43,13 @@ shown_bench() {
     grep -E '^(graphcap|hf)-' "$1/bench-$2-$5.txt"
 }
 
-# session_part RUN PART: a session script's work folder /tmp/RUN-PART ($work, $part) with empty
-# compile caches, and keep, which tars it into $out/run-RUN-PART.tar ($out: the caller's output
-# folder); scripts call keep after each part so a call cut short returns what ran.
+# session_part RUN OUT PART: a session script's output folder OUT ($out, made absolute from
+# the directory the script was started in, which its cd to the tree leaves in $OLDPWD) and work
+# folder /tmp/RUN-PART ($work, $part) with empty compile caches, and keep, which tars the work
+# folder into $out/run-RUN-PART.tar; scripts call keep after each part so a call cut short
+# returns what ran.
 session_part() {
-    run=$1 part=$2 work=/tmp/$1-$2
+    run=$1 out=$(cd "$OLDPWD" && mkdir -p "$2" && cd "$2" && pwd) part=$3 work=/tmp/$1-$3
     mkdir -p "$work"
     cold_compile_caches
 }

@@ -24,10 +24,9 @@
 # cuBLASLt was not timed.
 # One tarball comes back (run-aa-PART.tar), rewritten after each part.
 set -uo pipefail
-out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-session_part aa "$2"
+session_part aa "$1" "$2"
 if [[ $part == loads ]]; then
     timeout 120 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
         backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-aa.log" 2>&1

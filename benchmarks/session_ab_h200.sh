@@ -22,10 +22,9 @@
 # HF and the compiled step only (HF's step has varied 7.0-8.4 ms between runs).
 # One tarball comes back (run-ab-PART.tar), rewritten after each part.
 set -uo pipefail
-out=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-session_part ab "$2"
+session_part ab "$1" "$2"
 if [[ $part == probe ]]; then
     timeout 150 $py benchmarks/first_call_profile_h200.py "$work/first-call-profile-ab.txt" \
         >"$work/first-call-profile-ab.log" 2>&1
