@@ -55,6 +55,10 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 #: ``w * (x * rstd).to(dtype)``, ``rms_one_plus`` Gemma's ``(x * rstd * (1 + w)).to(dtype)``
 #: (``rstd = rsqrt(mean(x**2) + eps)``, in fp32).
 NORMS = {"rms": 1, "rms_one_plus": 2}
+#: Whether a program reads the input row for its norm in one load of up to ``MAX_NORM_ROW``
+#: columns (a power of two) rather than block by block (benchmarks turn it off).
+NORM_ONE_LOAD = True
+MAX_NORM_ROW = 16384
 
 
 @triton.jit
@@ -91,17 +95,23 @@ def _rstd(
     EVEN_K: tl.constexpr,
     HAS_ADDEND: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROW: tl.constexpr,
 ):
-    """``rsqrt(mean(x**2) + eps)`` over the whole input row, block by block before the
-    product's loop. Moving the norm in saved llama-8b's step 0.4 µs a layer, against 2.4 µs
-    for the kernel it replaced (run X's profile; run AB's A/B): this pass is most of the rest,
-    where a faster form would go (one wide load did not compile on the GPU, ``ab-rstd/``)."""
-    k = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([BLOCK_K], tl.float32)
-    for first in range(0, k_cols, BLOCK_K):
-        x = _summed(x_ptr, addend_ptr, first + k, k_cols, EVEN_K, HAS_ADDEND)
-        squares += x * x
-    return tl.rsqrt(tl.sum(squares, axis=0) / k_cols + eps)
+    """``rsqrt(mean(x**2) + eps)`` over the whole input row, before the product's loop: in one
+    load of ``ROW`` columns (a power of two at least K), or block by block where ``ROW`` is 0.
+    Block by block, moving the norm in saved llama-8b's step 0.4 µs a layer against 2.4 µs for
+    the kernel it replaced (run AB): this pass was most of the rest."""
+    if ROW > 0:
+        whole = _summed(x_ptr, addend_ptr, tl.arange(0, ROW), k_cols, False, HAS_ADDEND)
+        total = tl.sum(whole * whole, axis=0)
+    else:
+        k = tl.arange(0, BLOCK_K)
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for first in range(0, k_cols, BLOCK_K):
+            part = _summed(x_ptr, addend_ptr, first + k, k_cols, EVEN_K, HAS_ADDEND)
+            squares += part * part
+        total = tl.sum(squares, axis=0)
+    return tl.rsqrt(total / k_cols + eps)
 
 
 @triton.jit
@@ -153,6 +163,7 @@ def _gemv(
     HAS_RESIDUAL_ADDEND: tl.constexpr,
     ACTIVATION: tl.constexpr,
     NORM: tl.constexpr,
+    NORM_ROW: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -178,7 +189,7 @@ def _gemv(
         tl.extra.cuda.gdc_wait()
     rstd = 1.0
     if NORM != 0:
-        rstd = _rstd(x_ptr, addend_ptr, k_cols, eps, EVEN_K, HAS_ADDEND, BLOCK_K)
+        rstd = _rstd(x_ptr, addend_ptr, k_cols, eps, EVEN_K, HAS_ADDEND, BLOCK_K, NORM_ROW)
     if PDL:
         x = _row(x_ptr, addend_ptr, norm_ptr, k, k_cols, rstd, EVEN_K, HAS_ADDEND, NORM)
         acc += w.to(tl.float32) * x[None, :]
@@ -218,6 +229,12 @@ def _gemv(
             residual = (residual + other).to(dtype).to(tl.float32)
         out = out.to(dtype).to(tl.float32) + residual
     tl.store(out_ptr + n, out.to(dtype), mask=n_ok)
+
+
+def norm_row(k_cols: int) -> int:
+    """Columns of the one load that finds the input's norm (0: block by block)."""
+    row = triton.next_power_of_2(k_cols)
+    return row if NORM_ONE_LOAD and row <= MAX_NORM_ROW else 0
 
 
 def block_rows(n_rows: int, device: torch.device) -> int:
@@ -298,6 +315,7 @@ def gemv(
         HAS_RESIDUAL_ADDEND=residual_addend is not None,
         ACTIVATION=ACTIVATIONS[activation],
         NORM=0 if norm is None else NORMS[norm],
+        NORM_ROW=0 if norm is None else norm_row(k_cols),
         EVEN_K=k_cols % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

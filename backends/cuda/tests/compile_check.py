@@ -10,6 +10,7 @@ the kernel, its constexprs, the shared memory it needs, or the error.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
 
@@ -83,7 +84,8 @@ def _gemv_cases() -> None:
             gemv.gemv(x, w, make(n), r)
             for activation in gemv.ACTIVATIONS:
                 gemv.gemv(x, w, None, r, g, make(n), activation)
-            for norm in gemv.NORMS:
+            for norm, one_load in itertools.product(gemv.NORMS, (True, False)):
+                gemv.NORM_ONE_LOAD = one_load
                 gemv.gemv(x, w, norm=norm, norm_weight=make(k), eps=1e-5)
                 gemv.gemv(
                     x, w, None, r, g, None, "silu", norm, make(k), 1e-5, make(1, 1, k), make(n)

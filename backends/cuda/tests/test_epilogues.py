@@ -68,9 +68,14 @@ NORM_MODULES = {"rms": LlamaRMSNorm, "rms_one_plus": GemmaRMSNorm}
 @pytest.mark.parametrize("n,k", [(96, 256), (70, 300), (20, gemv.GATED_LONG_K)])
 @pytest.mark.parametrize("norm", sorted(gemv.NORMS))
 @pytest.mark.parametrize("summed", [False, True], ids=["input", "sum"])
-def test_norm_and_sum_prologues_equal_transformers_norms(n, k, norm, summed, dtype):
+@pytest.mark.parametrize("one_load", [True, False], ids=["row", "blocks"])
+def test_norm_and_sum_prologues_equal_transformers_norms(
+    n, k, norm, summed, one_load, dtype, monkeypatch
+):
     """The input's RMSNorm (Llama's and Gemma's) and the sums before it and before the residual
-    equal transformers' modules and eager adds followed by the plain kernel, gated or not."""
+    equal transformers' modules and eager adds followed by the plain kernel, gated or not; the
+    norm found from the row in one load or block by block."""
+    monkeypatch.setattr(gemv, "NORM_ONE_LOAD", one_load)
     x, up, gate, _, _ = _data(n, k, dtype, 3 * n + k)
     addend = torch.randn(1, 1, k).to(DEVICE, dtype) if summed else None
     residual, other = (torch.randn(1, 1, n).to(DEVICE, dtype) for _ in range(2))
