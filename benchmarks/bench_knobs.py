@@ -39,7 +39,8 @@ def apply(knobs: str) -> None:
         else:
             target = importlib.import_module("graphcap_cuda." + ".".join(owner))
         old = getattr(target, name)
-        setattr(target, name, None if value == "none" else type(old)(int(value)))
+        kind = int if old is None else type(old)  # a knob unset by default takes a number
+        setattr(target, name, None if value == "none" else kind(int(value)))
         print(f"knob {path}: {old!r} -> {getattr(target, name)!r}", file=sys.stderr)
 
 

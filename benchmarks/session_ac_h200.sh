@@ -8,9 +8,11 @@
 # one process per variant: batch 1 with the norm's row read in one load (as committed) and
 # block by block (gemv.NORM_ONE_LOAD=0); batch 64 and 256 with the residual add after the down
 # projection in cuBLAS's addmm (as committed) and not (epilogues.ADDMM_RESIDUALS=0); batch 256
-# with 16 KB split-KV blocks, and with 2 warps and 3 stages (run AA's sweep's best there).
+# with 16 KB split-KV blocks, and with 2 warps and 3 stages (run AA's sweep's best there). It
+# ran at commit 5a18d49: the addmm rewrite did not pay and was removed, so its knob is gone.
 # "final": issue11_figures (device_env.sh). "checks": device_checks with a profile of llama-8b
-# at batch 256.
+# at batch 256, then batch 256 with 2 warps and 3 stages again (the probe's variant stopped at
+# bench_knobs.py refusing a knob whose default is None) and as committed, one process each.
 # One tarball comes back (run-ac-PART.tar), rewritten after each part.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,5 +31,7 @@ elif [[ $part == final ]]; then
     issue11_figures
 elif [[ $part == checks ]]; then
     device_checks llama-8b:bf16:256 bs256
+    keep
+    variants llama-8b 256 60 w2=split_kv.NUM_WARPS=2,split_kv.NUM_STAGES=3 now=
 fi
 keep

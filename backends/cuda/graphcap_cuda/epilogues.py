@@ -18,11 +18,6 @@ rewrites, in the post-grad graph of every region ``compile=True`` compiles:
 Only products whose every use is the pattern are rewritten, so no weight is read twice. The
 kernel rounds each intermediate to the activation dtype where the eager ops round it.
 
-At more rows, products are cuBLAS GEMMs (``mm``). There, in bf16 and fp16, ``r + x @ W`` becomes
-``addmm(r, x, W)``: cuBLAS adds the residual in its epilogue (or its split-K reduction) instead
-of a kernel of its own reading and writing the whole activation. That rounds once where eager
-rounds twice, so fp32 graphs, whose compiled steps keep eager's tokens, are left as they are.
-
 ``act`` and ``norm`` are recognised by what they compute, not by how they are written: the
 nodes between the product and its source are evaluated on probe values and compared with each
 activation (SiLU, tanh-approximated GELU) and norm (Llama's RMSNorm, Gemma's) the kernel has.
@@ -75,13 +70,6 @@ NORM_OPS = ELEMENTWISE | {
 #: Whether the pass moves norms (and the adds before them) into products (benchmarks turn it
 #: off to time the step without it).
 FOLD_NORMS = True
-#: Whether the pass moves a many-row product's residual add into cuBLAS (``addmm``) in half
-#: precision (benchmarks turn it off).
-ADDMM_RESIDUALS = True
-#: The dtypes in which it does (fp32 keeps eager's two roundings).
-HALF = (torch.bfloat16, torch.float16)
-#: Shape-only views a GEMM's output passes through before the add.
-RESHAPES = (aten.reshape.default, aten.view.default)
 #: Scales of the inputs a norm's nodes are evaluated on: small enough that eps matters.
 NORM_SCALES = (1e-3, 1.0, 30.0)
 
@@ -362,35 +350,6 @@ def _sum_parts(source: Node, nodes: list[Node]) -> tuple[Node, Node, list[Node]]
     return a, b, residuals
 
 
-def _fold_mm_residual(graph: Graph, add: Node) -> bool:
-    """``r + reshape(x @ W)`` (r of the sum's shape and a half dtype, the GEMM read only
-    here) into ``reshape(addmm(reshape(r), x, W))``."""
-    if len(add.args) != 2 or add.kwargs or _value(add) is None:
-        return False
-    for out, other in (add.args, add.args[::-1]):
-        if not isinstance(out, Node) or not isinstance(other, Node) or len(out.users) != 1:
-            continue
-        mm = out.args[0] if any(_is(out, view) for view in RESHAPES) else out
-        if not _is(mm, aten.mm.default) or len(mm.users) != 1 or other is mm:
-            continue
-        mine, theirs, product = _value(out), _value(other), _value(mm)
-        if mine is None or theirs is None or product is None or mine.dtype not in HALF:
-            continue
-        if not _same_static_shape(mine, theirs) or theirs.dtype != mine.dtype:
-            continue  # a broadcast or a type promotion is not cuBLAS's beta = 1
-        with graph.inserting_before(add):
-            flat = graph.call_function(aten.reshape.default, (other, list(product.shape)))
-            flat.meta["val"] = theirs.reshape(product.shape)
-            fused = graph.call_function(aten.addmm.default, (flat, *mm.args))
-            fused.meta["val"] = product
-            back = graph.call_function(aten.reshape.default, (fused, list(mine.shape)))
-            back.meta["val"] = _value(add)
-        add.replace_all_uses_with(back)
-        graph.erase_node(add)
-        return True
-    return False
-
-
 def _inductor_computes(node: Node) -> bool:
     """Whether inductor computes ``node`` in a kernel of its own here (not an input or a
     product)."""
@@ -420,19 +379,15 @@ class GemvEpilogues(CustomGraphPass):
     rewrote (tests and benchmarks read it)."""
 
     def __init__(self) -> None:
-        self.fused = {"gate": 0, "residual": 0, "norm": 0, "sum": 0, "addmm": 0}
+        self.fused = {"gate": 0, "residual": 0, "norm": 0, "sum": 0}
 
     def __call__(self, graph: Graph) -> None:
         for node in list(graph.nodes):
             if _is(node, aten.mul.Tensor):
                 self.fused["gate"] += _fuse_gate(graph, node)
         for node in list(graph.nodes):
-            if not _is(node, aten.add.Tensor):
-                continue
-            if _fuse_residual(graph, node):
-                self.fused["residual"] += 1
-            elif ADDMM_RESIDUALS:
-                self.fused["addmm"] += _fold_mm_residual(graph, node)
+            if _is(node, aten.add.Tensor):
+                self.fused["residual"] += _fuse_residual(graph, node)
         inputs = {_arguments(n)["x"] for n in graph.nodes if _is(n, GEMV)} if FOLD_NORMS else ()
         for x in [n for n in graph.nodes if n in inputs]:
             norms, sums = _fold_norm(graph, x)
@@ -441,9 +396,9 @@ class GemvEpilogues(CustomGraphPass):
         graph.eliminate_dead_code()
 
     def uuid(self) -> bytes:
-        """Inductor's cache key: this file, the kernel's, and which rewrites are on."""
+        """Inductor's cache key: this file, the kernel's and whether norms move."""
         files = get_hash_for_files((__file__, str(Path(__file__).with_name("gemv.py"))))
-        return files + bytes([FOLD_NORMS, ADDMM_RESIDUALS])
+        return files + bytes([FOLD_NORMS])
 
 
 #: The instance the CUDA backend's compile options carry.
