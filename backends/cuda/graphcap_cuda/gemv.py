@@ -100,7 +100,8 @@ def _rstd(
     """``rsqrt(mean(x**2) + eps)`` over the whole input row, before the product's loop: in one
     load of ``ROW`` columns (a power of two at least K), or block by block where ``ROW`` is 0.
     Block by block, moving the norm in saved llama-8b's step 0.4 µs a layer against 2.4 µs for
-    the kernel it replaced (run AB): this pass was most of the rest."""
+    the kernel it replaced (run AB); in one load, the step took 4.09 ms instead of 4.12 (run
+    AC, one process each)."""
     if ROW > 0:
         whole = _summed(x_ptr, addend_ptr, tl.arange(0, ROW), k_cols, False, HAS_ADDEND)
         total = tl.sum(whole * whole, axis=0)
