@@ -376,8 +376,8 @@ PLANTS = (
     Plant(
         "the product's norm leaves eps out",
         "backends/cuda/graphcap_cuda/gemv.py",
-        "tl.rsqrt(tl.sum(squares, axis=0) / k_cols + eps)",
-        "tl.rsqrt(tl.sum(squares, axis=0) / k_cols)",
+        "tl.rsqrt(total / k_cols + eps)",
+        "tl.rsqrt(total / k_cols)",
         (NORM_FORMS,),
     ),
     Plant(
@@ -413,6 +413,20 @@ PLANTS = (
         "backends/cuda/graphcap_cuda/gemv.py",
         "    squares = tl.zeros([BLOCK_K], tl.float32)",
         "    squares = 0.0",
+        ("backends/cuda/tests/test_kernels_compile.py",),
+    ),
+    Plant(
+        "the norm's one load reads the first block of the row only",
+        "backends/cuda/graphcap_cuda/gemv.py",
+        "tl.arange(0, ROW), k_cols, False, HAS_ADDEND)",
+        "tl.arange(0, BLOCK_K), k_cols, False, HAS_ADDEND)",
+        (NORM_FORMS,),
+    ),
+    Plant(
+        "the norm is never read in one load",
+        "backends/cuda/graphcap_cuda/gemv.py",
+        "    return row if NORM_ONE_LOAD and row <= MAX_NORM_ROW else 0",
+        "    return 0",
         ("backends/cuda/tests/test_kernels_compile.py",),
     ),
 )
