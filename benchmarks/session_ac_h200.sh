@@ -4,6 +4,7 @@
 #   bash benchmarks/session_ac_h200.sh OUT probe    # tests; the A/Bs
 #   bash benchmarks/session_ac_h200.sh OUT final    # issue 11's figures
 #   bash benchmarks/session_ac_h200.sh OUT checks   # device tests, conformance, a profile
+#   bash benchmarks/session_ac_h200.sh OUT persist  # the split-KV kernel's persistent form
 # "probe": the kernel and pass tests of the changed forms on the GPU; llama-8b's compiled step,
 # one process per variant: batch 1 with the norm's row read in one load (as committed) and
 # block by block (gemv.NORM_ONE_LOAD=0); batch 64 and 256 with the residual add after the down
@@ -13,6 +14,11 @@
 # "final": issue11_figures (device_env.sh). "checks": device_checks with a profile of llama-8b
 # at batch 256, then batch 256 with 2 warps and 3 stages again (the probe's variant stopped at
 # bench_knobs.py refusing a knob whose default is None) and as committed, one process each.
+# "persist": the split-KV tests on the GPU (the persistent form's among them, on a device
+# pretended to have one multiprocessor), the kernel alone with and without the persistent form
+# (benchmarks/split_kv_persistent_h200.py), and the compiled step of llama-8b and llama-1b at
+# batch 256 with it (2 programs a multiprocessor, as committed; and 4) and without, one process
+# each.
 # One tarball comes back (run-ac-PART.tar), rewritten after each part.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,5 +39,17 @@ elif [[ $part == checks ]]; then
     device_checks llama-8b:bf16:256 bs256
     keep
     variants llama-8b 256 60 w2=split_kv.NUM_WARPS=2,split_kv.NUM_STAGES=3 now=
+elif [[ $part == persist ]]; then
+    timeout 120 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
+        backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-ac.log" 2>&1
+    tail -1 "$work/split-kv-tests-ac.log"
+    keep
+    (cd benchmarks && timeout 120 $py split_kv_persistent_h200.py \
+        "$work/split-kv-persistent-ac.json" >"$work/split-kv-persistent-ac.log" 2>&1)
+    tail -3 "$work/split-kv-persistent-ac.log"
+    keep
+    variants llama-8b 256 60 persistent= off=split_kv.PERSISTENT_PER_SM=0 \
+        p4=split_kv.PERSISTENT_PER_SM=4
+    variants llama-1b 256 40 persistent= off=split_kv.PERSISTENT_PER_SM=0
 fi
 keep

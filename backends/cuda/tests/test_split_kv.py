@@ -149,6 +149,95 @@ def test_a_row_with_nothing_to_attend_gets_zeros(programs_per_sm, monkeypatch):
     torch.testing.assert_close(out[0].double(), _reference(q, k, v, valid, 0.3)[0])
 
 
+class _Recorded:
+    """A kernel whose launches are recorded (its name, grid and ``ITEMS``), then run (or not)."""
+
+    def __init__(self, kernel, launches, run=True):
+        self.kernel, self.launches, self.run = kernel, launches, run
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.kernel.__name__, grid, kwargs.get("ITEMS")))
+            if self.run:
+                self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def persistent(monkeypatch):
+    """A device of one multiprocessor: every row and K/V head is one chunk, and two programs
+    (``PERSISTENT_PER_SM``) serve all of them, several each (the launches are returned)."""
+    monkeypatch.setattr(split_kv.launch, "multiprocessors", lambda device: 1)
+    monkeypatch.setattr(split_kv, "PERSISTENT_PER_SM", 2)
+    launches = []
+    kernel = split_kv._split_kv_persistent
+    monkeypatch.setattr(split_kv, "_split_kv_persistent", _Recorded(kernel, launches))
+    return launches
+
+
+@pytest.mark.parametrize(
+    "rows,heads,kv_heads,length,dim",
+    [(3, 8, 2, 300, 16), (5, 4, 1, 130, 32), (2, 4, 4, 70, 80), (9, 2, 1, 100, 16)],
+)
+@pytest.mark.parametrize("form", ["bool", "additive"])
+def test_persistent_form_equals_sdpa(rows, heads, kv_heads, length, dim, form, persistent):
+    """Programs that serve several rows and K/V heads in one loop (items not a multiple of the
+    programs, so some programs have fewer) equal SDPA, in fp32 and fp16, with left padding,
+    holes and unwritten columns."""
+    for dtype, tol in ((torch.float32, 2e-6), (torch.float16, 2e-3)):
+        q, k, v, valid = _case(rows, heads, kv_heads, length, dim, dtype, seed=length + rows)
+        mask = valid if form == "bool" else torch.where(valid, 0.0, torch.finfo(dtype).min)
+        out = split_kv_decode(q, k, v, mask.to(dtype) if form != "bool" else mask, 0.3, 0.0)
+        torch.testing.assert_close(
+            out.double(), _reference(q, k, v, valid, 0.3), rtol=tol, atol=tol
+        )
+    per_program = {6: 4, 5: 4, 8: 4, 9: 8}[rows * kv_heads]  # a power of two: some slots empty
+    assert persistent[-1] == ("_split_kv_persistent", (2,), per_program)
+
+
+def test_persistent_form_reads_no_closed_column_and_zeroes_empty_rows(persistent):
+    """NaN in every closed column; rows with nothing to attend (first, middle, last) get zeros
+    while the others' items around them in the same program are attended whole."""
+    q, k, v, valid = _case(7, 4, 2, 4 * BLOCK_N, 16, torch.float32, seed=9)
+    valid[:, BLOCK_N : 2 * BLOCK_N] = False
+    for row in (0, 3, 6):
+        valid[row] = False
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k.masked_fill_(~valid[:, None, :, None], float("nan"))
+    poisoned_v.masked_fill_(~valid[:, None, :, None], float("nan"))
+    out = split_kv_decode(q, poisoned_k, poisoned_v, valid, 0.3, 0.0)
+    assert persistent, "the persistent form did not run"
+    empty = [0, 3, 6]
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    kept = [1, 2, 4, 5]
+    expected = _reference(q[kept], k[kept], v[kept], valid[kept], 0.3)
+    torch.testing.assert_close(out[kept].double(), expected, rtol=2e-6, atol=2e-6)
+
+
+def test_persistent_form_softcaps(persistent):
+    q, k, v, valid = _case(4, 8, 2, 200, 32, torch.float32, seed=4)
+    out = split_kv_decode(q * 4, k, v, valid, 0.25, 5.0)
+    expected = _reference(q * 4, k, v, valid, 0.25, softcap=5.0)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-6)
+    assert persistent
+
+
+def test_persistent_form_takes_over_only_when_chunks_would_run_in_waves(monkeypatch):
+    """llama-8b's shape on an H200's 132 multiprocessors: batch 256 (2,048 rows x K/V heads,
+    more than 528 resident at once) takes it; batch 64 (512, all resident), 16 and 1 do not."""
+    launches = []
+    for name in ("_split_kv_persistent", "_split_kv_partial"):
+        monkeypatch.setattr(split_kv, name, _Recorded(getattr(split_kv, name), launches, False))
+    for rows, wanted in ((256, True), (64, False), (16, False), (1, False)):
+        q = torch.zeros(rows, 32, 128, dtype=torch.float16)
+        k = torch.zeros(rows, 8, 640, 128, dtype=torch.float16)
+        split_kv_decode(q, k, k, torch.ones(rows, 640, dtype=torch.bool), 0.1, 0.0)
+        name, grid, _ = launches[-1]
+        assert (name == "_split_kv_persistent") == wanted, rows
+        assert grid == ((264,) if wanted else grid), rows
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="CPU models need the interpreter (GPU: *_cuda.py)")
 @pytest.mark.parametrize("family", list(MODELS))
 def test_captured_steps_with_the_kernel_are_token_equal_to_eager(family):
