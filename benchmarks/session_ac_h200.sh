@@ -17,8 +17,7 @@
 # "persist": the split-KV tests on the GPU (the persistent form's among them, on a device
 # pretended to have one multiprocessor), the kernel alone with and without the persistent form
 # (benchmarks/split_kv_persistent_h200.py), and the compiled step of llama-8b and llama-1b at
-# batch 256 with it (2 programs a multiprocessor, as committed; and 4) and without, one process
-# each.
+# batch 256 with it (2 programs a multiprocessor, as committed) and without, one process each.
 # One tarball comes back (run-ac-PART.tar), rewritten after each part.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,8 +47,7 @@ elif [[ $part == persist ]]; then
         "$work/split-kv-persistent-ac.json" >"$work/split-kv-persistent-ac.log" 2>&1)
     tail -3 "$work/split-kv-persistent-ac.log"
     keep
-    variants llama-8b 256 60 persistent= off=split_kv.PERSISTENT_PER_SM=0 \
-        p4=split_kv.PERSISTENT_PER_SM=4
+    variants llama-8b 256 60 persistent= off=split_kv.PERSISTENT_PER_SM=0
     variants llama-1b 256 40 persistent= off=split_kv.PERSISTENT_PER_SM=0
 fi
 keep
