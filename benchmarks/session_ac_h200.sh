@@ -18,6 +18,7 @@
 # pretended to have one multiprocessor), the kernel alone with and without the persistent form
 # (benchmarks/split_kv_persistent_h200.py), and the compiled step of llama-8b and llama-1b at
 # batch 256 with it (2 programs a multiprocessor, as committed) and without, one process each.
+# It ran at commit 0b018bd; the persistent form was slower and was removed, so its knob is gone.
 # One tarball comes back (run-ac-PART.tar), rewritten after each part.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -9,6 +9,8 @@ resident at once). Here: batch 128 and 256 of both llama shapes, three fills of 
 cache (left padding of 0-31 columns a row), ``PERSISTENT_PER_SM`` 0 (off), 2, 4 and 8, each
 timed in CUDA-graph replays; bytes are the K/V of open columns, and each output is compared
 with the kernel's without the persistent form (the same blocks in the same order: 0 expected).
+It ran on commit 0c79900 (``ac-persist/``): the form was slower in every batch-256 case and
+was removed, with ``PERSISTENT_PER_SM``; check that commit out to run it again.
 """
 
 from __future__ import annotations

@@ -14,12 +14,9 @@ head are computed together from one read of it.
 
 With several chunks, the chunk of a row and K/V head that finishes last combines their partial
 softmaxes (an arrival count per row and head, reset by that chunk), so a launch is one kernel
-and one graph node. When rows and K/V heads are one chunk each and too many to run at once
-(batch 256), a persistent form serves several of them per program in one loop over all their
-blocks, so no wave of programs waits at its start for the mask scan and first loads.
-Accumulation is fp32; fp32 inputs use IEEE (not TF32) products so fp32 results match SDPA to
-rounding. A row with no column to attend gets zeros (SDPA would average V; such rows are idle
-slots, never read).
+and one graph node. Accumulation is fp32;
+fp32 inputs use IEEE (not TF32) products so fp32 results match SDPA to rounding. A row with no
+column to attend gets zeros (SDPA would average V; such rows are idle slots, never read).
 
 The launcher is a torch custom op (``graphcap_cuda::split_kv_decode``) so that graph recorders
 that work on operators (graphcap's CPU reference graph) and ``torch.compile`` see one opaque
@@ -59,13 +56,6 @@ NUM_WARPS = 4
 NUM_STAGES: int | None = None
 #: Most columns of the mask the span scan reads at once (a power of two).
 MAX_SCAN = 1024
-#: Programs of one chunk each that a multiprocessor runs at once, at least: in run AA's timings
-#: of the kernel alone, batch 64's 512 (3.9 a multiprocessor on the H200) had no fixed cost a
-#: launch, batch 256's 2,048 had 12.5 µs (aa2-splits/). Beyond these, rows x K/V heads of one
-#: chunk each run in waves of programs, and the persistent form takes over.
-RESIDENT_PER_SM = 4
-#: Programs a multiprocessor of the persistent form (0 turns the form off).
-PERSISTENT_PER_SM = 2
 
 
 @triton.jit
@@ -86,57 +76,6 @@ def _open_columns(mask_ptr, cols, inside, blocked, MASK_BOOL: tl.constexpr):
 def _dot(a, b, IEEE: tl.constexpr):
     """fp32 operands multiply in IEEE fp32 (Triton's default would be TF32)."""
     return tl.dot(a, b, input_precision="ieee") if IEEE else tl.dot(a, b)
-
-
-@triton.jit
-def _span(mask_row, start, stop, blocked, MASK_BOOL: tl.constexpr, SCAN_N: tl.constexpr):
-    """The open span [lo, hi) of columns [start, stop), from the mask alone (2 bytes a column);
-    lo == stop and hi == start when no column is open."""
-    lo = stop
-    hi = start
-    for first in range(start, stop, SCAN_N):
-        cols = first + tl.arange(0, SCAN_N)
-        allowed, _ = _open_columns(mask_row, cols, cols < stop, blocked, MASK_BOOL)
-        lo = tl.minimum(lo, tl.min(tl.where(allowed, cols, stop), axis=0))
-        hi = tl.maximum(hi, tl.max(tl.where(allowed, cols + 1, start), axis=0))
-    return lo, hi
-
-
-@triton.jit
-def _attend(
-    q,
-    k_rows,
-    v_rows,
-    mask_row,
-    cols,
-    hi,
-    d_ok,
-    best,
-    total,
-    acc,
-    scale,
-    softcap,
-    blocked,
-    MASK_BOOL: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """One block of columns folded into the running softmax (best, total, acc); K/V of closed
-    columns are not read."""
-    allowed, bias = _open_columns(mask_row, cols, cols < hi, blocked, MASK_BOOL)
-    kv_mask = allowed[:, None] & d_ok[None, :]
-    k = tl.load(k_rows, mask=kv_mask, other=0.0)
-    v = tl.load(v_rows, mask=kv_mask, other=0.0)
-    scores = _dot(q, tl.trans(k), IEEE) * scale
-    if SOFTCAP:  # tanh(x / c) * c, with tanh(y) = 1 - 2 / (exp(2y) + 1)
-        scores = softcap - 2.0 * softcap / (tl.exp(2.0 * scores / softcap) + 1.0)
-    scores = tl.where(allowed[None, :], scores + bias[None, :], float("-inf"))
-    new_best = tl.maximum(best, tl.max(scores, axis=1))
-    keep = tl.exp(best - new_best)
-    weights = tl.exp(scores - new_best[:, None])
-    total = total * keep + tl.sum(weights, axis=1)
-    acc = acc * keep[:, None] + _dot(weights.to(v.dtype), v, IEEE)
-    return new_best, total, acc
 
 
 @triton.jit
@@ -194,9 +133,15 @@ def _split_kv_partial(
     mask_row = mask_ptr + row * stride_mb
     start = split * chunk
     stop = tl.minimum(start + chunk, length)
-    # K/V outside the chunk's open span are never read, and the loop below has no branch, so
-    # Triton can pipeline its loads.
-    lo, hi = _span(mask_row, start, stop, blocked, MASK_BOOL, SCAN_N)
+    # The open span [lo, hi) of this chunk, from the mask alone (2 bytes a column): K/V outside
+    # it are never read, and the loop below has no branch, so Triton can pipeline its loads.
+    lo = stop
+    hi = start
+    for first in range(start, stop, SCAN_N):
+        cols = first + tl.arange(0, SCAN_N)
+        allowed, _ = _open_columns(mask_row, cols, cols < stop, blocked, MASK_BOOL)
+        lo = tl.minimum(lo, tl.min(tl.where(allowed, cols, stop), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(allowed, cols + 1, start), axis=0))
     q = tl.load(
         q_ptr + row * stride_qb + (head * groups + g)[:, None] * stride_qh + d[None, :],
         mask=g_ok[:, None] & d_ok[None, :],
@@ -207,26 +152,24 @@ def _split_kv_partial(
     best = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for first in range(lo, hi, BLOCK_N):  # the first block holds column lo, which is open
+    for first in range(lo, hi, BLOCK_N):
         cols = first + n
-        best, total, acc = _attend(
-            q,
-            k_base + cols[:, None] * stride_kn + d[None, :],
-            v_base + cols[:, None] * stride_vn + d[None, :],
-            mask_row,
-            cols,
-            hi,
-            d_ok,
-            best,
-            total,
-            acc,
-            scale,
-            softcap,
-            blocked,
-            MASK_BOOL,
-            SOFTCAP,
-            IEEE,
-        )
+        inside = cols < hi
+        allowed, bias = _open_columns(mask_row, cols, inside, blocked, MASK_BOOL)
+        kv_mask = allowed[:, None] & d_ok[None, :]  # closed columns inside the span: not read
+        k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), IEEE) * scale
+        if SOFTCAP:  # tanh(x / c) * c, with tanh(y) = 1 - 2 / (exp(2y) + 1)
+            scores = softcap - 2.0 * softcap / (tl.exp(2.0 * scores / softcap) + 1.0)
+        scores = tl.where(allowed[None, :], scores + bias[None, :], float("-inf"))
+        # the first block holds column lo, which is open: maxima are finite from then on
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        keep = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best[:, None])
+        total = total * keep + tl.sum(weights, axis=1)
+        acc = acc * keep[:, None] + _dot(weights.to(v.dtype), v, IEEE)
+        best = new_best
     if PDL:  # the next kernel may start (right after the wait instead: no faster, run T)
         tl.extra.cuda.gdc_launch_dependents()
     rows_ok = g_ok[:, None] & d_ok[None, :]
@@ -317,171 +260,6 @@ def _combine(
     )
 
 
-@triton.jit
-def _spans(
-    mask_ptr,
-    stride_mb,
-    kv_heads,
-    length,
-    items,
-    blocked,
-    MASK_BOOL: tl.constexpr,
-    ITEMS: tl.constexpr,
-    SCAN_N: tl.constexpr,
-):
-    """(los, his): the open span of each of this program's items; empty past the last item."""
-    slot = tl.arange(0, ITEMS)
-    los = tl.zeros([ITEMS], tl.int32)
-    his = tl.zeros([ITEMS], tl.int32)
-    for i in tl.static_range(ITEMS):
-        item = tl.program_id(0) + i * tl.num_programs(0)
-        stop = tl.where(item < items, length, 0)
-        row_mask = mask_ptr + (item // kv_heads) * stride_mb
-        lo, hi = _span(row_mask, 0, stop, blocked, MASK_BOOL, SCAN_N)
-        los = tl.where(slot == i, lo, los)
-        his = tl.where(slot == i, hi, his)
-    return los, his
-
-
-@triton.jit
-def _zero_empty(
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    kv_heads,
-    groups,
-    items,
-    blocks,
-    rows_ok,
-    ITEMS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Zeros for this program's items with nothing to attend (``blocks`` 0)."""
-    slot = tl.arange(0, ITEMS)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    for i in tl.static_range(ITEMS):
-        item = tl.program_id(0) + i * tl.num_programs(0)
-        if (item < items) & (tl.sum(tl.where(slot == i, blocks, 0)) == 0):
-            row, head = item // kv_heads, item % kv_heads
-            at = out_ptr + row * stride_ob + (head * groups + g)[:, None] * stride_oh + d[None, :]
-            tl.store(at, tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty), mask=rows_ok)
-
-
-@triton.jit
-def _split_kv_persistent(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    mask_ptr,
-    out_ptr,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_mb,
-    stride_ob,
-    stride_oh,
-    kv_heads,
-    groups,
-    length,
-    head_dim,
-    items,
-    scale,
-    softcap,
-    blocked,
-    MASK_BOOL: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    IEEE: tl.constexpr,
-    ITEMS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SCAN_N: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One chunk per row and K/V head, as ``_split_kv_partial`` with one chunk, but a program
-    serves up to ``ITEMS`` of them (items ``program_id + i * programs``) in one loop over all
-    their blocks: the next item's first blocks load while the last one's finish, where separate
-    programs would start in waves, each wave waiting for its mask scan and first loads."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    slot = tl.arange(0, ITEMS)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_N)
-    g_ok = g < groups
-    d_ok = d < head_dim
-    rows_ok = g_ok[:, None] & d_ok[None, :]
-    los, his = _spans(
-        mask_ptr, stride_mb, kv_heads, length, items, blocked, MASK_BOOL, ITEMS, SCAN_N
-    )
-    blocks = tl.where(his > los, (his - los + BLOCK_N - 1) // BLOCK_N, 0)
-    ends = tl.cumsum(blocks, 0)
-    _zero_empty(
-        out_ptr,
-        stride_ob,
-        stride_oh,
-        kv_heads,
-        groups,
-        items,
-        blocks,
-        rows_ok,
-        ITEMS,
-        BLOCK_G,
-        BLOCK_D,
-    )
-    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for j in range(0, tl.sum(blocks, axis=0)):
-        owner = tl.sum((ends <= j).to(tl.int32), axis=0)  # the slot block j belongs to
-        pick = slot == owner
-        end = tl.sum(tl.where(pick, ends, 0), axis=0)
-        start = end - tl.sum(tl.where(pick, blocks, 0), axis=0)
-        lo = tl.sum(tl.where(pick, los, 0), axis=0)
-        hi = tl.sum(tl.where(pick, his, 0), axis=0)
-        item = tl.program_id(0) + owner * tl.num_programs(0)
-        row, head = item // kv_heads, item % kv_heads
-        # An item's first block restarts the softmax: keep = exp(-inf) zeroes total and acc.
-        best = tl.where(j == start, float("-inf"), best)
-        q = tl.load(
-            q_ptr + row * stride_qb + (head * groups + g)[:, None] * stride_qh + d[None, :],
-            mask=rows_ok,
-            other=0.0,
-        )
-        cols = lo + (j - start) * BLOCK_N + n
-        best, total, acc = _attend(
-            q,
-            k_ptr + row * stride_kb + head * stride_kh + cols[:, None] * stride_kn + d[None, :],
-            v_ptr + row * stride_vb + head * stride_vh + cols[:, None] * stride_vn + d[None, :],
-            mask_ptr + row * stride_mb,
-            cols,
-            hi,
-            d_ok,
-            best,
-            total,
-            acc,
-            scale,
-            softcap,
-            blocked,
-            MASK_BOOL,
-            SOFTCAP,
-            IEEE,
-        )
-        if j == end - 1:
-            out = acc / total[:, None]  # the item's first column is open: total > 0
-            at = out_ptr + row * stride_ob + (head * groups + g)[:, None] * stride_oh + d[None, :]
-            tl.store(at, out.to(out_ptr.dtype.element_ty), mask=rows_ok)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
 def launch_shape(
     rows: int, kv_heads: int, length: int, device: torch.device, block_bytes: int
 ) -> tuple[int, int]:
@@ -537,49 +315,7 @@ def split_kv_decode(
     scan_n = max(block_n, min(MAX_SCAN, triton.next_power_of_2(chunk)))
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     direct = splits == 1  # no partial results to combine
-    items = rows * kv_heads
-    strides = (query.stride(0), query.stride(1), *key.stride()[:3], *value.stride()[:3])
-    strides += (mask.stride(0), out.stride(0), out.stride(1))
-    mask_bool = mask.dtype == torch.bool
-    pdl = launch.dependent(query.device)
-    blocked = float("-inf") if mask_bool else torch.finfo(mask.dtype).min
-    settings = {
-        "MASK_BOOL": mask_bool,
-        "SOFTCAP": bool(softcap),
-        "IEEE": query.dtype == torch.float32,
-        "BLOCK_G": block_g,
-        "BLOCK_N": block_n,
-        "BLOCK_D": block_d,
-        "SCAN_N": scan_n,
-        "PDL": pdl,
-        "num_warps": NUM_WARPS,
-        "launch_pdl": pdl,
-        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
-    }
-    sms = launch.multiprocessors(query.device)
-    programs = PERSISTENT_PER_SM * sms
-    if direct and programs > 0 and items > RESIDENT_PER_SM * sms:
-        per_program = triton.next_power_of_2(triton.cdiv(items, programs))
-        _split_kv_persistent[(programs,)](
-            query,
-            key,
-            value,
-            mask,
-            out,
-            *strides,
-            kv_heads,
-            groups,
-            length,
-            head_dim,
-            items,
-            scale,
-            softcap or 1.0,
-            blocked,
-            ITEMS=per_program,
-            **settings,
-        )
-        return out
-    stats = (items, splits, block_g)
+    stats = (rows * kv_heads, splits, block_g)
     acc, best, total = (
         (out, out, out)
         if direct
@@ -589,8 +325,11 @@ def split_kv_decode(
             torch.empty(stats, dtype=torch.float32, device=query.device),
         )
     )
-    counts = out if direct else arrival_counts(query.device, items)
-    _split_kv_partial[(items, splits)](
+    counts = out if direct else arrival_counts(query.device, rows * kv_heads)
+    mask_bool = mask.dtype == torch.bool
+    pdl = launch.dependent(query.device)
+    blocked = float("-inf") if mask_bool else torch.finfo(mask.dtype).min
+    _split_kv_partial[(rows * kv_heads, splits)](
         query,
         key,
         value,
@@ -600,7 +339,17 @@ def split_kv_decode(
         best,
         total,
         counts,
-        *strides,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        mask.stride(0),
+        out.stride(0),
+        out.stride(1),
         kv_heads,
         groups,
         length,
@@ -609,8 +358,18 @@ def split_kv_decode(
         scale,
         softcap or 1.0,
         blocked,
+        MASK_BOOL=mask_bool,
+        SOFTCAP=bool(softcap),
+        IEEE=query.dtype == torch.float32,
         DIRECT=direct,
-        **settings,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        SCAN_N=scan_n,
+        PDL=pdl,
+        num_warps=NUM_WARPS,
+        launch_pdl=pdl,
+        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
     return out
 

@@ -101,8 +101,7 @@ def _split_kv_cases() -> None:
         for rows, heads, kv_heads, length, head_dim in (
             (1, 32, 8, 640, 128),  # llama-8b batch 1: split chunks, combined
             (64, 32, 8, 640, 128),  # batch 64: one chunk a row and K/V head
-            (256, 32, 8, 640, 64),  # batch 256: the persistent form (llama-1b's head size)
-            (256, 32, 8, 640, 128),  # and llama-8b's
+            (256, 32, 8, 640, 64),
             (2, 8, 8, 100, 80),  # no grouping, a head size that is not a power of two
         ):
             q = torch.randn(rows, heads, head_dim).to(dtype)
@@ -120,7 +119,6 @@ def main() -> None:
     launch.dependent = lambda device: True  # compile the dependent-launch code too
     gemv._gemv = Recorder(gemv._gemv, launches)
     split_kv._split_kv_partial = Recorder(split_kv._split_kv_partial, launches)
-    split_kv._split_kv_persistent = Recorder(split_kv._split_kv_persistent, launches)
     _gemv_cases()
     _split_kv_cases()
     seen = set()
