@@ -61,14 +61,16 @@ def build_model(
     torch.manual_seed(seed)
     if backend_seed is not None:
         backend_seed(seed)
-    if model in PRESETS:
+    local = (Path(model) / "config.json").is_file()
+    if model in PRESETS or (local and device.type == "meta"):  # a meta model reads no weights
         with torch.device(device):
-            built = AutoModelForCausalLM.from_config(preset_config(model), dtype=dtype)
-    elif (Path(model) / "config.json").is_file() and device.type == "meta":  # no weights read
-        with torch.device(device):
-            config = AutoConfig.from_pretrained(model, local_files_only=True)
+            config = (
+                preset_config(model)
+                if model in PRESETS
+                else AutoConfig.from_pretrained(model, local_files_only=True)
+            )
             built = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    elif (Path(model) / "config.json").is_file():
+    elif local:
         built = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, local_files_only=True)
         built = built.to(device)
     else:

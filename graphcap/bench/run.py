@@ -51,8 +51,8 @@ def run_benchmark(
     torch.set_num_threads(cfg.threads or threads)
     try:
         # Isolated pairs run before this process builds its model: none shares the device with it.
-        in_child = functools.partial(_run_child, cfg, backend.name, say) if cfg.isolate else None
-        isolated = None if in_child is None else _sweep(cfg, started, say, in_child)
+        in_child = functools.partial(_run_child, cfg, backend.name, say)
+        isolated = _sweep(cfg, started, say, in_child) if cfg.isolate else None
         # After isolated pairs the model only describes the run (unless the RL loop runs here).
         report, workload = _prepare(
             cfg, backend, say, describe_only=cfg.isolate and not cfg.rl_loop

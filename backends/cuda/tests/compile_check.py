@@ -20,18 +20,11 @@ import triton
 from graphcap_cuda import gemv, launch, split_kv
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: Shared memory a block may use on an H100 / H200 (227 KB).
 SHARED_LIMIT = 232448
-DTYPES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.bool: "i1",
-}
 OPTIONS = ("num_warps", "num_stages")
 
 
@@ -45,43 +38,30 @@ class Recorder:
         return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
 
 
-def _type(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + DTYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    return "fp32"
-
-
-def _specialised(names: list[str], args: tuple) -> tuple[dict, dict]:
-    """(constants, attributes) as Triton's JIT specialises a launch's arguments: an int equal
-    to 1 becomes a constant; ints divisible by 16 and 16-byte-aligned tensors are marked so,
-    which lets the compiler use vector and asynchronous copies. Without the marks a bf16
-    split-KV launch compiled here had no asynchronous copies and a third of its shared memory,
-    unlike the same launch on the GPU."""
-    constants, attributes = {}, {}
-    for index, (name, value) in enumerate(zip(names, args, strict=False)):
+def _marks(args: tuple) -> dict:
+    """The divisibility marks Triton's JIT gives a launch's arguments on the GPU (16-byte-aligned
+    tensors, ints divisible by 16), which let the compiler use vector and asynchronous copies.
+    Without them a bf16 split-KV launch compiled here had no asynchronous copies and a third of
+    its shared memory, unlike the same launch on the GPU."""
+    marks = {}
+    for index, value in enumerate(args):
         if isinstance(value, torch.Tensor):
             mark = BaseBackend.get_tensor_specialization(value, align=True)
         elif isinstance(value, int) and not isinstance(value, bool):
-            if value == 1:
-                constants[name] = 1
-                continue
             mark = BaseBackend.get_int_specialization(value, align=True)
         else:
             continue
         if mark:
-            attributes[(index,)] = BaseBackend.parse_attr(mark)
-    return constants, attributes
+            marks[(index,)] = BaseBackend.parse_attr(mark)
+    return marks
 
 
 def compile_launch(kernel: triton.JITFunction, args: tuple, kwargs: dict) -> dict:
     names = kernel.arg_names
-    signature = {name: _type(value) for name, value in zip(names, args, strict=False)}
-    constants, attributes = _specialised(names, args)
-    constexprs = {k: v for k, v in kwargs.items() if k in names} | constants
+    # Types as the JIT mangles them; an int equal to 1 becomes a constant there too.
+    signature = {name: mangle_type(value, True) for name, value in zip(names, args, strict=False)}
+    constexprs = {k: v for k, v in kwargs.items() if k in names}
+    constexprs |= {k: v for k, v in zip(names, args, strict=False) if signature[k] == "constexpr"}
     signature |= dict.fromkeys(constexprs, "constexpr")
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
     record = {"kernel": kernel.__name__, "constexprs": constexprs, "options": options}
@@ -89,7 +69,7 @@ def compile_launch(kernel: triton.JITFunction, args: tuple, kwargs: dict) -> dic
         fn=kernel,
         signature=signature,
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
-        attrs=attributes,
+        attrs=_marks(args),
     )
     try:
         compiled = triton.compile(source, target=TARGET, options=options)
@@ -148,7 +128,11 @@ def main() -> None:
     _split_kv_cases()
     seen = set()
     for kernel, args, kwargs in launches:
-        key = (kernel.__name__, tuple(map(_type, args)), repr(sorted(kwargs.items())))
+        key = (
+            kernel.__name__,
+            tuple(mangle_type(a, True) for a in args),
+            repr(sorted(kwargs.items())),
+        )
         if key not in seen:
             seen.add(key)
             print(json.dumps(compile_launch(kernel, args, kwargs)), flush=True)
