@@ -284,6 +284,13 @@ PLANTS = (
         ("backends/cuda/tests/test_split_kv.py",),
     ),
     Plant(
+        "split-KV launches several waves of programs at a few rows",
+        "backends/cuda/graphcap_cuda/split_kv.py",
+        "    wanted = PROGRAMS_PER_SM * sms // (rows * kv_heads)\n",
+        "    wanted = triton.cdiv(2 * sms, rows * kv_heads)\n",
+        ("backends/cuda/tests/test_split_kv.py::test_launch_is_one_wave_of_programs",),
+    ),
+    Plant(
         "swapped attributes keep their swapped value after the block",
         "graphcap/rollout/swap.py",
         "            else:\n                setattr(obj, name, value)\n",

@@ -40,12 +40,17 @@ from graphcap_cuda import launch
 BLOCK_BYTES = 8192
 #: Columns per block when they do not (batch 1: fewer, longer chunks; run N's sweep).
 BLOCK_N_FEW_ROWS = 128
-#: Programs to aim for per launch when choosing the split count. Two a multiprocessor give
-#: batch 64 (512 rows x K/V heads on the H200's 132) one chunk per row and K/V head instead of
-#: two (four a multiprocessor), with no combine: llama-8b 36.0 -> 33.8 µs a layer (64-column
-#: blocks), llama-1b 19.6 -> 13.8 (run AA). Batch 1 keeps its chunks (the span's blocks are
-#: fewer than the programs wanted either way); batch 256 had one already.
-PROGRAMS_PER_SM = 2
+#: Programs per multiprocessor a launch may have: the chunk count per row and K/V head is the
+#: most that keeps rows x K/V heads x chunks within this many a multiprocessor (at least one
+#: chunk). One: a program with 128-column blocks holds the multiprocessor's shared memory, and
+#: every chunk past one adds partials for the last chunk to combine. Run AD's sweep of every
+#: block width and chunk count at 1-32 rows (split-kv-few-rows-ad.json, llama-8b / llama-1b
+#: shapes, 640 and 2,176 columns): the sum over its 36 cases 574 -> 477 µs (best per case 448;
+#: SDPA 522); llama-8b 16 rows 17.6 -> 8.9 µs, 32 rows 22.2 -> 16.0, 1 row on 2,176 columns
+#: 14.1 -> 11.9. Until run AD it aimed at two a multiprocessor, rounded up (run AA), which
+#: launched several waves of 128-column programs at 4-16 rows. 64 rows and more, and batch 1
+#: on 640 columns, launch as before.
+PROGRAMS_PER_SM = 1
 #: Most bytes of one K (or V) block: 128 columns of bf16 at head_dim 128. Wider heads (256) or
 #: fp32 take fewer columns a block, or the pipelined loads outgrow shared memory (an fp32 test
 #: at head_dim 80 asked for 278,528 bytes of the H200's 232,448 in run Q).
@@ -263,7 +268,7 @@ def _combine(
 def launch_shape(
     rows: int, kv_heads: int, length: int, device: torch.device, block_bytes: int
 ) -> tuple[int, int]:
-    """(columns per block, chunks per row and K/V head): enough programs to fill the device.
+    """(columns per block, chunks per row and K/V head): at most one wave of programs.
     ``block_bytes``: one column of a K block as loaded (padded head_dim x element size, a power
     of two)."""
     sms = launch.multiprocessors(device)
@@ -272,7 +277,7 @@ def launch_shape(
     while block_n > 16 and block_n * block_bytes > MAX_BLOCK_BYTES:
         block_n //= 2
     blocks = triton.cdiv(length, block_n)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, rows * kv_heads)
+    wanted = PROGRAMS_PER_SM * sms // (rows * kv_heads)
     return block_n, max(1, min(blocks, wanted))
 
 

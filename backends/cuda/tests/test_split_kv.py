@@ -88,6 +88,21 @@ def test_blocks_stay_within_shared_memory(rows, head_dim, itemsize):
         assert block_n == wanted
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+@pytest.mark.parametrize("length", [100, 640, 2176, 16384])
+def test_launch_is_one_wave_of_programs(kv_heads, length):
+    """Chunks per row and K/V head: the most that keep the launch within one program a
+    multiprocessor (more waves of 128-column programs and more partials to combine were slower
+    at 4-32 rows, run AD), never more than the blocks, never fewer than one."""
+    sms = 132  # launch.multiprocessors on CPU
+    for rows in (1, 2, 3, 4, 8, 16, 17, 32, 64, 256):
+        block_n, splits = split_kv.launch_shape(rows, kv_heads, length, torch.device("cpu"), 256)
+        pairs, blocks = rows * kv_heads, -(-length // block_n)
+        assert 1 <= splits <= blocks
+        assert splits == 1 or pairs * splits <= sms
+        assert splits == blocks or pairs * (splits + 1) > sms  # no smaller launch fills more
+
+
 def test_softcapping_equals_the_eager_formula():
     q, k, v, valid = _case(2, 8, 2, 200, 32, torch.float32, seed=3)
     out = split_kv_decode(q * 4, k, v, valid, 0.25, 5.0)

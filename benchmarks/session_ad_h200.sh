@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# H200 run AD (issue 11): does the split-KV kernel pay at a few rows, and what does Triton cost
+# the default mode's first call in a fresh process, cold caches:
+#   bash benchmarks/session_ad_h200.sh OUT probe
+#   bash benchmarks/session_ad_h200.sh OUT rows     # the kernel's launch at a few rows
+#   bash benchmarks/session_ad_h200.sh OUT ab       # the new launch rule in the step
+# "probe": the kernel against SDPA with enable_gqa alone at 1-128 rows
+# (benchmarks/attention_crossover_h200.py); then llama-8b batch 1, each mode in its own process
+# (graphcap bench --isolate), the default graph and the compiled step, once with SDPA as the
+# captured attention (--graph-attention graphcap_gqa_sdpa) and once as committed (auto: the
+# split-KV kernel), each invocation with its own empty compile caches.
+# "rows": benchmarks/split_kv_few_rows_h200.py (every block width and chunk count at 1-32 rows).
+# "ab": the split-KV tests on the GPU; then the compiled step at 8-32 rows, llama-8b and
+# llama-1b, with the launch rule as committed and as before it, from .old (the tree before the
+# change: git archive of its commit, sent with the run's carry), each tree from its own folder
+# and environment, cold caches for each.
+# One tarball comes back (run-ad-PART.tar), rewritten after each part.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/device_env.sh
+session_part ad "$1" "$2"
+if [[ $part == probe ]]; then
+    (cd benchmarks && timeout 150 $py attention_crossover_h200.py \
+        "$work/attention-crossover-ad.json" >"$work/attention-crossover-ad.log" 2>&1)
+    tail -2 "$work/attention-crossover-ad.log"
+    keep
+    for attention in graphcap_gqa_sdpa auto; do
+        cold_compile_caches
+        timeout 200 $py -m graphcap.bench --model llama-8b --batch-sizes 1 --prompt-len 128 \
+            --new-tokens 512 --repeats 3 --warmup 1 --fuse-projections --isolate \
+            --modes graphcap-graph,graphcap-graph-compiled --graph-attention $attention \
+            --json "$work/bench-llama-8b-bs1-$attention.json" \
+            >"$work/bench-llama-8b-bs1-$attention.txt" 2>&1
+        echo "$attention:"
+        grep -E '^(graphcap|hf)-' "$work/bench-llama-8b-bs1-$attention.txt"
+        keep
+    done
+elif [[ $part == rows ]]; then
+    (cd benchmarks && timeout 400 $py split_kv_few_rows_h200.py \
+        "$work/split-kv-few-rows-ad.json" >"$work/split-kv-few-rows-ad.log" 2>&1)
+    tail -40 "$work/split-kv-few-rows-ad.log"
+elif [[ $part == ab ]]; then
+    timeout 150 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
+        backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-ad.log" 2>&1
+    tail -1 "$work/split-kv-tests-ad.log"
+    keep
+    make_env /tmp/env-old "$PWD/.old"
+    for tree in new old; do
+        dir=$PWD && [[ $tree == old ]] && dir=$PWD/.old
+        (cd "$dir" && py=/tmp/env-$tree/bin/python && cold_compile_caches &&
+            step_bench "$work" -mgraphcap.bench llama-8b 8,16,32 graphcap-graph-compiled \
+                "ad-$tree" 160 &&
+            step_bench "$work" -mgraphcap.bench llama-1b 8,16,32 graphcap-graph-compiled \
+                "ad-$tree" 90)
+        echo "$tree:"
+        grep -hE '^graphcap-graph-compiled' "$work"/bench-llama-*-ad-$tree.txt
+        keep
+    done
+fi
+keep

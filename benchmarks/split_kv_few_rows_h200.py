@@ -1,0 +1,115 @@
+"""The split-KV kernel's launch at a few rows (issue 11, run AD): where rows x K/V heads do not
+fill the H200, the committed rule splits each row into chunks of 128-column blocks, and run
+AD's first call found the kernel slower than SDPA with ``enable_gqa`` at 4-32 rows and on long
+caches. This times the kernel alone (CUDA-graph replays) for every block width and split count
+at each case, against SDPA and against the committed rule's choice.
+
+    python3 benchmarks/split_kv_few_rows_h200.py OUT.json
+
+``split_kv.launch_shape`` is replaced per launch to force a (columns per block, chunks) pair;
+the committed rule's pair is recorded too. llama-8b / llama-1b attention shapes, bf16, additive
+mask, as attention_crossover_h200.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from graphcap_cuda import split_kv
+
+SHAPES = {"llama-8b": (32, 8, 128), "llama-1b": (32, 8, 64)}
+BATCHES = (1, 2, 4, 8, 16, 32)
+CASES = ((640, 0.6), (640, 1.0), (2176, 0.6))  # (cache columns, written share)
+BLOCKS = (32, 64, 128)
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+REP_MS = 10  # do_bench_cudagraph's replay window per timing
+
+
+def case_inputs(batch, heads, kv_heads, dim, length, fill):
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    dtype = torch.bfloat16
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn_like(k)
+    columns = torch.arange(length, device="cuda")
+    pads = torch.randint(0, 32, (batch, 1), device="cuda", generator=gen)
+    valid = (columns[None] < int(length * fill)) & (columns[None] >= pads)
+    mask = torch.where(valid, 0.0, torch.finfo(dtype).min).to(dtype)
+    return q, k, v, mask
+
+
+def effective(length: int, block_n: int, wanted: int) -> int:
+    """Chunks of whole blocks, as split_kv_decode forms them: some counts launch alike."""
+    return triton.cdiv(length, triton.cdiv(triton.cdiv(length, wanted), block_n) * block_n)
+
+
+def time_case(committed, name, heads, kv_heads, dim, length, fill, batch) -> dict:
+    q, k, v, mask = case_inputs(batch, heads, kv_heads, dim, length, fill)
+    scale = dim**-0.5
+
+    def kernel():
+        return split_kv.split_kv_decode(q, k, v, mask, scale, 0.0)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(
+            q[:, :, None], k, v, attn_mask=mask[:, None, None], enable_gqa=True
+        )
+
+    block_n, wanted = committed(batch, kv_heads, length, q.device, max(16, dim) * 2)
+    split_kv.launch_shape = committed
+    now_us = 1e3 * triton.testing.do_bench_cudagraph(kernel, rep=REP_MS)
+    sdpa_us = 1e3 * triton.testing.do_bench_cudagraph(sdpa, rep=REP_MS)
+    times = {}
+    for block in BLOCKS:
+        for splits in sorted({effective(length, block, w) for w in SPLITS}):
+            split_kv.launch_shape = lambda *a, b=block, s=splits: (b, s)
+            times[f"{block}x{splits}"] = 1e3 * triton.testing.do_bench_cudagraph(kernel, rep=REP_MS)
+    split_kv.launch_shape = committed
+    best = min(times, key=times.get)
+    row = {
+        "shape": name,
+        "batch": batch,
+        "length": length,
+        "fill": fill,
+        "sdpa_us": sdpa_us,
+        "committed": f"{block_n}x{effective(length, block_n, wanted)}",
+        "committed_us": now_us,
+        "best": best,
+        "best_us": times[best],
+        "times_us": times,
+    }
+    print(
+        f"{name} L={length} fill={fill} bs={batch}: sdpa {sdpa_us:.1f} "
+        f"committed {row['committed']} {now_us:.1f} best {best} {times[best]:.1f}",
+        flush=True,
+    )
+    return row
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    committed = split_kv.launch_shape
+    rows = []
+    for name, (heads, kv_heads, dim) in SHAPES.items():
+        for length, fill in CASES:
+            for batch in BATCHES:
+                rows.append(time_case(committed, name, heads, kv_heads, dim, length, fill, batch))
+                out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}))
+    report = {
+        "command": " ".join(["python3", *sys.argv]),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
