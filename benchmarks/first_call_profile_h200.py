@@ -2,12 +2,16 @@
 first-call target): the first ``generate`` of a new engine under cProfile, then a second call.
 
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)/i TRITON_CACHE_DIR=$(mktemp -d)/t \\
-        python3 benchmarks/first_call_profile_h200.py OUT.txt [--model llama-8b] [--batch 1]
+        python3 benchmarks/first_call_profile_h200.py OUT.txt [--model llama-8b] [--batch 1] \\
+            [--attention auto] [--warm-forward]
 
 The engine is opened as ``graphcap bench``'s graphcap-graph mode opens it (bf16, 128 + 512
 tokens, joined projections); the model is built before the clock starts, as the bench builds
-it. OUT.txt gets both calls' seconds, the engine's stats and the 60 costliest functions by
-cumulative time, the 30 by own time, and what the prefill and the capture called.
+it. ``--attention`` is the engine's ``graph_attention`` (``graphcap_gqa_sdpa``: no Triton
+kernel in the default mode); ``--warm-forward`` runs the bench's one forward of 4 tokens before
+the clock, as ``graphcap bench`` does. OUT.txt gets both calls' seconds, the engine's stats and
+the 60 costliest functions by cumulative time, the 30 by own time, and what the prefill and the
+capture called.
 """
 
 from __future__ import annotations
@@ -29,13 +33,22 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--model", default="llama-8b")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--warm-forward", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build_model(args.model, dtype=torch.bfloat16, device=device)
     ids, mask = make_prompts(model.config.vocab_size, args.batch, 128, 0, device)
-    engine = RolloutEngine(
-        model, RolloutConfig(backend="cuda", enable_graph_capture=True, fuse_projections=True)
+    if args.warm_forward:
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
+    config = RolloutConfig(
+        backend="cuda",
+        enable_graph_capture=True,
+        fuse_projections=True,
+        graph_attention=args.attention,
     )
+    engine = RolloutEngine(model, config)
     sampling = SamplingParams(max_new_tokens=512, pad_token_id=0)
     torch.cuda.synchronize()
     profile = cProfile.Profile()

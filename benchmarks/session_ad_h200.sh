@@ -4,6 +4,7 @@
 #   bash benchmarks/session_ad_h200.sh OUT probe
 #   bash benchmarks/session_ad_h200.sh OUT rows     # the kernel's launch at a few rows
 #   bash benchmarks/session_ad_h200.sh OUT ab       # the new launch rule in the step
+#   bash benchmarks/session_ad_h200.sh OUT first    # the default mode's first call, profiled
 # "probe": the kernel against SDPA with enable_gqa alone at 1-128 rows
 # (benchmarks/attention_crossover_h200.py); then llama-8b batch 1, each mode in its own process
 # (graphcap bench --isolate), the default graph and the compiled step, once with SDPA as the
@@ -14,6 +15,10 @@
 # llama-1b, with the launch rule as committed and as before it, from .old (the tree before the
 # change: git archive of its commit, sent with the run's carry), each tree from its own folder
 # and environment, cold caches for each.
+# "first": benchmarks/first_call_profile_h200.py with the bench's warm-up forward, llama-8b
+# batch 1, SDPA as the captured attention, then the split-KV kernel, each in a fresh process
+# with empty compile caches; then the split-KV kernel's bf16 accuracy (16 rows among the cases)
+# and launch rule, the device rollout tests, the conformance suite and a profile at 16 rows.
 # One tarball comes back (run-ad-PART.tar), rewritten after each part.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,5 +61,18 @@ elif [[ $part == ab ]]; then
         grep -hE '^graphcap-graph-compiled' "$work"/bench-llama-*-ad-$tree.txt
         keep
     done
+elif [[ $part == first ]]; then
+    for attention in graphcap_gqa_sdpa auto; do
+        cold_compile_caches
+        timeout 120 $py benchmarks/first_call_profile_h200.py \
+            "$work/first-call-profile-ad-$attention.txt" --attention $attention --warm-forward \
+            >"$work/first-call-profile-ad-$attention.log" 2>&1
+        grep -E '^call' "$work/first-call-profile-ad-$attention.log" | cut -c1-600
+        keep
+    done
+    timeout 90 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv_cuda.py \
+        backends/cuda/tests/test_split_kv.py -k "bf16 or one_wave" >"$work/split-kv-bf16-ad.log" 2>&1
+    tail -1 "$work/split-kv-bf16-ad.log"
+    device_checks llama-8b:bf16:16 bs16
 fi
 keep
