@@ -5,6 +5,7 @@
 #   bash benchmarks/session_ad_h200.sh OUT rows     # the kernel's launch at a few rows
 #   bash benchmarks/session_ad_h200.sh OUT ab       # the new launch rule in the step
 #   bash benchmarks/session_ad_h200.sh OUT first    # the default mode's first call, profiled
+#   bash benchmarks/session_ad_h200.sh OUT combine  # the combine's loads, a few chunks at once
 # "probe": the kernel against SDPA with enable_gqa alone at 1-128 rows
 # (benchmarks/attention_crossover_h200.py); then llama-8b batch 1, each mode in its own process
 # (graphcap bench --isolate), the default graph and the compiled step, once with SDPA as the
@@ -19,6 +20,8 @@
 # batch 1, SDPA as the captured attention, then the split-KV kernel, each in a fresh process
 # with empty compile caches; then the split-KV kernel's bf16 accuracy (16 rows among the cases)
 # and launch rule, the device rollout tests, the conformance suite and a profile at 16 rows.
+# "combine": the split-KV tests on the GPU, the few-rows sweep again, then llama-8b's compiled
+# step at 1 and 4 rows with the combine as committed and as before it (.old, as in "ab").
 # One tarball comes back (run-ad-PART.tar), rewritten after each part.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,5 +77,24 @@ elif [[ $part == first ]]; then
         backends/cuda/tests/test_split_kv.py -k "bf16 or one_wave" >"$work/split-kv-bf16-ad.log" 2>&1
     tail -1 "$work/split-kv-bf16-ad.log"
     device_checks llama-8b:bf16:16 bs16
+elif [[ $part == combine ]]; then
+    timeout 100 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
+        backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-combine.log" 2>&1
+    tail -1 "$work/split-kv-tests-combine.log"
+    keep
+    (cd benchmarks && timeout 120 $py split_kv_few_rows_h200.py \
+        "$work/split-kv-few-rows-combine.json" >"$work/split-kv-few-rows-combine.log" 2>&1)
+    grep -E 'bs=(1|4|8):' "$work/split-kv-few-rows-combine.log" | head -20
+    keep
+    make_env /tmp/env-old "$PWD/.old"
+    for tree in new old; do
+        dir=$PWD && [[ $tree == old ]] && dir=$PWD/.old
+        (cd "$dir" && py=/tmp/env-$tree/bin/python && cold_compile_caches &&
+            step_bench "$work" -mgraphcap.bench llama-8b 1,4 graphcap-graph-compiled \
+                "combine-$tree" 70)
+        echo "$tree:"
+        grep -hE '^graphcap-graph-compiled' "$work"/bench-llama-8b-combine-$tree.txt
+        keep
+    done
 fi
 keep
