@@ -61,8 +61,6 @@ NUM_WARPS = 4
 NUM_STAGES: int | None = None
 #: Most columns of the mask the span scan reads at once (a power of two).
 MAX_SCAN = 1024
-#: Chunks whose accumulators the combine reads in one load (a power of two).
-COMBINE_CHUNKS: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
@@ -120,8 +118,6 @@ def _split_kv_partial(
     IEEE: tl.constexpr,
     DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SCAN_N: tl.constexpr,
@@ -214,8 +210,6 @@ def _split_kv_partial(
                 groups,
                 head_dim,
                 BLOCK_G,
-                BLOCK_C,
-                BLOCK_S,
                 BLOCK_D,
             )
             tl.store(count_ptr + row_head, 0)
@@ -236,48 +230,38 @@ def _combine(
     groups,
     head_dim,
     BLOCK_G: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """The chunks' partial softmaxes of one row and K/V head as one output. Loads bypass L1
-    (``.cg``): other programs wrote the partials. Every chunk's maximum and sum come in one load
-    (``BLOCK_S`` chunks at least) and the accumulators ``COMBINE_CHUNKS`` chunks a load, so the
-    combine waits on a few loads, not on two per chunk; only the ``BLOCK_C`` query heads a K/V
-    head serves are read, not the ``BLOCK_G`` the products were padded to."""
-    c = tl.arange(0, BLOCK_C)
+    (``.cg``): other programs wrote the partials."""
+    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    every = tl.arange(0, BLOCK_S)
-    c_ok = c < groups
     base = row_head * splits * BLOCK_G
-    at = base + every[:, None] * BLOCK_G + c[None, :]
-    ok = (every < splits)[:, None] & c_ok[None, :]
-    seen = tl.load(max_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    best = tl.max(seen, axis=0)
+    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    g_ok = g < groups
+    rows_ok = g_ok[:, None] & (d < head_dim)[None, :]
+    for split in range(0, splits):
+        at = base + split * BLOCK_G + g
+        best = tl.maximum(best, tl.load(max_ptr + at, mask=g_ok, other=0.0, cache_modifier=".cg"))
     anchor = tl.where(best == float("-inf"), 0.0, best)  # a row with nothing to attend
-    weight = tl.exp(seen - anchor[None, :])
-    sums = tl.load(sum_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-    total = tl.sum(weight * sums, axis=0)
-    acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
-    few = tl.arange(0, COMBINE_CHUNKS)
-    d_ok = (d < head_dim)[None, None, :]
-    for first in range(0, splits, COMBINE_CHUNKS):
-        chunk = first + few
-        near = base + chunk[:, None] * BLOCK_G + c[None, :]
-        near_ok = (chunk < splits)[:, None] & c_ok[None, :]
-        part_max = tl.load(max_ptr + near, mask=near_ok, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(
-            acc_ptr + near[:, :, None] * BLOCK_D + d[None, None, :],
-            mask=near_ok[:, :, None] & d_ok,
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for split in range(0, splits):
+        at = base + split * BLOCK_G + g
+        seen = tl.load(max_ptr + at, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp(seen - anchor)
+        total += weight * tl.load(sum_ptr + at, mask=g_ok, other=0.0, cache_modifier=".cg")
+        acc += weight[:, None] * tl.load(
+            acc_ptr + at[:, None] * BLOCK_D + d[None, :],
+            mask=rows_ok,
             other=0.0,
             cache_modifier=".cg",
         )
-        acc += tl.sum(tl.exp(part_max - anchor[None, :])[:, :, None] * parts, axis=0)
     out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(
-        out_ptr + row * stride_ob + (head * groups + c)[:, None] * stride_oh + d[None, :],
+        out_ptr + row * stride_ob + (head * groups + g)[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=c_ok[:, None] & (d < head_dim)[None, :],
+        mask=rows_ok,
     )
 
 
@@ -384,8 +368,6 @@ def split_kv_decode(
         IEEE=query.dtype == torch.float32,
         DIRECT=direct,
         BLOCK_G=block_g,
-        BLOCK_C=triton.next_power_of_2(groups),
-        BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         SCAN_N=scan_n,
