@@ -21,7 +21,8 @@
 # with empty compile caches; then the split-KV kernel's bf16 accuracy (16 rows among the cases)
 # and launch rule, the device rollout tests, the conformance suite and a profile at 16 rows.
 # "combine": the split-KV tests on the GPU, the few-rows sweep again, then llama-8b's compiled
-# step at 1 and 4 rows with the combine as committed and as before it (.old, as in "ab").
+# step at 1 and 4 rows with the combine as committed and as before it (.old, as in "ab"). It
+# ran at commit a35b491 (.old: eac353d); that combine was slower on llama-8b and was reverted.
 # One tarball comes back (run-ad-PART.tar), rewritten after each part.
 set -uo pipefail
 cd "$(dirname "$0")/.."
