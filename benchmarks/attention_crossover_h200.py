@@ -25,17 +25,34 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CASES = ((640, 0.25), (640, 0.6), (640, 1.0), (2176, 0.6))  # (cache columns, written share)
 
 
-def time_pair(batch: int, heads: int, kv_heads: int, dim: int, length: int, fill: float) -> dict:
+def case_inputs(batch: int, heads: int, kv_heads: int, dim: int, length: int, fill: float):
+    """bf16 query, K, V and the engine's additive mask: ``fill`` of the cache written, up to 31
+    columns of left padding a row."""
     gen = torch.Generator(device="cuda").manual_seed(batch)
     dtype = torch.bfloat16
     q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=gen)
     k = torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=dtype, generator=gen)
     v = torch.randn_like(k)
-    written = int(length * fill)
     columns = torch.arange(length, device="cuda")
     pads = torch.randint(0, 32, (batch, 1), device="cuda", generator=gen)
-    valid = (columns[None] < written) & (columns[None] >= pads)
+    valid = (columns[None] < int(length * fill)) & (columns[None] >= pads)
     mask = torch.where(valid, 0.0, torch.finfo(dtype).min).to(dtype)
+    return q, k, v, mask
+
+
+def write_report(out: Path, rows: list[dict]) -> None:
+    report = {
+        "command": " ".join(["python3", *sys.argv]),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(report, indent=1))
+
+
+def time_pair(batch: int, heads: int, kv_heads: int, dim: int, length: int, fill: float) -> dict:
+    q, k, v, mask = case_inputs(batch, heads, kv_heads, dim, length, fill)
     scale = dim**-0.5
     kernel_ms = triton.testing.do_bench_cudagraph(
         lambda: split_kv.split_kv_decode(q, k, v, mask, scale, 0.0)
@@ -63,14 +80,7 @@ def main() -> int:
                 row.update(time_pair(batch, heads, kv_heads, dim, length, fill))
                 rows.append(row)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
-    report = {
-        "command": " ".join(["python3", *sys.argv]),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "rows": rows,
-    }
-    out.write_text(json.dumps(report, indent=1))
+    write_report(out, rows)
     return 0
 
 

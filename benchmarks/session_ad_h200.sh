@@ -23,11 +23,39 @@
 # "combine": the split-KV tests on the GPU, the few-rows sweep again, then llama-8b's compiled
 # step at 1 and 4 rows with the combine as committed and as before it (.old, as in "ab"). It
 # ran at commit a35b491 (.old: eac353d); that combine was slower on llama-8b and was reverted.
-# One tarball comes back (run-ad-PART.tar), rewritten after each part.
+# The helpers split_kv_tests and old_new were drawn out of the parts after they ran (the same
+# commands). One tarball comes back (run-ad-PART.tar), rewritten after each part.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 session_part ad "$1" "$2"
+# split_kv_tests NAME TIMEOUT [PYTEST ARGS]: the kernel's tests on the GPU into $work/NAME.log.
+split_kv_tests() {
+    timeout "$2" $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
+        backends/cuda/tests/test_split_kv_cuda.py "${@:3}" >"$work/$1.log" 2>&1
+    tail -1 "$work/$1.log"
+    keep
+}
+# old_new TAG MODEL:SIZES:BUDGET...: the compiled step of each model at SIZES from this tree
+# ("new") and from .old ("old": the tree before the change, sent with the run's carry), each
+# from its own folder and environment with empty compile caches, into
+# $work/bench-MODEL-TAG-{new,old}.{json,txt}.
+old_new() {
+    local tag=$1 tree dir
+    make_env /tmp/env-old "$PWD/.old"
+    for tree in new old; do
+        dir=$PWD && [[ $tree == old ]] && dir=$PWD/.old
+        (cd "$dir" && py=/tmp/env-$tree/bin/python && cold_compile_caches &&
+            for case in "${@:2}"; do
+                IFS=: read -r model sizes budget <<<"$case"
+                step_bench "$work" -mgraphcap.bench "$model" "$sizes" \
+                    graphcap-graph-compiled "$tag-$tree" "$budget"
+            done)
+        echo "$tree:"
+        grep -hE '^graphcap-graph-compiled' "$work"/bench-*-"$tag-$tree".txt
+        keep
+    done
+}
 if [[ $part == probe ]]; then
     (cd benchmarks && timeout 150 $py attention_crossover_h200.py \
         "$work/attention-crossover-ad.json" >"$work/attention-crossover-ad.log" 2>&1)
@@ -49,22 +77,8 @@ elif [[ $part == rows ]]; then
         "$work/split-kv-few-rows-ad.json" >"$work/split-kv-few-rows-ad.log" 2>&1)
     tail -40 "$work/split-kv-few-rows-ad.log"
 elif [[ $part == ab ]]; then
-    timeout 150 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
-        backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-ad.log" 2>&1
-    tail -1 "$work/split-kv-tests-ad.log"
-    keep
-    make_env /tmp/env-old "$PWD/.old"
-    for tree in new old; do
-        dir=$PWD && [[ $tree == old ]] && dir=$PWD/.old
-        (cd "$dir" && py=/tmp/env-$tree/bin/python && cold_compile_caches &&
-            step_bench "$work" -mgraphcap.bench llama-8b 8,16,32 graphcap-graph-compiled \
-                "ad-$tree" 160 &&
-            step_bench "$work" -mgraphcap.bench llama-1b 8,16,32 graphcap-graph-compiled \
-                "ad-$tree" 90)
-        echo "$tree:"
-        grep -hE '^graphcap-graph-compiled' "$work"/bench-llama-*-ad-$tree.txt
-        keep
-    done
+    split_kv_tests split-kv-tests-ad 150
+    old_new ad llama-8b:8,16,32:160 llama-1b:8,16,32:90
 elif [[ $part == first ]]; then
     for attention in graphcap_gqa_sdpa auto; do
         cold_compile_caches
@@ -74,28 +88,14 @@ elif [[ $part == first ]]; then
         grep -E '^call' "$work/first-call-profile-ad-$attention.log" | cut -c1-600
         keep
     done
-    timeout 90 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv_cuda.py \
-        backends/cuda/tests/test_split_kv.py -k "bf16 or one_wave" >"$work/split-kv-bf16-ad.log" 2>&1
-    tail -1 "$work/split-kv-bf16-ad.log"
+    split_kv_tests split-kv-bf16-ad 90 -k "bf16 or one_wave"
     device_checks llama-8b:bf16:16 bs16
 elif [[ $part == combine ]]; then
-    timeout 100 $py -m pytest -q -rs -p no:cacheprovider backends/cuda/tests/test_split_kv.py \
-        backends/cuda/tests/test_split_kv_cuda.py >"$work/split-kv-tests-combine.log" 2>&1
-    tail -1 "$work/split-kv-tests-combine.log"
-    keep
+    split_kv_tests split-kv-tests-combine 100
     (cd benchmarks && timeout 120 $py split_kv_few_rows_h200.py \
         "$work/split-kv-few-rows-combine.json" >"$work/split-kv-few-rows-combine.log" 2>&1)
     grep -E 'bs=(1|4|8):' "$work/split-kv-few-rows-combine.log" | head -20
     keep
-    make_env /tmp/env-old "$PWD/.old"
-    for tree in new old; do
-        dir=$PWD && [[ $tree == old ]] && dir=$PWD/.old
-        (cd "$dir" && py=/tmp/env-$tree/bin/python && cold_compile_caches &&
-            step_bench "$work" -mgraphcap.bench llama-8b 1,4 graphcap-graph-compiled \
-                "combine-$tree" 70)
-        echo "$tree:"
-        grep -hE '^graphcap-graph-compiled' "$work"/bench-llama-8b-combine-$tree.txt
-        keep
-    done
+    old_new combine llama-8b:1,4:70
 fi
 keep

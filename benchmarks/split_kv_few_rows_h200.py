@@ -13,13 +13,12 @@ mask, as attention_crossover_h200.py.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 import triton
+from attention_crossover_h200 import case_inputs, write_report
 from graphcap_cuda import split_kv
 
 SHAPES = {"llama-8b": (32, 8, 128), "llama-1b": (32, 8, 64)}
@@ -28,19 +27,6 @@ CASES = ((640, 0.6), (640, 1.0), (2176, 0.6))  # (cache columns, written share)
 BLOCKS = (32, 64, 128)
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 REP_MS = 10  # do_bench_cudagraph's replay window per timing
-
-
-def case_inputs(batch, heads, kv_heads, dim, length, fill):
-    gen = torch.Generator(device="cuda").manual_seed(batch)
-    dtype = torch.bfloat16
-    q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(batch, kv_heads, length, dim, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn_like(k)
-    columns = torch.arange(length, device="cuda")
-    pads = torch.randint(0, 32, (batch, 1), device="cuda", generator=gen)
-    valid = (columns[None] < int(length * fill)) & (columns[None] >= pads)
-    mask = torch.where(valid, 0.0, torch.finfo(dtype).min).to(dtype)
-    return q, k, v, mask
 
 
 def effective(length: int, block_n: int, wanted: int) -> int:
@@ -99,15 +85,7 @@ def main() -> int:
         for length, fill in CASES:
             for batch in BATCHES:
                 rows.append(time_case(committed, name, heads, kv_heads, dim, length, fill, batch))
-                out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}))
-    report = {
-        "command": " ".join(["python3", *sys.argv]),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "rows": rows,
-    }
-    out.write_text(json.dumps(report, indent=1))
+                write_report(out, rows)  # each case as it ends: a call cut short keeps them
     return 0
 
 
