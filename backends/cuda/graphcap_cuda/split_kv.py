@@ -48,8 +48,8 @@ BLOCK_N_FEW_ROWS = 128
 #: shapes, 640 and 2,176 columns): the sum over its 36 cases 574 -> 477 µs (best per case 448;
 #: SDPA 522); llama-8b 16 rows 17.6 -> 8.9 µs, 32 rows 22.2 -> 16.0, 1 row on 2,176 columns
 #: 14.1 -> 11.9. Until run AD it aimed at two a multiprocessor, rounded up (run AA), which
-#: launched several waves of 128-column programs at 4-16 rows. 64 rows and more, and batch 1
-#: on 640 columns, launch as before.
+#: launched several waves of 128-column programs at 4-16 rows. With eight K/V heads, 64 rows and
+#: more, and batch 1 on 640 columns, launch as before.
 PROGRAMS_PER_SM = 1
 #: Most bytes of one K (or V) block: 128 columns of bf16 at head_dim 128. Wider heads (256) or
 #: fp32 take fewer columns a block, or the pipelined loads outgrow shared memory (an fp32 test
