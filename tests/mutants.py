@@ -291,6 +291,23 @@ PLANTS = (
         ("backends/cuda/tests/test_split_kv.py::test_launch_is_one_wave_of_programs",),
     ),
     Plant(
+        "functions held as module attributes left out of the host state",
+        "graphcap/rollout/fingerprint.py",
+        "    if kind in _CALLABLES or issubclass(kind, type):\n",
+        "    if False:\n",
+        (
+            "tests/test_rollout_stale_state.py::test_instance_forward_wrapped_after_capture_recaptures",
+            "tests/test_rollout_stale_state.py::test_function_attribute_swapped_after_capture_recaptures",
+        ),
+    ),
+    Plant(
+        "each module's class left out of the host state",
+        "graphcap/rollout/fingerprint.py",
+        "        (path, type(module), _hooks(module, keep), _attributes(module, keep))\n",
+        "        (path, torch.nn.Module, _hooks(module, keep), _attributes(module, keep))\n",
+        ("tests/test_rollout_stale_state.py::test_submodule_swapped_for_another_class_recaptures",),
+    ),
+    Plant(
         "swapped attributes keep their swapped value after the block",
         "graphcap/rollout/swap.py",
         "            else:\n                setattr(obj, name, value)\n",

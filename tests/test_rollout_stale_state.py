@@ -1,9 +1,10 @@
 """A replayed graph never runs stale host state (issue 10, issue 16 case 6).
 
 Each test captures on the CPU reference backend, changes something forward reads on the host
-(adapter state, hooks, a module attribute, packed int8 weights, a parameter's strides), calls the
-same engine again and compares with a fresh eager engine. Without the host-state fingerprint in
-the graph signature, each second call replays the old kernels: different tokens, no warning.
+(adapter state, hooks, a module attribute, an instance-level forward, a module's class, packed
+int8 weights, a parameter's strides), calls the same engine again and compares with a fresh
+eager engine. Without the host-state fingerprint in the graph signature, each second call
+replays the old kernels: different tokens, no warning.
 """
 
 from __future__ import annotations
@@ -172,6 +173,43 @@ def test_global_module_forward_hook_recaptures():
     finally:
         for handle in handles:
             handle.remove()
+
+
+# ---- functions and classes ---------------------------------------------------------------------
+def test_instance_forward_wrapped_after_capture_recaptures():
+    """accelerate's hooks (``add_hook_to_module``) replace a module's forward on the instance;
+    the wrapper is a plain attribute, not a torch hook."""
+    model = tiny_model("llama", fresh=True)
+    mlp = model.model.layers[0].mlp
+    inner = mlp.forward
+
+    def wrapped(*args: object, **kwargs: object) -> torch.Tensor:
+        return inner(*args, **kwargs) * 2.5
+
+    recaptures_after(model, lambda: setattr(mlp, "forward", wrapped), "model.layers.0.mlp.forward")
+    # and back to the class's forward: the instance attribute is gone, which recaptures again
+    recaptures_after(model, lambda: delattr(mlp, "forward"), "model.layers.0.mlp.forward")
+
+
+def test_submodule_swapped_for_another_class_recaptures():
+    """Tanh and Sigmoid hold the same attributes: only the module's class tells them apart."""
+    model = tiny_model("llama", fresh=True)
+    mlp = model.model.layers[0].mlp
+    mlp.act_fn = torch.nn.Tanh()
+    recaptures_after(
+        model,
+        lambda: setattr(mlp, "act_fn", torch.nn.Sigmoid()),
+        "model.layers.0.mlp.act_fn: Tanh replaced by Sigmoid",
+    )
+
+
+def test_function_attribute_swapped_after_capture_recaptures():
+    """A function held as a plain attribute (not a module) that forward calls."""
+    model = tiny_model("llama", fresh=True)
+    mlp = model.model.layers[0].mlp
+    del mlp.act_fn  # the child module, so that a plain attribute can take its name
+    mlp.act_fn = torch.tanh  # a builtin, not a module: forward calls it as self.act_fn(x)
+    recaptures_after(model, lambda: setattr(mlp, "act_fn", torch.sigmoid), "mlp.act_fn")
 
 
 # ---- plain attributes, strides, packed weights -------------------------------------------------

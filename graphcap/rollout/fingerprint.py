@@ -3,8 +3,10 @@
 A replayed graph runs the kernels forward launched at capture. Which kernels those are depends on
 more than tensors: hooks (a LoRA-style hook, a debugging hook), plain attributes that forward
 branches on or multiplies by (``attention_scaling``, PEFT's ``_disable_adapters`` and
-``merged_adapters``, ``_active_adapter``), and objects holding weights outside ``parameters()``
-(torch.ao's packed int8 weights). :func:`host_state` collects all of that into a
+``merged_adapters``, ``_active_adapter``), functions held as attributes (an instance-level
+``forward`` such as accelerate's hooks install), which class each module is (an activation
+swapped for another), and objects holding weights outside ``parameters()`` (torch.ao's packed
+int8 weights). :func:`host_state` collects all of that into a
 :class:`HostState` taken at every call and made part of the graph signature, so any change means
 a recapture instead of a stale replay. What it cannot see is listed in docs/rollout.md
 ("What the signature sees").
@@ -13,6 +15,8 @@ a recapture instead of a stale replay. What it cannot see is listed in docs/roll
 from __future__ import annotations
 
 import enum
+import functools
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +30,11 @@ _PRIMITIVES = frozenset(
     {int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device}
 )
 _SEQUENCES = frozenset({tuple, list})
+#: Callables a module can hold as plain attributes, compared by identity: an instance-level
+#: ``forward`` (accelerate's hooks wrap a module's forward this way) or a function forward calls.
+_CALLABLES = frozenset(
+    {types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial}
+)
 _SETS = frozenset({set, frozenset})
 #: Per-module hook dictionaries that decide what runs around ``forward`` (torch's names).
 _HOOK_DICTS = (
@@ -72,7 +81,9 @@ def _value(value: Any, keep: list[Any], depth: int = _DEPTH) -> Any:
     are not parameters or buffers compare by address, shape, strides, dtype and device (as the
     signature's tensor facts do). TorchScript objects (torch.ao's packed weights) compare by
     identity: ``set_weight_bias`` packs a new object, and the old one cannot be changed in place
-    from Python; ``keep`` holds them so an identity is never reused while the state is held.
+    from Python. Functions, methods, partials and classes compare by identity too (what they
+    close over is not seen). ``keep`` holds everything compared by identity, so an identity is
+    never reused while the state is held.
     """
     # Types are tested with type() / issubclass: isinstance on objects such as transformers
     # configs runs their __getattribute__, which dominated the cost on an 8B module tree.
@@ -86,6 +97,9 @@ def _value(value: Any, keep: list[Any], depth: int = _DEPTH) -> Any:
     if issubclass(kind, torch.ScriptObject):
         keep.append(value)
         return ("script_object", id(value))
+    if kind in _CALLABLES or issubclass(kind, type):
+        keep.append(value)
+        return ("callable", id(value))
     if depth == 0:
         return _OPAQUE
     if kind in _SEQUENCES:
@@ -172,8 +186,8 @@ def global_forward_hooks() -> tuple[dict[int, Any], ...]:
 class HostState:
     """Hooks and comparable attributes of every module, the model config and global hooks."""
 
-    #: (module path, hooks, attributes) per module, in ``named_modules`` order.
-    modules: tuple[tuple[str, tuple[Any, ...], tuple[tuple[str, Any], ...]], ...]
+    #: (module path, module class, hooks, attributes) per module, in ``named_modules`` order.
+    modules: tuple[tuple[str, type, tuple[Any, ...], tuple[tuple[str, Any], ...]], ...]
     config: tuple[tuple[str, Any], ...]
     global_hooks: tuple[Any, ...]
     #: Hook callables and packed-weight objects whose identities are compared (never compared).
@@ -194,10 +208,12 @@ def _changes(old: HostState, new: HostState) -> Iterator[str]:
     if len(old.modules) != len(new.modules):
         yield "the module tree"
         return
-    for (path, hooks_a, attrs_a), (_, hooks_b, attrs_b) in zip(
+    for (path, kind_a, hooks_a, attrs_a), (_, kind_b, hooks_b, attrs_b) in zip(
         old.modules, new.modules, strict=True
     ):
         where = path or "<root>"
+        if kind_a is not kind_b:
+            yield f"{where}: {kind_a.__name__} replaced by {kind_b.__name__}"
         if hooks_a != hooks_b:
             yield f"{where}: forward hooks"
         if attrs_a != attrs_b:
@@ -217,7 +233,8 @@ def host_state(
     if modules is None:
         modules = list(model.named_modules(remove_duplicate=False))
     module_state = tuple(
-        (path, _hooks(module, keep), _attributes(module, keep)) for path, module in modules
+        (path, type(module), _hooks(module, keep), _attributes(module, keep))
+        for path, module in modules
     )
     config = getattr(model, "config", None)
     config_state: tuple[tuple[str, Any], ...] = ()
