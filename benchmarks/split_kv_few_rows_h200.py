@@ -29,11 +29,6 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 REP_MS = 10  # do_bench_cudagraph's replay window per timing
 
 
-def effective(length: int, block_n: int, wanted: int) -> int:
-    """Chunks of whole blocks, as split_kv_decode forms them: some counts launch alike."""
-    return triton.cdiv(length, triton.cdiv(triton.cdiv(length, wanted), block_n) * block_n)
-
-
 def time_case(committed, name, heads, kv_heads, dim, length, fill, batch) -> dict:
     q, k, v, mask = case_inputs(batch, heads, kv_heads, dim, length, fill)
     scale = dim**-0.5
@@ -52,7 +47,7 @@ def time_case(committed, name, heads, kv_heads, dim, length, fill, batch) -> dic
     sdpa_us = 1e3 * triton.testing.do_bench_cudagraph(sdpa, rep=REP_MS)
     times = {}
     for block in BLOCKS:
-        for splits in sorted({effective(length, block, w) for w in SPLITS}):
+        for splits in sorted({split_kv.chunking(length, block, w)[1] for w in SPLITS}):
             split_kv.launch_shape = lambda *a, b=block, s=splits: (b, s)
             times[f"{block}x{splits}"] = 1e3 * triton.testing.do_bench_cudagraph(kernel, rep=REP_MS)
     split_kv.launch_shape = committed
@@ -63,7 +58,7 @@ def time_case(committed, name, heads, kv_heads, dim, length, fill, batch) -> dic
         "length": length,
         "fill": fill,
         "sdpa_us": sdpa_us,
-        "committed": f"{block_n}x{effective(length, block_n, wanted)}",
+        "committed": f"{block_n}x{split_kv.chunking(length, block_n, wanted)[1]}",
         "committed_us": now_us,
         "best": best,
         "best_us": times[best],

@@ -281,6 +281,13 @@ def launch_shape(
     return block_n, max(1, min(blocks, wanted))
 
 
+def chunking(length: int, block_n: int, wanted: int) -> tuple[int, int]:
+    """(columns per chunk, chunks): ``wanted`` chunks rounded to whole blocks, so some counts
+    launch alike (640 columns in 128-column blocks: 5 wanted or 16 give five chunks)."""
+    chunk = triton.cdiv(triton.cdiv(length, wanted), block_n) * block_n
+    return chunk, triton.cdiv(length, chunk)
+
+
 #: Arrival counts of the chunks of each row and K/V head, zero between launches (the last chunk
 #: resets its count), by (device, stream, size). Launches on one stream never overlap; a graph
 #: keeps the address it captured, so a buffer is never freed or replaced.
@@ -315,8 +322,7 @@ def split_kv_decode(
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_bytes = block_d * key.element_size()
     block_n, splits = launch_shape(rows, kv_heads, length, query.device, block_bytes)
-    chunk = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
-    splits = triton.cdiv(length, chunk)
+    chunk, splits = chunking(length, block_n, splits)
     scan_n = max(block_n, min(MAX_SCAN, triton.next_power_of_2(chunk)))
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     direct = splits == 1  # no partial results to combine

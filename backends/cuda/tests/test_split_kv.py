@@ -8,6 +8,7 @@ cannot multiply bfloat16 (its NumPy emulation returns garbage), so bf16 is check
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -18,7 +19,7 @@ pytest.importorskip(
     "triton", reason="the split-KV kernel needs Triton (CUDA builds of torch ship it)"
 )
 
-from graphcap_cuda import CUDABackend, plugin, split_kv
+from graphcap_cuda import CUDABackend, launch, plugin, split_kv
 from graphcap_cuda.attention import SPLIT_KV, register_attention, softcapped_attention
 from graphcap_cuda.split_kv import split_kv_decode
 from test_gqa_attention import MODELS, check_captured_steps_equal_eager
@@ -94,10 +95,11 @@ def test_launch_is_one_wave_of_programs(kv_heads, length):
     """Chunks per row and K/V head: the most that keep the launch within one program a
     multiprocessor (more waves of 128-column programs and more partials to combine were slower
     at 4-32 rows, run AD), never more than the blocks, never fewer than one."""
-    sms = 132  # launch.multiprocessors on CPU
+    cpu = torch.device("cpu")
+    sms = launch.multiprocessors(cpu)
     for rows in (1, 2, 3, 4, 8, 16, 17, 32, 64, 256):
-        block_n, splits = split_kv.launch_shape(rows, kv_heads, length, torch.device("cpu"), 256)
-        pairs, blocks = rows * kv_heads, -(-length // block_n)
+        block_n, splits = split_kv.launch_shape(rows, kv_heads, length, cpu, 256)
+        pairs, blocks = rows * kv_heads, math.ceil(length / block_n)
         assert 1 <= splits <= blocks
         assert splits == 1 or pairs * splits <= sms
         assert splits == blocks or pairs * (splits + 1) > sms  # no smaller launch fills more
