@@ -46,6 +46,8 @@ class Capabilities:
     decode steps on this backend; ``None`` keeps the model's own. ``captures_compiled``: work
     inside ``torch.compile``'d (inductor) regions is recorded by a capture, so
     ``RolloutConfig(compile=True)`` may capture a compiled decode forward.
+    ``compile_by_default``: compiling the captured step pays on this backend (measured), so
+    ``RolloutConfig(compile=None)``, the default, compiles; needs ``captures_compiled``.
     """
 
     graph_capture: bool
@@ -55,6 +57,7 @@ class Capabilities:
     mask_form: MaskForm
     graph_attention: str | None = None
     captures_compiled: bool = False
+    compile_by_default: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +89,9 @@ class Backend:
     graph_attention: ClassVar[str | None] = None
     #: Whether a capture records compiled (inductor) regions (see Capabilities).
     captures_compiled: ClassVar[bool] = False
+    #: Whether default configurations compile captured steps here (see Capabilities): declare
+    #: it only where a benchmark showed the compiled step faster and its cached restart cheap.
+    compiles_by_default: ClassVar[bool] = False
     #: Distribution that provided the backend; filled in by the registry.
     distribution: str = ""
     distribution_version: str = ""
@@ -194,6 +200,7 @@ class Backend:
             mask_form=self.attention_mask_form,
             graph_attention=self.graph_attention if capture else None,
             captures_compiled=capture and self.captures_compiled,
+            compile_by_default=capture and self.captures_compiled and self.compiles_by_default,
         )
 
     # ---- device plumbing (defaults on torch.get_device_module / torch.accelerator) --------
@@ -203,6 +210,13 @@ class Backend:
 
     def current_device_index(self) -> int:
         return int(self.device_module.current_device())
+
+    def device_name(self) -> str:
+        """The name the device reports (e.g. "NVIDIA H200"), or the device type."""
+        try:
+            return str(self.device_module.get_device_name(self.device))
+        except Exception:  # the CPU, or a device module without it: the name is only a label
+            return self.device.type
 
     def synchronize(self) -> None:
         self.device_module.synchronize()

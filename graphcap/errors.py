@@ -31,6 +31,16 @@ class CaptureFallbackWarning(RuntimeWarning):
     """A graph capture failed; the call finished eagerly and the engine stays eager."""
 
 
+class CompileCacheWarning(RuntimeWarning):
+    """A compile-cache file could not be used (corrupt, foreign) or written; graphcap compiled
+    instead, so only time was lost."""
+
+
+class GenerateFallbackWarning(UserWarning):
+    """A ``model.generate`` call under :func:`graphcap.rollout.accelerate_generate` went to
+    transformers' own ``generate`` (the reason is in the message and in the drop-in's stats)."""
+
+
 class DecodeStalledError(GraphcapError):
     """Decoding made no progress: rows that must finish within a known number of steps did not
     (a backend whose graph replays do nothing, for one)."""

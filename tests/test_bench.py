@@ -207,6 +207,7 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
     assert pairs[0].startswith("[1/12, 11 left]") and pairs[-1].startswith("[12/12, 0 left]")
     expected = {
         "graphcap-graph": ("static_graph", 1),
+        "graphcap-graph-uncompiled": ("static_graph", 1),
         "graphcap-continuous": ("continuous_graph", 1),
     }
     expected["graphcap-per-position"] = ("per_position_graph", SMALL["new_tokens"] - 1)
@@ -228,13 +229,18 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
             and result.result("hf-eager", bs).captures is None
         )
         assert result.result("graphcap-eager", bs).captures == 0
-        assert result.result("graphcap-graph-compiled", bs).status == "unsupported"
     data = json.loads(result.write_json(tmp_path / "r" / "bench.json").read_text())
-    assert data["schema_version"] == 3 and data["config"]["dtype"] == "fp32"
+    assert data["schema_version"] == 4 and data["config"]["dtype"] == "fp32"
+    for r in result.results:  # graphcap's graph modes say where their first call went
+        if r.mode.startswith("graphcap-") and r.path != "eager":
+            phases = r.first_call_phases
+            assert phases["warmup_s"] > 0 and phases["capture_s"] > 0, (r.mode, phases)
+            assert sum(phases.values()) == pytest.approx(r.first_call_s, rel=1e-6)
+            assert r.compiled is False and r.compile_cache is None
     assert data["peak_bandwidth_gbps"] is None  # no roofline on the host without --peak-bandwidth
     assert {f.name for f in dataclasses.fields(ModeResult)} == set(data["results"][0])
     table = report.format_table(result)
-    assert "steady ms [min-max]" in table and "unsupported" in table
+    assert "steady ms [min-max]" in table and "first calls (s): prefill + warmup" in table
     graph = result.result("graphcap-graph", 1)
     assert f"{graph.steady_median_s * 1e3:.1f} [{graph.steady_min_s * 1e3:.1f}-" in table
 
@@ -367,14 +373,28 @@ def test_rl_warnings_and_adamw_on_fp16() -> None:
         make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], 1e-3)
 
 
-def test_graph_compiled_mode_is_the_engines_compiled_step(backend: CPUBackend) -> None:
-    # The mode asks the engine for compile=True (tested in test_rollout_plan.py); the CPU
-    # reference graph cannot hold compiled code, so the engine says why it ran eagerly.
-    mode = MODES["graphcap-graph-compiled"]
-    assert "compiled" in mode.unsupported(backend)
-    with mode.session(tiny(backend=backend)) as call:
+class CompilingBackend(CPUBackend):
+    """Declares that compiled captures pay, as CUDA does (the CPU graph would refuse them)."""
+
+    captures_compiled = True
+    compiles_by_default = True
+
+
+def test_the_graph_mode_is_the_default_config_and_compiles_where_that_pays(
+    backend: CPUBackend,
+) -> None:
+    # graphcap-graph is RolloutConfig(enable_graph_capture=True): it compiles where the backend
+    # declares that compiling pays; graphcap-graph-uncompiled is compile=False, a default mode
+    # only where it differs from graphcap-graph.
+    compiling = CompilingBackend()
+    graph, uncompiled = MODES["graphcap-graph"], MODES["graphcap-graph-uncompiled"]
+    assert graph.compiles(compiling) and not graph.compiles(backend)
+    assert not uncompiled.compiles(compiling) and not MODES["graphcap-eager"].compiles(compiling)
+    assert "graphcap-graph-uncompiled" in default_modes(compiling)
+    assert "graphcap-graph-uncompiled" not in default_modes(backend)
+    with uncompiled.session(tiny(backend=compiling)) as call:
         out = call()
-    assert out.stats.path == "eager" and "captures_compiled=False" in out.stats.fallback_reason
+    assert out.stats.path == "static_graph" and not out.stats.compiled
 
 
 # ---- configuration and command line -----------------------------------------------------------

@@ -79,6 +79,12 @@ class BenchConfig:
     fuse_projections: bool = option(
         "graphcap modes join q/k/v and gate/up products (RolloutConfig)", False, action="store_true"
     )
+    compile_cache: str = option(
+        "where compiled captures keep compiled code between processes (RolloutConfig."
+        "compile_cache): auto ($GRAPHCAP_COMPILE_CACHE or ~/.cache/graphcap/compile), a "
+        "directory, or none",
+        "auto",
+    )
     rl_loop: int = option("also run N generate -> train iterations", 0, type=int, metavar="N", ge=0)
     rl_batch_size: int | None = option("RL loop batch size (default: the first)", type=int, ge=1)
     rl_optimizer: str = option("RL loop optimizer", "sgd", choices=("sgd", "adamw"))

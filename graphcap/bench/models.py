@@ -13,8 +13,6 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from graphcap.backend import Backend
-
 #: Large enough that random models do not collapse onto one token, small enough that 32 layers
 #: stay finite in fp16/bf16.
 INIT_SCALE = 2.0
@@ -113,14 +111,6 @@ def weight_bytes_per_step(model: nn.Module) -> int:
     output = getattr(model.get_output_embeddings(), "weight", None)
     lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - {id(output)}
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookup)
-
-
-def device_name(backend: Backend) -> str:
-    """The name the device reports (e.g. "NVIDIA H200"), or the device type."""
-    try:
-        return str(backend.device_module.get_device_name(backend.device))
-    except Exception:  # the CPU, or a device module without it: the name is only cosmetic
-        return backend.device.type
 
 
 def peak_bandwidth(name: str, override: float | None = None) -> float | None:

@@ -52,6 +52,7 @@ class Workload:
     continuous_slots: int | None = None
     graph_attention: str | None = "auto"  # RolloutConfig.graph_attention (None: the model's own)
     fuse_projections: bool = False  # RolloutConfig.fuse_projections
+    compile_cache: str | None = "auto"  # RolloutConfig.compile_cache
     batch_size: int = field(init=False)
     prompt_width: int = field(init=False)
 
@@ -98,26 +99,40 @@ class StepClock(StoppingCriteria):
 @dataclass(frozen=True)
 class Mode:
     """transformers' ``generate`` with ``hf_kwargs``, or graphcap's engine on ``expected_path``
-    (None: graphs off; another path is a fallback); ``compiles``: the first call compiles."""
+    (None: graphs off; another path is a fallback) with ``RolloutConfig(compile=compile)``."""
 
     name: str
     expected_path: str | None = None
     hf_kwargs: dict[str, Any] | None = None
-    compiles: bool = False
+    compile: bool | None = None
+
+    def compiles(self, backend: Backend) -> bool:
+        """Whether this mode's first call compiles on ``backend``: transformers' static cache
+        (it compiles the decode where it can; the runner counts what it compiled), graphcap's
+        graph modes where ``compile`` (or, unset, the backend's declared default) says so."""
+        if self.hf_kwargs is not None:
+            return self.hf_kwargs.get("cache_implementation") == "static"
+        config = RolloutConfig(
+            enable_graph_capture=self.expected_path is not None,
+            per_position_graphs=self.expected_path == "per_position_graph",
+            compile=self.compile,
+        )
+        return config.enable_graph_capture and config.wants_compile(backend)
 
     def unsupported(self, backend: Backend) -> str | None:
         """Why this mode cannot run on ``backend`` (``None`` when it can)."""
         if self.expected_path and not backend.supports_graph_capture:
             return f"backend {backend.name!r} cannot capture graphs"
-        if self.expected_path and self.compiles and backend.device.type == "cpu":
+        if self.expected_path and self.compile and _cpu(backend):
             return "the CPU reference backend refuses compiled (inductor) regions at capture"
         return None
 
     @contextmanager
     def session(self, work: Workload) -> Iterator[Callable[[], CallOutput]]:
         """The mode opened on ``work``: yields the call to time, releases everything after."""
-        if self.compiles:
-            torch._dynamo.reset()  # a cold start: earlier compilations must not help this one
+        compiles = self.compiles(work.backend)
+        if compiles:  # a cold start in this process: earlier compilations must not help it
+            torch.compiler.reset()
         path, engine, sync = self.expected_path, None, work.backend.synchronize
         try:
             if self.hf_kwargs is not None:
@@ -129,7 +144,8 @@ class Mode:
                 enable_graph_capture=path is not None,
                 continuous_batch_size=slots if path == "continuous_graph" else None,
                 per_position_graphs=path == "per_position_graph",
-                compile=self.compiles and path is not None,  # the engine's compiled decode step
+                compile=self.compile if path is not None else None,
+                compile_cache=work.compile_cache,
                 graph_attention=work.graph_attention,
                 fuse_projections=work.fuse_projections,
             )
@@ -150,19 +166,24 @@ class Mode:
         finally:
             if engine is not None:
                 engine.shutdown()
-            if self.compiles:
-                torch._dynamo.reset()
+            if compiles:
+                torch.compiler.reset()
+
+
+def _cpu(backend: Backend) -> bool:
+    return backend.device.type == "cpu"
 
 
 # transformers decides whether hf-static-compile compiles; the runner counts compiled graphs.
+# graphcap-graph is the default configuration (RolloutConfig(enable_graph_capture=True)).
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
         Mode("hf-eager", hf_kwargs={"disable_compile": True}),
-        Mode("hf-static-compile", hf_kwargs={"cache_implementation": "static"}, compiles=True),
+        Mode("hf-static-compile", hf_kwargs={"cache_implementation": "static"}),
         Mode("graphcap-eager"),
         Mode("graphcap-graph", "static_graph"),
-        Mode("graphcap-graph-compiled", "static_graph", compiles=True),
+        Mode("graphcap-graph-uncompiled", "static_graph", compile=False),
         Mode("graphcap-continuous", "continuous_graph"),
         Mode("graphcap-per-position", "per_position_graph"),
     )
@@ -170,8 +191,12 @@ MODES: dict[str, Mode] = {
 
 
 def default_modes(backend: Backend) -> list[str]:
-    """Every mode that means something on this backend (compilation only on accelerators)."""
-    return [n for n, m in MODES.items() if not (m.compiles and backend.device.type == "cpu")]
+    """Every mode that means something on this backend: HF's compile only on accelerators, and
+    the uncompiled graph only where the default graph compiles (elsewhere they are one mode)."""
+    skip = {"graphcap-graph-uncompiled"} if not MODES["graphcap-graph"].compiles(backend) else set()
+    if _cpu(backend):
+        skip.add("hf-static-compile")
+    return [name for name in MODES if name not in skip]
 
 
 def parse_modes(text: str) -> list[str]:

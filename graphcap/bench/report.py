@@ -50,6 +50,28 @@ class ModeResult:
     distinct_tokens: int | None = None
     speedup_vs_hf_eager: float | None = None
     speedup_vs_hf_static_compile: float | None = None
+    compiled: bool | None = None
+    compile_cache: str | None = None
+    first_call_phases: dict[str, float] | None = None
+
+
+#: Where a graphcap mode's first call spends its time (``first_call_phases``): the prefill
+#: (input checks and the model scan included), the warm-up run before capture (compilation
+#: where the step compiles, and the first use of every kernel in this process), the capture
+#: itself, the decode loop, and the rest (collecting the result, the call's own setup).
+PHASES: tuple[str, ...] = ("prefill_s", "warmup_s", "capture_s", "decode_s", "other_s")
+
+
+def first_call_phases(stats: Any, total_s: float) -> dict[str, float]:
+    """The phases of a first call that took ``total_s`` from its engine ``stats``."""
+    phases = {
+        "prefill_s": stats.prefill_s,
+        "warmup_s": stats.warmup_s,
+        "capture_s": stats.capture_s - stats.warmup_s,
+        "decode_s": stats.decode_s,
+    }
+    phases["other_s"] = max(0.0, total_s - sum(phases.values()))
+    return phases
 
 
 @dataclass
@@ -99,8 +121,9 @@ class BenchReport:
     rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
-    #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention.
-    schema_version: int = 3
+    #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention;
+    #: 4: compiled, compile_cache, first_call_phases.
+    schema_version: int = 4
 
     def write_json(self, path: str | Path) -> Path:
         (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -202,6 +225,18 @@ def format_table(report: BenchReport) -> str:
             ),
         ]
     rs = report.results
+    phased = [r for r in rs if r.first_call_phases]
+    if phased:
+        lines += ["", "first calls (s): " + " + ".join(p.removesuffix("_s") for p in PHASES)]
+        lines += [f"  {_phases_line(r)}" for r in phased]
     notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
     notes += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _phases_line(r: ModeResult) -> str:
+    """``mode bs N: total = prefill + warmup + ...``, with what was compiled and cached."""
+    phases = r.first_call_phases or {}
+    parts = " + ".join(_num(phases.get(p), ".2f") for p in PHASES)
+    compiled = f", compiled, compile cache {r.compile_cache}" if r.compiled else ""
+    return f"{r.mode} bs {r.batch_size}: {_num(r.first_call_s, '.2f')} = {parts}{compiled}"

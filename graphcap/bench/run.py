@@ -27,7 +27,16 @@ from graphcap.backend import Backend
 from graphcap.bench import models
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
-from graphcap.bench.report import ERROR, FALLBACK, OK, SKIPPED, UNSUPPORTED, BenchReport, ModeResult
+from graphcap.bench.report import (
+    ERROR,
+    FALLBACK,
+    OK,
+    SKIPPED,
+    UNSUPPORTED,
+    BenchReport,
+    ModeResult,
+    first_call_phases,
+)
 
 #: Fewer distinct response tokens than this in the reference makes agreement nearly vacuous.
 MIN_DISTINCT_TOKENS = 4
@@ -52,7 +61,7 @@ def run_benchmark(
     try:
         # Isolated pairs run before this process builds its model: none shares the device with it.
         in_child = functools.partial(_run_child, cfg, backend.name, say)
-        isolated = _sweep(cfg, started, say, in_child) if cfg.isolate else None
+        isolated = _sweep(cfg, backend, started, say, in_child) if cfg.isolate else None
         # After isolated pairs the model only describes the run (unless the RL loop runs here).
         report, workload = _prepare(
             cfg, backend, say, describe_only=cfg.isolate and not cfg.rl_loop
@@ -61,7 +70,7 @@ def run_benchmark(
         def in_process(bs: int, mode: str) -> tuple[ModeResult, Any]:
             return _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
 
-        report.results, outputs = isolated or _sweep(cfg, started, say, in_process)
+        report.results, outputs = isolated or _sweep(cfg, backend, started, say, in_process)
         for result in report.results:  # the roofline: weight bytes a step reads / step time
             if step := result.decode_step_s:
                 gbps = result.weight_bandwidth_gbps = report.weight_bytes_per_step / step / 1e9
@@ -95,7 +104,7 @@ def _prepare(
     device (shapes, no weights), enough for the report; no workload runs on it."""
     device = torch.device("meta") if describe_only else backend.device
     say(f"building {cfg.model} ({cfg.dtype}) on {device}")
-    dtype, name = models.DTYPES[cfg.dtype], models.device_name(backend)
+    dtype, name = models.DTYPES[cfg.dtype], backend.device_name()
     model = models.build_model(
         cfg.model, dtype=dtype, device=device, seed=cfg.seed, backend_seed=backend.manual_seed
     )
@@ -123,8 +132,9 @@ def _prepare(
         vocab = model.config.vocab_size
         ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
         attention = None if cfg.graph_attention == "model" else cfg.graph_attention
+        cache = None if cfg.compile_cache == "none" else cfg.compile_cache
         return Workload(
-            model, backend, ids, mask, cfg.new_tokens, slots, attention, cfg.fuse_projections
+            model, backend, ids, mask, cfg.new_tokens, slots, attention, cfg.fuse_projections, cache
         )
 
     return report, workload
@@ -132,6 +142,7 @@ def _prepare(
 
 def _sweep(
     cfg: BenchConfig,
+    backend: Backend,
     started: float,
     say: Callable[[str], None],
     run_pair: Callable[[int, str], tuple[ModeResult, Any]],
@@ -140,7 +151,10 @@ def _sweep(
     lasts (the rest are skipped); the results, and the first and last calls by (mode, size)."""
     compiled = cfg.compile_batch_sizes or cfg.batch_sizes
     pairs = [
-        (b, m) for b in cfg.batch_sizes for m in cfg.modes if b in compiled or not MODES[m].compiles
+        (b, m)
+        for b in cfg.batch_sizes
+        for m in cfg.modes
+        if b in compiled or not MODES[m].compiles(backend)
     ]
     results: list[ModeResult] = []
     outputs: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -243,6 +257,8 @@ def _run_mode(
     if (stats := calls[-1].stats) is not None:
         r.captures, r.replays_per_call, r.attention = stats.captures, stats.replays, stats.attention
         r.occupancy = spread(c.stats.occupancy for c in calls)[0]
+        r.compiled, r.compile_cache = first.stats.compiled, first.stats.compile_cache
+        r.first_call_phases = first_call_phases(first.stats, first.seconds)
     r.path = "hf" if stats is None else stats.path
     if mode.expected_path is not None and r.path != mode.expected_path:
         r.status = FALLBACK

@@ -7,6 +7,7 @@ generators are put back as they were, so the first replay performs the first rea
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,11 +40,14 @@ def capture_step(
     mutable: list[torch.Tensor],
     generator: torch.Generator | None,
     pool: object | None = None,
+    timings: dict[str, float] | None = None,
 ) -> object:
     """Warm up ``step``, capture it into a new graph and return the graph.
 
     ``pool``: a handle from ``backend.graph_pool_handle()`` that several graphs share (the
     per-position path passes one for its whole set); ``None`` asks the backend for one.
+    ``timings``, where given, receives ``warmup_s``: the warm-up's seconds (a compiled step
+    compiles in it, and every kernel's first use in the process happens in it).
 
     Every tensor in ``mutable``, the backend's RNG state and ``generator`` are left as they were,
     also when capture fails (the exception propagates after the rollback). The warm-up and the
@@ -62,6 +66,7 @@ def capture_step(
             generator.set_state(gen_state)
 
     stream = backend.capture_stream() if backend.capabilities.capture_needs_side_stream else None
+    start = time.perf_counter()
     try:
         graph = backend.create_graph()
         if graph is None:
@@ -76,6 +81,8 @@ def capture_step(
             with graph_step():
                 step()
         backend.synchronize()
+        if timings is not None:
+            timings["warmup_s"] = time.perf_counter() - start
         rollback()
         if pool is None:
             pool = backend.graph_pool_handle()

@@ -71,8 +71,47 @@ VLLM_UNSUPPORTED: tuple[str, ...] = (
     "output_kind",
     "extra_args",
 )
-#: transformers' generate() applies top_k=50 when sampling and top_k is unset; mirrored here.
-GENERATE_DEFAULT_TOP_K = 50
+#: The values transformers' ``generate`` gives the fields of a ``GenerationConfig`` left unset
+#: (transformers keeps this table private; tests/test_rollout_config.py fails when it drifts).
+#: A field set to its value here changes nothing, so it is not refused.
+GENERATE_DEFAULTS: dict[str, Any] = {
+    "max_length": 20,
+    "min_length": 0,
+    "do_sample": False,
+    "use_cache": True,
+    "early_stopping": False,
+    "num_beams": 1,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "typical_p": 1.0,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "num_return_sequences": 1,
+    "output_scores": False,
+    "return_dict_in_generate": False,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "remove_invalid_values": False,
+    "exponential_decay_length_penalty": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "encoder_repetition_penalty": 1.0,
+    "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4,
+    "assistant_lookbehind": 10,
+    "target_lookbehind": 10,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+}
+#: generate() applies top_k=50 when sampling and top_k is unset; mirrored here.
+GENERATE_DEFAULT_TOP_K: int = GENERATE_DEFAULTS["top_k"]
 
 
 @dataclass(frozen=True)
@@ -292,13 +331,15 @@ def unsupported_generation_fields(config: GenerationConfig) -> list[str]:
 
 
 def _is_default(name: str, value: Any) -> bool:
-    """Whether a GenerationConfig value means "not set": its default, generate's global default,
-    or False/0 where the default is ``None`` (model configs write ``output_attentions=False``)."""
+    """Whether a GenerationConfig value means "not set": its default, the value ``generate``
+    applies when it is unset (:data:`GENERATE_DEFAULTS`), or False/0 where the default is
+    ``None`` (model configs write ``output_attentions=False``)."""
     from transformers import GenerationConfig
 
     default = getattr(GenerationConfig(), name, None)
-    global_default = GenerationConfig._get_default_generation_params().get(name, default)
-    return value in (default, global_default) or (default is None and not value)
+    return value in (default, GENERATE_DEFAULTS.get(name, default)) or (
+        default is None and not value
+    )
 
 
 @dataclass
@@ -327,12 +368,18 @@ class RolloutConfig:
     registered implementation. Eager calls and the prefill always use the model's own.
     ``max_request_bytes``: refuse a call whose estimated allocation exceeds it (calls above the
     memory the backend reports available are refused in any case).
-    ``compile=True``: captured decode steps run the blocks around attention (each decoder layer
-    with its attention left out, the rotary function and embedding, the K/V cache writes)
-    through ``torch.compile``, traced once per block class
+    ``compile``: ``None`` (the default) compiles captured steps where the backend declares that
+    it pays (``Capabilities.compile_by_default``: CUDA), ``False`` never, ``True`` always
+    (refused with the reason where the backend cannot capture compiled code). Per-position
+    graphs never compile. ``compile_cache``: where compiled code is kept between processes
+    (:mod:`graphcap.rollout.compile_cache`): ``"auto"`` is ``$GRAPHCAP_COMPILE_CACHE`` or
+    ``~/.cache/graphcap/compile``, a path that directory, ``None`` none beyond torch's own
+    caches. Compiled captures run the blocks around attention (each decoder layer with its
+    attention left out, the rotary function and embedding, the K/V cache writes) through
+    ``torch.compile``, traced once per block class
     (:func:`graphcap.rollout.regions.compiled_regions`); the compilation happens in the
-    warm-up before the first capture, so it is part of that call's
-    ``capture_s`` / ``first_call_s`` (``stats.compiled`` says so). The captured projections
+    warm-up before the first capture, so it is part of that call's ``warmup_s``,
+    ``capture_s`` and ``first_call_s`` (``stats.compiled`` says so). The captured projections
     compute through the backend's one-row product where it offers one
     (``Backend.one_row_product``: batch-1 steps), and every region compiles with the backend's
     inductor options (``Backend.compile_options``). Compiled code rounds
@@ -356,7 +403,8 @@ class RolloutConfig:
     per_position_graphs: bool = False
     process_group: ProcessGroup | None = None
     graph_attention: str | None = "auto"
-    compile: bool = False
+    compile: bool | None = None
+    compile_cache: str | None = "auto"
     fuse_projections: bool = False
     enable_cuda_graph: bool | None = field(default=None, repr=False)
     max_request_bytes: int | None = None
@@ -392,18 +440,32 @@ class RolloutConfig:
         self.length_buckets = _buckets("length_buckets", self.length_buckets)
         self._check_continuous()
         self._check_per_position()
-        if self.compile and not self.enable_graph_capture:
+        if self.compile is True and not self.enable_graph_capture:
             raise ValueError(
                 "compile=True compiles the captured decode step: set enable_graph_capture=True "
                 "too (eager calls always run the model as it is)"
             )
-        if self.compile and self.per_position_graphs:
+        if self.compile is True and self.per_position_graphs:
             raise ValueError(
                 "compile=True with per_position_graphs=True would compile the forward once per "
                 "decode position (each attends over a different width); set only one"
             )
+        if self.compile_cache == "":
+            raise ValueError(
+                'compile_cache="" names no directory; use "auto", a directory, or None for '
+                "torch's own caches only"
+            )
         if self.process_group is not None:
             check_process_group(self.process_group)
+
+    def wants_compile(self, backend: Backend) -> bool:
+        """Whether captured steps compile on ``backend``: ``compile`` where set, else the
+        backend's declared default (never for per-position graphs)."""
+        if self.per_position_graphs:
+            return False
+        if self.compile is None:
+            return backend.capabilities.compile_by_default
+        return self.compile
 
     def _check_per_position(self) -> None:
         if not self.per_position_graphs:

@@ -21,6 +21,7 @@ from graphcap.backend import Backend
 from graphcap.registry import get_backend, register_attention_implementations
 from graphcap.rollout.agreement import RankAgreement
 from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.compile_cache import CompileCache, resolve_directory
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.continuous import ContinuousRollout
 from graphcap.rollout.fusion import ProjectionFusion
@@ -73,7 +74,8 @@ class RolloutEngine:
         check_graph_attention(self.config.graph_attention)
         agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._fusion = ProjectionFusion(model) if self.config.fuse_projections else None
-        self._holder = GraphHolder(self.backend, agreement, self._fusion)
+        cache = CompileCache(resolve_directory(self.config.compile_cache))
+        self._holder = GraphHolder(self.backend, agreement, self._fusion, cache)
         path = StaticRollout if self.config.continuous_batch_size is None else ContinuousRollout
         self._path = path(model, self.config, self._holder)
         self._lock = threading.Lock()

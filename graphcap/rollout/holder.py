@@ -19,6 +19,7 @@ from graphcap.backend import Backend
 from graphcap.rollout.agreement import PEER_RECAPTURE, RankAgreement
 from graphcap.rollout.cache import LayerSpec
 from graphcap.rollout.capture import capture_step, fallback_reason
+from graphcap.rollout.compile_cache import CompileCache, shape_key
 from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.fusion import ProjectionFusion
 from graphcap.rollout.regions import compiled_bookkeeping, compiled_regions, one_row_products
@@ -42,10 +43,16 @@ class GraphHolder:
     """Hold, drop and capture; ``captures`` counts every graph this engine captured."""
 
     def __init__(
-        self, backend: Backend, agreement: RankAgreement, fusion: ProjectionFusion | None = None
+        self,
+        backend: Backend,
+        agreement: RankAgreement,
+        fusion: ProjectionFusion | None = None,
+        compile_cache: CompileCache | None = None,
     ):
         self.backend = backend
         self.agreement = agreement
+        #: where compiled captures keep their compiled code between processes
+        self.compile_cache = compile_cache or CompileCache(None)
         #: the engine's joined projections, which compiled captures route through the backend's
         #: one-row product with the model's other projections
         self.fusion = fusion
@@ -105,7 +112,12 @@ class GraphHolder:
         return use_graph
 
     def capture(
-        self, step: DecodeStep, attention: str, key: int | None = None, compiled: bool = False
+        self,
+        step: DecodeStep,
+        attention: str,
+        stats: RolloutStats,
+        key: int | None = None,
+        compiled: bool = False,
     ) -> object | None:
         """Capture ``step`` as graph ``key`` and agree on the outcome with the group; ``None``
         when this or another rank's capture failed (graphs then stay off for this engine).
@@ -113,22 +125,31 @@ class GraphHolder:
         ``attention``: the implementation the captured step runs (the model's own is restored
         after capture, so eager steps never see it). ``compiled``: the warm-up and capture run
         the model's blocks around attention compiled (:mod:`graphcap.rollout.regions`; the
-        warm-up compiles them).
+        warm-up compiles them, with the compile cache's file for this shape loaded). Adds the
+        warm-up's seconds and the compile cache's use to ``stats``.
         """
         assert self.held is not None, "step_for() comes first"
         pool = None
         if key is not None:  # a set of graphs shares one pool
             pool = self.held.pool = self.held.pool or self.backend.graph_pool_handle()
+        timings: dict[str, float] = {}
         try:
-            with _attention(step.model, attention), self._compiled(step, compiled):
+            with _attention(step.model, attention), self._compiled(step, compiled, stats):
                 graph = capture_step(
-                    self.backend, step, step.mutable_tensors(), step.generator, pool=pool
+                    self.backend,
+                    step,
+                    step.mutable_tensors(),
+                    step.generator,
+                    pool=pool,
+                    timings=timings,
                 )
         except Exception as exc:  # any capture failure: rolled back; the call goes on eagerly
+            stats.warmup_s += timings.get("warmup_s", 0.0)
             self.disabled_reason = fallback_reason(exc)
             self.agreement.peer_capture_failure(captured=False)
             self.drop_graphs()
             return None
+        stats.warmup_s += timings["warmup_s"]
         self.captures += 1
         peer_failure = self.agreement.peer_capture_failure(captured=True)
         if peer_failure is not None:
@@ -139,20 +160,37 @@ class GraphHolder:
         return graph
 
     @contextlib.contextmanager
-    def _compiled(self, step: DecodeStep, compiled: bool) -> Iterator[None]:
+    def _compiled(self, step: DecodeStep, compiled: bool, stats: RolloutStats) -> Iterator[None]:
         """Compiled captures: :func:`compiled_regions` and :func:`compiled_bookkeeping`, with the
         projections through the backend's one-row product where it offers one, under the
-        backend's compiled-capture settings."""
+        backend's compiled-capture settings, with the compile cache's file for this shape."""
         product = self.backend.one_row_product() if compiled else None
         with contextlib.ExitStack() as stack:
             if compiled:
-                stack.enter_context(self.backend.compiled_capture_context())
                 options = self.backend.compile_options()
+                key = self._cache_key(step, options)
+                stats.compile_cache = stack.enter_context(self.compile_cache.session(key)).state
+                stack.enter_context(self.backend.compiled_capture_context())
                 stack.enter_context(compiled_regions(step.model, step.cache, options))
                 stack.enter_context(compiled_bookkeeping(step, options))
             if product is not None:
                 stack.enter_context(one_row_products(step.model, product, self.fusion))
             yield
+
+    def _cache_key(self, step: DecodeStep, options: dict[str, object]) -> str:
+        """The compile-cache file of this step's shape on this backend."""
+        batch, length = step.state.sequences.shape
+        description = {
+            "batch": batch,
+            "length": length,
+            "dtype": next(step.model.parameters()).dtype,
+            "backend": self.backend.name,
+            "device": self.backend.device_name(),
+            "options": options,
+            "one_row": self.backend.one_row_product() is not None,
+            "joined_groups": len(self.fusion.active) if self.fusion is not None else 0,
+        }
+        return shape_key(step.model, description)
 
     def drop_graphs(self) -> None:
         """Forget the graphs (and their pool); the buffers stay."""

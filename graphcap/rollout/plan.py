@@ -112,7 +112,7 @@ def capability_refusal(
             f"backend {backend.name!r} declares collectives_in_graph=False: tensor-parallel "
             "steps (process_group set) run eagerly"
         )
-    if config.compile and not caps.captures_compiled:
+    if config.compile is True and not caps.captures_compiled:
         return (
             f"backend {backend.name!r} declares captures_compiled=False (a capture cannot record "
             "torch.compile'd regions): calls with RolloutConfig(compile=True) run eagerly"
@@ -220,8 +220,8 @@ def plan_call(
         )
     if config.enable_graph_capture and reason is None:
         attention = selected_attention(model, backend, config)
-        compiled = config.compile and bool(compile_regions(model))
-        if config.compile and not compiled:
+        compiled = config.wants_compile(backend) and bool(compile_regions(model))
+        if config.compile is True and not compiled:
             reason = (
                 "compile=True found no decoder block to compile (no module holding an "
                 "attention with a layer_idx): the step is captured uncompiled"

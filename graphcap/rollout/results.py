@@ -18,9 +18,13 @@ class RolloutStats:
     ``slots_refilled`` / ``occupancy`` (share of slot-steps that produced a token) are set by the
     continuous path only, and so are ``moved_columns`` (cache columns the eager layout modes
     moved) and ``mean_span`` (cache columns a step attended over, on average) (docs/continuous.md).
+    ``capture_s``: seconds spent capturing, of which ``warmup_s`` is the step's run before
+    the capture (where a compiled step compiles and each kernel is first used).
     ``attention``: the attention implementation the decode steps ran. ``compiled``: they ran
-    the blocks around attention compiled (``RolloutConfig(compile=True)``); the compilation is
-    then inside ``capture_s`` of the call that captured. ``joined_projections``: groups of
+    the blocks around attention compiled (``RolloutConfig.compile``); ``compile_cache``: what
+    the capture that compiled did with the compile cache (``"loaded"``, ``"new"``,
+    ``"unreadable"``, ``"off"``; :mod:`graphcap.rollout.compile_cache`), ``None`` when this
+    call compiled nothing. ``joined_projections``: groups of
     projections that ran as one product (``RolloutConfig(fuse_projections=True)``).
     """
 
@@ -33,6 +37,7 @@ class RolloutStats:
     steps: int = 0
     prefill_s: float = 0.0
     capture_s: float = 0.0
+    warmup_s: float = 0.0
     decode_s: float = 0.0
     total_s: float = 0.0
     first_call_s: float | None = None
@@ -44,6 +49,7 @@ class RolloutStats:
     mean_span: float | None = None
     attention: str | None = None
     compiled: bool = False
+    compile_cache: str | None = None
     joined_projections: int = 0
 
 

@@ -60,7 +60,7 @@ class PositionRunner:
     def _capture(self, position: int) -> object | None:
         start = time.perf_counter()
         step = self.eager.with_span((0, self.width + position + 1))
-        graph = self.holder.capture(step, self.attention, key=position)
+        graph = self.holder.capture(step, self.attention, self.stats, key=position)
         self.stats.capture_s += time.perf_counter() - start
         self.failed = graph is None
         if self.failed:  # the call finishes eagerly, as after a failed static capture
@@ -89,7 +89,7 @@ def start_runner(
     graph = holder.graph()
     if graph is None:
         start = time.perf_counter()
-        graph = holder.capture(step, plan.attention, compiled=plan.compiled)
+        graph = holder.capture(step, plan.attention, stats, compiled=plan.compiled)
         stats.capture_s = time.perf_counter() - start
         stats.captured = graph is not None
     if graph is None:
