@@ -128,7 +128,7 @@ def split_kv_forward(
             softcap,
             **kwargs,
         )
-    from graphcap_cuda.split_kv import split_kv_decode
+    from graphcap_cuda.kernels.split_kv import split_kv_decode
 
     mask = attention_mask[:, 0, 0, : key.shape[2]]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

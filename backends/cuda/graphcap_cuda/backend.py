@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import torch
 
 from graphcap.backend import Availability, Backend, device_graph_capture
-from graphcap_cuda import launch
 from graphcap_cuda.attention import DEFAULT_ATTENTION
+from graphcap_cuda.kernels import launch
 
 #: Whether compiled regions fuse independent kernels into one launch (benchmarks turn it off).
 COMBO_KERNELS = True
@@ -96,7 +96,7 @@ class CUDABackend(Backend):
         around it move into its kernel (graphcap_cuda.epilogues)."""
         options = {"combo_kernels": COMBO_KERNELS}
         if EPILOGUES and self.one_row_product() is not None:
-            from graphcap_cuda import epilogues
+            from graphcap_cuda.kernels import epilogues
 
             options["post_grad_custom_post_pass"] = epilogues.PASS
         return options | ({"triton.enable_pdl": True} if launch.ENABLED else {})
@@ -108,7 +108,7 @@ class CUDABackend(Backend):
     def one_row_product(self) -> Callable[..., torch.Tensor] | None:
         """graphcap_cuda.gemv's one-row kernel where Triton is installed."""
         try:
-            from graphcap_cuda import gemv
+            from graphcap_cuda.kernels import gemv
         except ImportError:  # a torch build without Triton
             return None
         return gemv.linear

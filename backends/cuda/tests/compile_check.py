@@ -17,7 +17,7 @@ import sys
 
 import torch
 import triton
-from graphcap_cuda import gemv, launch, split_kv
+from graphcap_cuda.kernels import gemv, launch, split_kv
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type

@@ -12,7 +12,8 @@ from importlib import metadata
 import pytest
 import torch
 import torch._inductor.config
-from graphcap_cuda import CUDABackend, launch
+from graphcap_cuda import CUDABackend
+from graphcap_cuda.kernels import launch
 
 import graphcap
 from graphcap.errors import BackendSelectionError, GraphCaptureError

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the kernel needs Triton (CUDA builds of torch ship it)")
 
-from graphcap_cuda import backend, epilogues, gemv
+from graphcap_cuda import backend
+from graphcap_cuda.kernels import epilogues, gemv
 from rollout_models import tiny_model
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the kernel needs Triton (CUDA builds of torch ship it)")
 
-from graphcap_cuda import gemv
+from graphcap_cuda.kernels import gemv
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])

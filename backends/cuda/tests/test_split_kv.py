@@ -19,9 +19,10 @@ pytest.importorskip(
     "triton", reason="the split-KV kernel needs Triton (CUDA builds of torch ship it)"
 )
 
-from graphcap_cuda import CUDABackend, launch, plugin, split_kv
+from graphcap_cuda import CUDABackend, plugin
 from graphcap_cuda.attention import SPLIT_KV, register_attention, softcapped_attention
-from graphcap_cuda.split_kv import split_kv_decode
+from graphcap_cuda.kernels import launch, split_kv
+from graphcap_cuda.kernels.split_kv import split_kv_decode
 from test_gqa_attention import MODELS, check_captured_steps_equal_eager
 
 from graphcap.cpu import CPUBackend

@@ -24,7 +24,7 @@ register_attention(SPLIT_KV)
 
 @pytest.mark.parametrize("rows,written", [(1, 70), (16, 400), (64, 300), (256, 640)])
 def test_bf16_kernel_within_rounding_of_float64(rows, written):
-    from graphcap_cuda.split_kv import split_kv_decode
+    from graphcap_cuda.kernels.split_kv import split_kv_decode
 
     q = torch.randn(rows, 32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn(2, rows, 8, 640, 128, device="cuda", dtype=torch.bfloat16)

@@ -37,7 +37,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from graphcap_cuda import gemv
+from graphcap_cuda.kernels import gemv
 
 aten, prims = torch.ops.aten, torch.ops.prims
 GEMV = torch.ops.graphcap_cuda.gemv.default

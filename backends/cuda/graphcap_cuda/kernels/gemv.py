@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from graphcap_cuda import launch
+from graphcap_cuda.kernels import launch
 
 #: Launch settings, from run Q's sweep over llama-8b's and llama-1b's ten batch-1 products
 #: (decode-levers-one-row.json): rows of W per program the power of two nearest to

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap_cuda import launch
+from graphcap_cuda.kernels import launch
 
 #: Bytes of one K (or V) block (the unit of each load) when the rows and K/V heads alone fill
 #: the device: 32 columns at head_dim 128 in bf16, 64 at head_dim 64. Run AA's sweep
