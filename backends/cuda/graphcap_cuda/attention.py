@@ -102,8 +102,8 @@ def split_kv_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function for captured decode steps: a one-token query
     with the engine's (batch, 1, 1, L) mask runs the split-KV Triton kernel
-    (:mod:`graphcap_cuda.split_kv`), which reads only the cache blocks the mask opens; anything
-    else (prefill, no mask, per-head masks, sinks, position bias, dropout) is
+    (:mod:`graphcap_cuda.kernels.split_kv`), which reads only the cache blocks the mask opens;
+    anything else (prefill, no mask, per-head masks, sinks, position bias, dropout) is
     :func:`gqa_sdpa_forward`'s."""
     decode = (
         query.shape[2] == 1

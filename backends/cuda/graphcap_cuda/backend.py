@@ -20,14 +20,14 @@ from graphcap_cuda.kernels import launch
 #: Whether compiled regions fuse independent kernels into one launch (benchmarks turn it off).
 COMBO_KERNELS = True
 #: Whether compiled regions move a gated MLP's activation and residual adds into the one-row
-#: product (graphcap_cuda.epilogues; benchmarks turn it off).
+#: product (graphcap_cuda.kernels.epilogues; benchmarks turn it off).
 EPILOGUES = True
 #: The BLAS library a compiled capture's matrix products run on (``preferred_blas_library``
 #: during its warm-up and capture; replays keep the kernels the capture recorded, and nothing
 #: outside it changes; plain captures keep torch's, so they stay bit-equal to eager steps).
-#: None: torch's setting. Run AA on the H200, compiled steps, one process
-#: each, cuBLAS -> cuBLASLt: llama-8b batch 64 5.54 -> 5.35 ms, batch 256 11.05 -> 11.11;
-#: llama-1b batch 64 / 256 1.34 / 2.44 -> 1.35 / 2.45 (level).
+#: None: torch's setting. Measured on an H200, compiled steps, cuBLAS -> cuBLASLt: llama-8b
+#: batch 64 5.54 -> 5.35 ms, batch 256 11.05 -> 11.11; llama-1b level (batch 64 / 256
+#: 1.34 / 2.44 -> 1.35 / 2.45).
 CAPTURE_BLAS: str | None = "cublaslt"
 
 HINT = (
@@ -88,12 +88,12 @@ class CUDABackend(Backend):
         return torch.cuda.graph_pool_handle()
 
     def compile_options(self) -> dict[str, Any]:
-        """Inductor's kernels launch dependent like graphcap_cuda's (graphcap_cuda.launch;
+        """Inductor's kernels launch dependent like the plugin's (graphcap_cuda.kernels.launch;
         inductor emits it on Hopper and later only), and independent kernels of a region launch
-        as one (combo kernels). Run T on the H200, llama-8b batch 1: 4.54 ms a step without
+        as one (combo kernels). Measured on an H200, llama-8b batch 1: 4.54 ms a step without
         dependent launches, 4.58 with inductor's alone, 4.36 with both, 4.33 with combo kernels
         too. Where the one-row product runs, a gated MLP's activation and the residual adds
-        around it move into its kernel (graphcap_cuda.epilogues)."""
+        around it move into its kernel (graphcap_cuda.kernels.epilogues)."""
         options = {"combo_kernels": COMBO_KERNELS}
         if EPILOGUES and self.one_row_product() is not None:
             from graphcap_cuda.kernels import epilogues
@@ -106,7 +106,7 @@ class CUDABackend(Backend):
         return blas_library(CAPTURE_BLAS)
 
     def one_row_product(self) -> Callable[..., torch.Tensor] | None:
-        """graphcap_cuda.gemv's one-row kernel where Triton is installed."""
+        """graphcap_cuda.kernels.gemv's one-row kernel where Triton is installed."""
         try:
             from graphcap_cuda.kernels import gemv
         except ImportError:  # a torch build without Triton

@@ -1,6 +1,6 @@
 """The one-row product's epilogues: the kernel's gated and residual forms equal the eager ops
-they replace, and the inductor pass (graphcap_cuda.epilogues) rewrites a transformers gated MLP
-into them, and nothing whose product has another use. Off the GPU the kernel runs under
+they replace, and the inductor pass (graphcap_cuda.kernels.epilogues) rewrites a transformers
+gated MLP into them, and nothing whose product has another use. Off the GPU the kernel runs under
 Triton's interpreter and inductor compiles C++ for the CPU; the pass is the same."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Every launch graphcap_cuda's host functions make compiles for a Hopper GPU through Triton's
 own code generator, on a machine without one (``compile_check.py``, in a process without the
-interpreter). The CPU interpreter runs Python the code generator refuses: in run AB a norm read
-in one load passed every interpreted test and failed to compile on the H200. The compiled
-kernels' shared memory must also fit the H200 (run Q found an overflow only on the GPU)."""
+interpreter). The CPU interpreter runs Python the code generator refuses: a norm read in one
+load once passed every interpreted test and failed to compile on the H200. The compiled
+kernels' shared memory must also fit the H200 (an overflow once showed only on the GPU)."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def test_blocks_stay_within_shared_memory(rows, head_dim, itemsize):
 def test_launch_is_one_wave_of_programs(kv_heads, length):
     """Chunks per row and K/V head: the most that keep the launch within one program a
     multiprocessor (more waves of 128-column programs and more partials to combine were slower
-    at 4-32 rows, run AD), never more than the blocks, never fewer than one."""
+    at 4-32 rows on an H200), never more than the blocks, never fewer than one."""
     cpu = torch.device("cpu")
     sms = launch.multiprocessors(cpu)
     for rows in (1, 2, 3, 4, 8, 16, 17, 32, 64, 256):

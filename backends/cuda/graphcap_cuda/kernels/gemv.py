@@ -2,19 +2,18 @@
 
 At batch 1 a decode step is a chain of matrix-vector products, bound by reading the weights.
 cuBLAS picks GEMM tiles for them that read llama-8b's and llama-1b's q/k/v, o and down weights
-at 29-77% of the H200's bandwidth (each timed over weight copies larger than the L2 cache, run
-Q's decode-levers-one-row.json), with split-K reductions as extra kernels. Here each program
-reduces a few whole rows of W: it streams its rows in blocks of columns, multiplies by the one
-input row and keeps fp32 partial sums, then adds them once at the end. Enough programs are
-launched to keep the device's loads in flight (84% of the bandwidth over llama-8b's step, run
-R's profile).
+at 29-77% of the H200's bandwidth (each timed over weight copies larger than the L2 cache),
+with split-K reductions as extra kernels. Here each program reduces a few whole rows of W: it
+streams its rows in blocks of columns, multiplies by the one input row and keeps fp32 partial
+sums, then adds them once at the end. Enough programs are launched to keep the device's loads
+in flight (84% of the bandwidth over llama-8b's step, profiled on an H200).
 
 The kernel also takes the elementwise work a decode layer does right before and after a
-product, which inductor cannot fuse into a custom op (graphcap_cuda.epilogues moves it here): a
-gated MLP's ``act(x @ gate.T) * (x @ W.T)`` (``act`` one of :data:`ACTIVATIONS`), a residual add,
-and, before it, the RMSNorm of its input (one of :data:`NORMS`), where the input may be the sum
-of two tensors (the residual add after attention): every program reads the whole input row to
-find its norm, which costs L2 reads, not a kernel launch.
+product, which inductor cannot fuse into a custom op (graphcap_cuda.kernels.epilogues moves it
+here): a gated MLP's ``act(x @ gate.T) * (x @ W.T)`` (``act`` one of :data:`ACTIVATIONS`), a
+residual add, and, before it, the RMSNorm of its input (one of :data:`NORMS`), where the input
+may be the sum of two tensors (the residual add after attention): every program reads the
+whole input row to find its norm, which costs L2 reads, not a kernel launch.
 
 The launcher is a torch custom op (``graphcap_cuda::gemv``) so that ``torch.compile`` and
 operator-level graph recorders see one opaque operation. With ``TRITON_INTERPRET=1`` set
@@ -32,8 +31,8 @@ import triton.language as tl
 
 from graphcap_cuda.kernels import launch
 
-#: Launch settings, from run Q's sweep over llama-8b's and llama-1b's ten batch-1 products
-#: (decode-levers-one-row.json): rows of W per program the power of two nearest to
+#: Launch settings, from a sweep over llama-8b's and llama-1b's ten batch-1 products on an
+#: H200: rows of W per program the power of two nearest to
 #: N / (6 programs per multiprocessor), within [2, 8], and 512 columns a load. Over a step's
 #: products this is within 0.4% (llama-8b) and 2% (llama-1b) of the best setting per product,
 #: which a rule cannot know without timing each product at its first call.
@@ -43,8 +42,8 @@ MIN_BLOCK_N = 2
 MAX_BLOCK_N = 8
 NUM_WARPS = 4
 #: Columns a load of the gated form (two rows per output) over K of at least
-#: ``GATED_LONG_K``: run Z's sweep of the gated gate/up product, one call, over a step's layers
-#: (gemv-ab-*.json): llama-8b (K 4,096) within 0.3% of the plain product with 256 and 2.5%
+#: ``GATED_LONG_K``: measured on an H200, the gated gate/up product over a step's layers:
+#: llama-8b (K 4,096) within 0.3% of the plain product with 256 and 2.5%
 #: slower with 512; llama-1b (K 2,048) 2.5% faster than plain with 512, 4.5% slower with 256.
 GATED_BLOCK_K = 256
 GATED_LONG_K = 4096
@@ -99,9 +98,9 @@ def _rstd(
 ):
     """``rsqrt(mean(x**2) + eps)`` over the whole input row, before the product's loop: in one
     load of ``ROW`` columns (a power of two at least K), or block by block where ``ROW`` is 0.
-    Block by block, moving the norm in saved llama-8b's step 0.4 µs a layer against 2.4 µs for
-    the kernel it replaced (run AB); in one load, the step took 4.09 ms instead of 4.12 (run
-    AC, one process each)."""
+    Measured on an H200, llama-8b batch 1: block by block, moving the norm in saved 0.4 µs a
+    layer against 2.4 µs for the kernel it replaced; in one load, the step took 4.09 ms instead
+    of 4.12."""
     if ROW > 0:
         whole = _summed(x_ptr, addend_ptr, tl.arange(0, ROW), k_cols, False, HAS_ADDEND)
         total = tl.sum(whole * whole, axis=0)
@@ -173,7 +172,7 @@ def _gemv(
 ):
     # A program reduces TILE_N rows of W: BLOCK_N output rows, or, gated, each output's gate
     # row and W row interleaved (one load stream and one accumulator, as many bytes in flight
-    # as the plain kernel; two streams were 1.5-5 µs a llama-8b layer slower, run Z).
+    # as the plain kernel; two streams were 1.5-5 µs a llama-8b layer slower on an H200).
     t = tl.arange(0, TILE_N)
     n = tl.program_id(0) * BLOCK_N + (t // 2 if GATED else t)
     n_ok = n < n_rows
@@ -185,7 +184,7 @@ def _gemv(
     start = 0
     if PDL:
         # No kernel of a step writes the weights: the first block is read while the kernel
-        # that writes x finishes, then the program waits for it (two blocks: no faster, run T).
+        # that writes x finishes, then the program waits for it (two blocks: no faster).
         w = _weights(rows, k, n_ok, k_cols, EVEN_K)
         tl.extra.cuda.gdc_wait()
     rstd = 1.0
@@ -198,7 +197,7 @@ def _gemv(
     for first in range(start, k_cols, BLOCK_K):
         cols = first + k
         # W's block before x's: loaded the other way round, llama-8b's compiled step took
-        # 4.83 ms instead of 4.20, all else equal (run Z's first two calls).
+        # 4.83 ms instead of 4.20 on an H200, all else equal.
         w = _weights(rows, cols, n_ok, k_cols, EVEN_K)
         x = _row(x_ptr, addend_ptr, norm_ptr, cols, k_cols, rstd, EVEN_K, HAS_ADDEND, NORM)
         acc += w.to(tl.float32) * x[None, :]
@@ -269,7 +268,7 @@ def gemv(
     instead of x, then, with ``norm`` (a key of :data:`NORMS`), its RMSNorm with weight
     ``norm_weight`` (K values) and ``eps``; ``residual + residual_addend`` instead of residual.
     Intermediates are rounded to x's dtype as the separate eager ops round them
-    (graphcap_cuda.epilogues moves these ops here)."""
+    (graphcap_cuda.kernels.epilogues moves these ops here)."""
     n_rows, k_cols = weight.shape
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")

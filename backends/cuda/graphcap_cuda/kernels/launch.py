@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for graphcap_cuda's Triton kernels.
+"""Programmatic dependent launch (PDL) for the plugin's Triton kernels.
 
 In a captured decode step every kernel waits for the one before it: the device drains the
 previous grid, then starts the next one's programs. With PDL (Hopper and later, kept by CUDA
@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-#: Whether graphcap_cuda's kernels and inductor's (CUDABackend.compile_options) launch dependent
+#: Whether the plugin's kernels and inductor's (CUDABackend.compile_options) launch dependent
 #: where the device supports it; benchmarks turn it off to time the step without it.
 ENABLED = True
 
