@@ -72,7 +72,7 @@ VLLM_UNSUPPORTED: tuple[str, ...] = (
     "extra_args",
 )
 #: The values transformers' ``generate`` gives the fields of a ``GenerationConfig`` left unset
-#: (transformers keeps this table private; tests/test_rollout_config.py fails when it drifts).
+#: (transformers keeps this table private; tests/test_drop_in.py fails when it drifts).
 #: A field set to its value here changes nothing, so it is not refused.
 GENERATE_DEFAULTS: dict[str, Any] = {
     "max_length": 20,

@@ -46,9 +46,13 @@ _HOOK_DICTS = (
 )
 #: ``nn.Module`` bookkeeping the scan skips: tensors and submodules (the signature's tensor facts
 #: and the module walk cover them), ``training`` (its own signature member), hook dictionaries
-#: (read by :func:`_hooks`), and hooks that never run in a forward (backward, state dict).
+#: (read by :func:`_hooks`), hooks that never run in a forward (backward, state dict), and the
+#: function transformers' ``gradient_checkpointing_enable`` installs (a new partial each call;
+#: trainers re-enable checkpointing after every generate), which rollouts never call: they run
+#: with checkpointing off (:func:`graphcap.rollout.prefill.without_checkpointing`).
 _SKIPPED = frozenset(
     {
+        "_gradient_checkpointing_func",
         "_parameters",
         "_buffers",
         "_modules",

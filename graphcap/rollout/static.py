@@ -107,7 +107,11 @@ def decode(
     runner: Runner, max_steps: int, state: DecodeState, interval: int, agreement: RankAgreement
 ) -> int:
     """Run up to ``max_steps`` steps; stop early when the device says all rows finished (read
-    every ``interval`` steps, agreed over the process group)."""
+    every ``interval`` steps, agreed over the process group). With ``interval`` 1 the flag is
+    also read before the first step, so the call stops where ``generate`` stops (and draws as
+    many random numbers) even when the prefill's token ended every row."""
+    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):
+        return 0
     for step in range(1, max_steps + 1):
         runner()
         if step % interval == 0 and step < max_steps and agreement.all_finished(state.all_finished):
