@@ -12,12 +12,13 @@ in CPU tests:
 * host synchronisations (``.item()``, ``bool()``, and the reads that bypass the dispatcher:
   ``.tolist()``, ``.numpy()``, ``__array__``), ``torch.tensor(...)`` literals and compiled regions
   are refused at capture with a :class:`~graphcap.errors.GraphCaptureError` naming the operation.
+
+What this needs from torch beyond its public API comes from :mod:`graphcap.cpu.torch_internals`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,9 +26,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from graphcap.cpu.torch_internals import (
+    C10D_MODULE,
+    COLLECTIVE_HELPERS,
+    COLLECTIVE_NAMESPACES,
+    DATA_DEPENDENT_OUTPUT,
+    DYNAMIC_OUTPUT_SHAPE,
+    FUNCTIONAL_COLLECTIVES,
+    INDEX_PUT_IMPL,
+    INPLACE_VIEW,
+    OpOverload,
+    TorchDispatchMode,
+    refuse_compiled_regions,
+    schema_arguments,
+    storage_key,
+)
 from graphcap.errors import GraphcapError, GraphCaptureError
 
 __all__ = ["CPUGraph", "is_capturing"]
@@ -56,32 +70,26 @@ _INDEX_PUTS = frozenset(
     {
         torch.ops.aten.index_put.default,
         torch.ops.aten.index_put_.default,
-        torch.ops.aten._index_put_impl_.default,
+        INDEX_PUT_IMPL,
     }
 )
 _REPEAT_INTERLEAVE = torch.ops.aten.repeat_interleave.Tensor
 _MASK_DTYPES = (torch.bool, torch.uint8)
 if dist.is_available():
-    _FUNCTIONAL = torch.ops._c10d_functional
     #: Functional collectives a capture records (without communicating) and a replay issues; the
     #: output of each is described by :func:`_unissued`.
     _COLLECTIVES = frozenset(
         {
-            _FUNCTIONAL.all_reduce,
-            _FUNCTIONAL.all_reduce_,
-            _FUNCTIONAL.broadcast,
-            _FUNCTIONAL.broadcast_,
-            _FUNCTIONAL.all_gather_into_tensor,
-            _FUNCTIONAL.reduce_scatter_tensor,
+            FUNCTIONAL_COLLECTIVES.all_reduce,
+            FUNCTIONAL_COLLECTIVES.all_reduce_,
+            FUNCTIONAL_COLLECTIVES.broadcast,
+            FUNCTIONAL_COLLECTIVES.broadcast_,
+            FUNCTIONAL_COLLECTIVES.all_gather_into_tensor,
+            FUNCTIONAL_COLLECTIVES.reduce_scatter_tensor,
         }
     )
 else:  # torch built without distributed: no collective exists
     _COLLECTIVES = frozenset()
-#: Operators of the collective namespaces that communicate nothing (by name: the second one is
-#: registered from Python when torch.distributed's functional collectives are imported).
-_COLLECTIVE_HELPERS = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
-#: The module of torch.distributed's collectives, which reach a TorchFunctionMode by this name.
-_C10D_MODULE = "torch.distributed.distributed_c10d"
 _REDUCE_OP_NAMES = (
     {
         dist.ReduceOp.SUM: "sum",
@@ -107,7 +115,7 @@ def _has_mask_index(indices: Any) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices or ())
 
 
-def _host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
+def _host_sync_reason(func: OpOverload, args: tuple, kwargs: dict) -> str | None:
     """Why ``func`` needs the host to see device data, or ``None`` if it can live in a graph.
 
     The rule follows torch's own operator tags: ``data_dependent_output`` ops return a host value
@@ -120,13 +128,13 @@ def _host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
     ``_local_scalar_dense``.
     """
     tags = func.tags
-    if torch.Tag.data_dependent_output in tags:
+    if DATA_DEPENDENT_OUTPUT in tags:
         return "reads a tensor value on the host (.item(), bool(), int(), float(), equal, ...)"
     if func in _INDEX_PUTS:
         if _has_mask_index(args[1] if len(args) > 1 else kwargs.get("indices")):
             return "boolean-mask assignment runs nonzero, whose size depends on the data"
         return None
-    if torch.Tag.dynamic_output_shape in tags:
+    if DYNAMIC_OUTPUT_SHAPE in tags:
         if func is _INDEX and not _has_mask_index(args[1] if len(args) > 1 else kwargs["indices"]):
             return None
         if func is _REPEAT_INTERLEAVE and _arg(func, args, kwargs, "output_size", None) is not None:
@@ -135,8 +143,8 @@ def _host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
     return None
 
 
-def _arg(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, default: Any) -> Any:
-    for position, argument in enumerate(func._schema.arguments):
+def _arg(func: OpOverload, args: tuple, kwargs: dict, name: str, default: Any) -> Any:
+    for position, argument in enumerate(schema_arguments(func)):
         if argument.name == name:
             if name in kwargs:
                 return kwargs[name]
@@ -144,7 +152,7 @@ def _arg(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, defa
     return default
 
 
-def _same_size_resize(func: torch._ops.OpOverload, args: tuple) -> bool:
+def _same_size_resize(func: OpOverload, args: tuple) -> bool:
     """Whether a resize_ / resize_as_ leaves the tensor's size as it is (a harmless no-op)."""
     target = args[1].shape if func.overloadpacket is torch.ops.aten.resize_as_ else args[1]
     return tuple(args[0].shape) == tuple(target)
@@ -155,23 +163,23 @@ def _overrides_dispatch(cls: type) -> bool:
     return cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
-def _completing(func: torch._ops.OpOverload) -> Callable[..., Any]:
+def _completing(func: OpOverload) -> Callable[..., Any]:
     """``func`` (a functional collective) followed by a wait for its completion.
 
     A device graph orders a collective on its stream like any kernel. Eagerly the caller waits
     on the output it holds (``wait_tensor``), which a replay does not run for the fresh output
     it copies from: so the replay waits here, before anything reads the result.
     """
-    op = func._op
+    op = func.op
 
     def run(*args: Any, **kwargs: Any) -> Any:
         result = op(*args, **kwargs)
-        return _FUNCTIONAL.wait_tensor(result)
+        return FUNCTIONAL_COLLECTIVES.wait_tensor(result)
 
     return run
 
 
-def _unissued(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> torch.Tensor:
+def _unissued(func: OpOverload, args: tuple, kwargs: dict) -> torch.Tensor:
     """The output of a collective, allocated but not computed: capture issues no collective.
 
     On a device, capture records kernels without running them, so a rank never waits for its
@@ -181,21 +189,16 @@ def _unissued(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> torch.T
     """
     tensor = args[0] if args else kwargs["input"]
     packet = func.overloadpacket
-    if packet in (_FUNCTIONAL.all_reduce_, _FUNCTIONAL.broadcast_):
+    if packet in (FUNCTIONAL_COLLECTIVES.all_reduce_, FUNCTIONAL_COLLECTIVES.broadcast_):
         return tensor
     rows = tensor.shape[0] if tensor.dim() else 1
-    if packet is _FUNCTIONAL.all_gather_into_tensor:
+    if packet is FUNCTIONAL_COLLECTIVES.all_gather_into_tensor:
         rows *= _arg(func, args, kwargs, "group_size", 1)
-    elif packet is _FUNCTIONAL.reduce_scatter_tensor:
+    elif packet is FUNCTIONAL_COLLECTIVES.reduce_scatter_tensor:
         rows //= _arg(func, args, kwargs, "group_size", 1)
     if not tensor.dim():
         return torch.empty_like(tensor)
     return tensor.new_empty((rows, *tensor.shape[1:]))
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the memory a tensor lives in (shared by all its views)."""
-    return tensor.untyped_storage()._cdata
 
 
 class _OpInfo:
@@ -203,11 +206,11 @@ class _OpInfo:
 
     __slots__ = ("generator_pos", "metadata_only", "written")
 
-    def __init__(self, func: torch._ops.OpOverload) -> None:
-        arguments = func._schema.arguments
+    def __init__(self, func: OpOverload) -> None:
+        arguments = schema_arguments(func)
         # In-place view ops (t_, unsqueeze_, as_strided_...) change only a tensor's sizes and
         # strides, host-side state a device graph never sees: they run once, at capture.
-        self.metadata_only = torch.Tag.inplace_view in func.tags
+        self.metadata_only = INPLACE_VIEW in func.tags
         # (position, name) of every argument the operator writes to (in-place and out= ops).
         self.written = [
             (i, a.name)
@@ -224,24 +227,35 @@ class _OpInfo:
         return args[position] if position < len(args) else None
 
 
-_OP_INFO: dict[torch._ops.OpOverload, _OpInfo] = {}
+_OP_INFO: dict[OpOverload, _OpInfo] = {}
 
 
-def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
+def _op_info(func: OpOverload) -> _OpInfo:
     info = _OP_INFO.get(func)
     if info is None:
         info = _OP_INFO[func] = _OpInfo(func)
     return info
 
 
+def _leaves(value: Any) -> list[Any]:
+    """The leaves of an aten operation's arguments or result, in a fixed order.
+
+    Schemas nest values only in tuples (results, ``torch.return_types``) and lists
+    (``Tensor[]``, ``Tensor?[]``), and keyword arguments come as a dict: those are all there
+    is to flatten.
+    """
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    return [value]
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    leaves, _ = tree_flatten(value)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return [leaf for leaf in _leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-# A replay step: the operator's C++ entry point (``OpOverload._op``, what ``OpOverload.__call__``
+# A replay step: the operator's C++ entry point (``OpOverload.op``, what ``OpOverload.__call__``
 # forwards to, one Python frame less per op), its frozen arguments, then where fresh results go:
 # the recorded output of a single-tensor op, or (index into the flattened result, recorded output)
 # pairs for the others; both ``None`` when the op only writes its arguments.
@@ -276,7 +290,7 @@ class _Recording:
 
     def snapshot(self, tensor: torch.Tensor) -> None:
         """Remember the bytes of pre-existing memory before the first write during capture."""
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key in self.new_storages or key in self.snapshots:
             return
         storage = tensor.untyped_storage()
@@ -330,8 +344,8 @@ class _Recorder(TorchDispatchMode):
         result = _unissued(func, args, kwargs) if collective else func(*args, **kwargs)
 
         inputs = _tensors((args, kwargs))
-        input_keys = {_storage_key(t) for t in inputs}
-        flat, _ = tree_flatten(result)
+        input_keys = {storage_key(t) for t in inputs}
+        flat = _leaves(result)
         fresh = []
         for index, leaf in enumerate(flat):
             if not isinstance(leaf, torch.Tensor) or _overrides_dispatch(type(leaf)):
@@ -340,7 +354,7 @@ class _Recorder(TorchDispatchMode):
                 continue
             if leaf.layout != torch.strided:
                 raise rec.fail(f"{func} returned a {leaf.layout} tensor; only strided tensors")
-            key = _storage_key(leaf)
+            key = storage_key(leaf)
             if key in input_keys:
                 continue  # a true view (or the written argument itself): it keeps aliasing
             rec.new_storages.setdefault(key, (leaf.untyped_storage(), leaf.dtype))
@@ -350,12 +364,12 @@ class _Recorder(TorchDispatchMode):
             return result  # a view: replay keeps aliasing the same storage, nothing to run
         single = result if fresh and isinstance(result, torch.Tensor) else None
         several = tuple(fresh) if fresh and single is None else None
-        run = _completing(func) if collective else func._op
+        run = _completing(func) if collective else func.op
         rec.steps.append((run, args, kwargs, single, several))
         rec.op_names.append(str(func))
         return result
 
-    def _refuse(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    def _refuse(self, func: OpOverload, args: tuple, kwargs: dict) -> None:
         packet = func.overloadpacket
         if packet is _SET or (packet in _RESIZES and not _same_size_resize(func, args)):
             raise self.rec.fail(
@@ -367,8 +381,8 @@ class _Recorder(TorchDispatchMode):
                 f"{func}: a tensor literal built from host data inside capture (a pageable "
                 "host-to-device copy on a device); create it before capture and copy_ into it"
             )
-        if func.namespace in ("c10d", "_c10d_functional") and not (
-            packet in _COLLECTIVES or func._opname in _COLLECTIVE_HELPERS
+        if func.namespace in COLLECTIVE_NAMESPACES and not (
+            packet in _COLLECTIVES or packet.__name__ in COLLECTIVE_HELPERS
         ):
             raise self.rec.fail(
                 f"{func} inside graph capture: the CPU graph records the functional collectives "
@@ -406,7 +420,7 @@ class _HostGuard(TorchFunctionMode):
                 "at capture). Keep the value on the device (torch.where, masks) or read it "
                 "outside the graph"
             )
-        if getattr(func, "__module__", None) == _C10D_MODULE:
+        if getattr(func, "__module__", None) == C10D_MODULE:
             return _record_collective(self.rec, func, args, kwargs or {})
         if func in _LITERAL_CONSTRUCTORS:
             position = int(func is torch.Tensor.new_tensor)  # new_tensor(self, data)
@@ -439,8 +453,8 @@ def _record_collective(
         name = _REDUCE_OP_NAMES.get(op)
         if name is not None and not async_op and not tensor.is_complex():
             group_name = (group or dist.group.WORLD).group_name
-            torch.ops._c10d_functional.all_reduce_(tensor, name, group_name)
-            torch.ops._c10d_functional.wait_tensor(tensor)
+            FUNCTIONAL_COLLECTIVES.all_reduce_(tensor, name, group_name)
+            FUNCTIONAL_COLLECTIVES.wait_tensor(tensor)
             return None
     raise rec.fail(
         f"torch.distributed.{func.__name__}(...) inside graph capture: the CPU graph records "
@@ -449,37 +463,22 @@ def _record_collective(
     )
 
 
-def _install_compile_guard() -> None:
-    """Make every entry into a torch.compile'd region during a capture a capture error.
+def _refuse_compiled() -> bool:
+    """Record a refusal if a compiled region is entered during a capture on this thread.
 
     Compiled (inductor) code runs its own kernels without the dispatcher, so nothing would be
-    recorded. Every entry point dynamo offers (a ``torch.compile``'d function or module, a
-    ``torch._dynamo.optimize`` / ``run`` context) asks ``eval_frame._callback_from_stance`` for the
-    frame callback to install. During a capture on this thread the wrapper records the refusal and
-    answers ``None`` (no dynamo: the region runs eagerly, so its state stays consistent); the
-    capture then fails at the next dispatched operation or at capture end. ``torch.compiler
-    .disable``d regions pass ``None`` themselves and are not refused.
+    recorded. The region then runs eagerly (its state stays consistent) and the capture fails at
+    the next dispatched operation or at capture end.
     """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None:
-        return  # dynamo never imported: no compiled region exists yet
-    original = getattr(eval_frame, "_callback_from_stance", None)
-    if original is None or getattr(original, "_graphcap_guard", False):
-        return
-
-    def guarded(callback: Any) -> Any:
-        recording = getattr(_tls, "recording", None)
-        if recording is None or callback is None:
-            return original(callback)
-        recording.fail(
-            "a torch.compile'd region was entered inside graph capture: compiled kernels bypass "
-            "the aten dispatcher, so the CPU graph cannot record them. Capture the eager module "
-            "(or torch.compiler.disable the region) for CPU graphs"
-        )
-        return None
-
-    guarded._graphcap_guard = True  # type: ignore[attr-defined]
-    eval_frame._callback_from_stance = guarded
+    recording = getattr(_tls, "recording", None)
+    if recording is None:
+        return False
+    recording.fail(
+        "a torch.compile'd region was entered inside graph capture: compiled kernels bypass "
+        "the aten dispatcher, so the CPU graph cannot record them. Capture the eager module "
+        "(or torch.compiler.disable the region) for CPU graphs"
+    )
+    return True
 
 
 class CPUGraph:
@@ -539,7 +538,7 @@ class CPUGraph:
             default_generator,
             default_generator.get_state(),
         )
-        _install_compile_guard()
+        refuse_compiled_regions(_refuse_compiled)
         self._state = "capturing"
         _tls.graph, _tls.recording = self, recording
         error: BaseException | None = None
@@ -587,7 +586,7 @@ class CPUGraph:
                 if single is not None:
                     single.copy_(result)
                 elif several is not None:
-                    flat, _ = tree_flatten(result)
+                    flat = _leaves(result)
                     for index, recorded in several:
                         recorded.copy_(flat[index])
 
