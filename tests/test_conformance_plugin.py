@@ -43,10 +43,10 @@ BROKEN_PLUGIN = '''
 import contextlib
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphcap import PLUGIN_API_VERSION, Backend, hookimpl
 from graphcap.cpu.backend import CPUBackend
+from graphcap.cpu.torch_internals import TorchDispatchMode
 
 
 class NoOpGraph:
