@@ -12,12 +12,14 @@ import copy
 import pytest
 import torch
 from rollout_models import EOS, FAMILIES, prompts, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode  # private: sees every aten op
 from transformers import GenerationConfig, LogitsProcessorList, TopKLogitsWarper
 
 from graphcap.errors import GenerateFallbackWarning
 from graphcap.rollout import AcceleratedGenerate, accelerate_generate, restore_generate
 from graphcap.rollout.config import GENERATE_DEFAULTS
 from graphcap.rollout.drop_in import PENALISES_PADDING
+from graphcap.rollout.fingerprint import INERT_HOOKS, hook_name, host_state
 
 SETTINGS = {
     "greedy": {"max_new_tokens": 9},
@@ -332,3 +334,30 @@ def test_generate_defaults_table_matches_transformers():
     """graphcap keeps its own copy of the values generate gives unset fields (transformers'
     table is private); this names it to fail loudly when transformers changes it."""
     assert GenerationConfig._get_default_generation_params() == GENERATE_DEFAULTS
+
+
+def test_the_checkpointing_hook_left_out_of_the_host_state_still_exists_and_does_nothing():
+    """``INERT_HOOKS`` names transformers' input-grad hook: re-enabling checkpointing (as TRL
+    does around every generate) adds one each time, and it must neither change the host state
+    nor issue any operation inside a captured step."""
+    model = tiny_model("llama", fresh=True)
+    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_disable()  # what a trainer's generate sees, step after step
+    before = host_state(model)
+    model.gradient_checkpointing_enable()
+    hooks = list(model.get_input_embeddings()._forward_hooks.values())
+    assert hooks and all(hook_name(h) in INERT_HOOKS for h in hooks), hooks
+    model.gradient_checkpointing_disable()  # transformers 5.17 leaves the hooks in place
+    assert host_state(model) == before
+    seen = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    out = torch.zeros(2, 3)
+    with torch.no_grad(), Recorder():
+        for hook in hooks:
+            hook(model.get_input_embeddings(), (), out)
+    assert seen == []

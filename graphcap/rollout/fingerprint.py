@@ -67,6 +67,21 @@ _SKIPPED = frozenset(
         *_HOOK_DICTS,
     }
 )
+#: Forward hooks known to issue no device work in a rollout, by (module, qualified name): they
+#: are not part of the host state. transformers' ``gradient_checkpointing_enable`` registers
+#: ``make_inputs_require_grads`` on the input embeddings each time it is called and 5.17's
+#: ``gradient_checkpointing_disable`` leaves it there, so a trainer that toggles checkpointing
+#: around every generate (TRL) adds one a step; it only sets ``requires_grad`` on the
+#: embeddings' output, which a ``no_grad`` rollout never uses (tests/test_drop_in.py checks
+#: both that the name still exists and that the hook issues no operation).
+INERT_HOOKS = frozenset(
+    {
+        (
+            "transformers.modeling_utils",
+            "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads",
+        )
+    }
+)
 #: How deep nested containers of primitives are followed (PEFT keeps ``{"adapter": value}``).
 _DEPTH = 3
 
@@ -139,12 +154,18 @@ def _hook_entries(
 
     The flags are torch's ``with_kwargs`` / ``always_call`` dictionaries (handle id -> True).
     The callables go to ``keep``, so their ids cannot be reused while the state is held.
+    :data:`INERT_HOOKS` are left out.
     """
-    keep.extend(hooks.values())
+    live = {h: hook for h, hook in hooks.items() if hook_name(hook) not in INERT_HOOKS}
+    keep.extend(live.values())
     return tuple(
-        (handle, id(hook), tuple(handle in flag for flag in flags))
-        for handle, hook in hooks.items()
+        (handle, id(hook), tuple(handle in flag for flag in flags)) for handle, hook in live.items()
     )
+
+
+def hook_name(hook: Callable[..., Any]) -> tuple[str, str]:
+    """(module, qualified name) of a hook function, as :data:`INERT_HOOKS` lists them."""
+    return getattr(hook, "__module__", "") or "", getattr(hook, "__qualname__", "")
 
 
 def _hooks(module: torch.nn.Module, keep: list[Any]) -> tuple[Any, ...]:
@@ -154,7 +175,7 @@ def _hooks(module: torch.nn.Module, keep: list[Any]) -> tuple[Any, ...]:
     post = state.get("_forward_hooks", {})
     if not pre and not post:
         return ()
-    return (
+    entries = (
         _hook_entries(pre, (state.get("_forward_pre_hooks_with_kwargs", {}),), keep),
         _hook_entries(
             post,
@@ -165,6 +186,7 @@ def _hooks(module: torch.nn.Module, keep: list[Any]) -> tuple[Any, ...]:
             keep,
         ),
     )
+    return entries if any(entries) else ()
 
 
 def global_forward_hooks() -> tuple[dict[int, Any], ...]:
