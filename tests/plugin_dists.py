@@ -70,4 +70,6 @@ def plugin_dir(tmp_path, monkeypatch):
     for name in set(sys.modules) - before:
         if name.startswith("fake_"):
             del sys.modules[name]
-    registry._registry = None  # rediscovered lazily, once the fake folder is off sys.path
+    # private: drop the cached registry without rescanning now; the next discover() rescans,
+    # once the fake folder is off sys.path
+    registry._registry = None

@@ -40,7 +40,13 @@ FAMILIES = ("gpt2", "llama", "qwen2", "opt", "mistral")
 
 
 def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Module:
-    common = {"vocab_size": VOCAB, "pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": 2}
+    common = {
+        "vocab_size": VOCAB,
+        "pad_token_id": PAD,
+        "eos_token_id": EOS,
+        "bos_token_id": 2,
+        "attn_implementation": attn,
+    }
     common.update(overrides)
     if family == "gpt2":
         config = GPT2Config(
@@ -88,7 +94,6 @@ def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Mod
             kwargs["head_dim"] = HIDDEN // 4
         kwargs.update(common)
         config = config_cls(**kwargs)
-    config._attn_implementation = attn
     torch.manual_seed(1234)
     model = cls(config).eval()
     model.generation_config.pad_token_id = PAD

@@ -167,8 +167,8 @@ def test_offered_attention_is_registered_with_its_mask_function(plugin_dir):
     registry.discover(refresh=True)
     names = registry.register_attention_implementations(graphcap.get_backend("cpu"))
     assert names == ["graphcap_test_attn"]
-    assert AttentionInterface._global_mapping["graphcap_test_attn"].__name__ == "fake_attention"
-    assert AttentionMaskInterface._global_mapping["graphcap_test_attn"] is sdpa_mask
+    assert AttentionInterface()["graphcap_test_attn"].__name__ == "fake_attention"
+    assert AttentionMaskInterface()["graphcap_test_attn"] is sdpa_mask
 
 
 def test_core_never_names_a_device_library():

@@ -232,6 +232,7 @@ def test_sampling_on_the_continuous_graph_equals_its_eager_loop(settings):
 
 def test_graph_unsafe_attention_and_bad_input_are_refused():
     model = tiny_model("llama", fresh=True)
+    # private: set_attn_implementation refuses flash_attention_2 without flash-attn installed
     model.config._attn_implementation = "flash_attention_2"
     ids, mask = prompts(4)
     with pytest.raises(GraphUnsupportedModelError, match="flash_attention_2"):

@@ -225,7 +225,7 @@ def test_backend_without_graphs_runs_eagerly_with_reason():
 
 def test_stateful_model_runs_eagerly_with_reason():
     model = tiny_model("llama", fresh=True)
-    model._is_stateful = True
+    model._is_stateful = True  # private: transformers' own mark of recurrent-state models
     ids, mask = prompts(2)
     result = run(model, ids, mask, True, max_new_tokens=4)
     assert result.stats.path == "eager" and "stateful" in result.stats.fallback_reason
@@ -262,6 +262,7 @@ def test_autocast_weight_cache_runs_eagerly_with_reason():
 
 def test_graph_unsafe_attention_is_refused_by_name():
     model = tiny_model("llama", fresh=True)
+    # private: set_attn_implementation refuses flash_attention_2 without flash-attn installed
     model.config._attn_implementation = "flash_attention_2"
     engine = make_engine(model)
     ids, mask = prompts(2)

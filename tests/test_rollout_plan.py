@@ -115,7 +115,8 @@ def test_backend_graph_attention_runs_in_captured_steps_only(choice):
         assert ["graph-attention"] * (2 * layers) == CALLS  # warm-up and capture
     else:
         assert result.stats.attention == "sdpa" and CALLS == []
-    assert model.config._attn_implementation == "sdpa"  # the model's own is restored
+    # the model's own is restored (private: transformers has no public getter for it)
+    assert model.config._attn_implementation == "sdpa"
     eager = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
     assert eager.stats.attention == "sdpa"
     assert torch.equal(result.sequences, eager.sequences)
@@ -330,7 +331,7 @@ def test_compiled_layers_leave_the_attention_out_and_share_their_frames(family, 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=recorded))
     counts = []
     for layers in (2, 4):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         graphs.clear()
         model = tiny_model(family, fresh=True, num_hidden_layers=layers)
         ids, mask = prompts(1)

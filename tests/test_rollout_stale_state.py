@@ -253,7 +253,7 @@ def test_int8_dynamic_quantized_weights_set_after_capture_recapture():
     def change() -> None:
         for i in range(2):
             linear = model.model.layers[i].mlp.down_proj
-            weight, bias = linear._weight_bias()
+            weight, bias = linear.weight(), linear.bias()
             fresh = torch.randn(weight.shape, generator=generator) * 0.5
             linear.set_weight_bias(torch.quantize_per_tensor(fresh, 0.02, 0, torch.qint8), bias)
 

@@ -199,6 +199,7 @@ def _refusals(rank: int, model) -> dict:
 def _collectives(rank: int, model) -> dict:
     """(f) the CPU graph alone: each collective it records replays as eagerly, on new values;
     the ones it cannot record are refused on every rank alike."""
+    # private: the functional collectives DTensor issues are what the CPU graph must record
     import torch.distributed._functional_collectives as funcol
 
     group = dist.group.WORLD
