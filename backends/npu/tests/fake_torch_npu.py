@@ -102,7 +102,8 @@ class FakeNPUNamespace(types.SimpleNamespace):
         self.default = FakeStream("default")
         self._current = self.default
         self._capturing = False
-        self._device_count = device_count
+        #: NPUs the fake reports (a test sets 0 for a host whose devices are hidden).
+        self.visible_devices = device_count
         self.graph_calls: list[dict[str, Any]] = []
         self.memory_calls: list[tuple[str, Any]] = []
         self.NPUGraph = FakeNPUGraph
@@ -127,10 +128,10 @@ class FakeNPUNamespace(types.SimpleNamespace):
             self._current = previous
 
     def is_available(self) -> bool:
-        return self._device_count > 0
+        return self.visible_devices > 0
 
     def device_count(self) -> int:
-        return self._device_count
+        return self.visible_devices
 
     def current_device(self) -> int:
         return 0

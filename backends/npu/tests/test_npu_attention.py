@@ -279,6 +279,7 @@ def test_registration_gives_transformers_a_mask(fake_npu, name: str) -> None:
         torch.testing.assert_close(got[0, 3:], expected[0, 3:])  # real tokens of the padded row
         torch.testing.assert_close(got[1], expected[1])
     finally:
+        # private: transformers offers register() but no way to remove a global registration
         AttentionInterface._global_mapping.pop(name, None)
         AttentionMaskInterface._global_mapping.pop(name, None)
 

@@ -159,7 +159,7 @@ def test_already_imported_torch_npu_needs_no_probe(fake_npu) -> None:
 
 def test_no_device_in_process(fake_npu, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "")
-    fake_npu._device_count = 0
+    fake_npu.visible_devices = 0
     availability = NPUBackend.availability()
     assert not availability.ok
     assert "sees no device (ASCEND_RT_VISIBLE_DEVICES='')" in availability.reason
