@@ -23,6 +23,7 @@ from graphcap.rollout.fingerprint import INERT_HOOKS, hook_name, host_state
 
 SETTINGS = {
     "greedy": {"max_new_tokens": 9},
+    "beam-settings-without-beams": {"max_new_tokens": 9, "early_stopping": True, "num_beams": 1},
     "greedy-eos-list": {"max_new_tokens": 9, "eos_token_id": [EOS, 7, 11]},
     "sampled": {"max_new_tokens": 9, "do_sample": True},
     "sampled-warped": {
@@ -175,6 +176,7 @@ FALLBACKS = {
         "logits_processor",
     ),
     "model input": ({"inputs_embeds": "embeds"}, "inputs_embeds"),
+    "autocast weight cache": ({"autocast": True}, "autocast"),
 }
 
 
@@ -186,9 +188,11 @@ def test_calls_graphcap_does_not_serve_go_to_generate_with_the_reason(name):
     with torch.no_grad():
         embeds = model.get_input_embeddings()(ids)
     extra = {k: embeds if v == "embeds" else v for k, v in extra.items()}
+    autocast = extra.pop("autocast", False)  # as verl's HF rollout calls generate
 
     def call():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=6, **extra)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return model.generate(ids, attention_mask=mask, max_new_tokens=6, **extra)
 
     with pytest.warns(GenerateFallbackWarning, match=reason):
         expected, got, accelerated, _ = both(model, call)

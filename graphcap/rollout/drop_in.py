@@ -41,7 +41,9 @@ from graphcap.rollout.config import (
     unsupported_generation_fields,
 )
 from graphcap.rollout.engine import RolloutEngine
+from graphcap.rollout.plan import graph_refusal
 from graphcap.rollout.results import RolloutStats
+from graphcap.rollout.scan import scan_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,6 +61,9 @@ RESOLVED_HERE: tuple[str, ...] = (
     "cache_implementation",
     "cache_config",
 )
+#: Beam-search settings, which ``generate`` ignores when ``num_beams`` is 1 (OpenRLHF passes
+#: ``early_stopping=True`` to every sampled call).
+BEAM_ONLY: tuple[str, ...] = ("early_stopping", "length_penalty")
 #: ``generate`` keyword arguments that change nothing when empty / ``None`` / ``False``.
 NEUTRAL_KWARGS: tuple[str, ...] = (
     "logits_processor",
@@ -107,10 +112,14 @@ class AcceleratedGenerate:
         request, reason = self._request(args, kwargs)
         if reason is None:
             try:
-                return self._serve(request)
+                served = self._serve(request)
             except (ValueError, TypeError) as exc:  # refused by the engine's input checks
                 reason = f"graphcap refused the call: {exc}"
-        self._fall_back(reason)
+            else:
+                if served is not None:
+                    return served
+        if reason is not None:
+            self._fall_back(reason)
         return self.original(*args, **kwargs)
 
     def restore(self) -> None:
@@ -164,7 +173,13 @@ class AcceleratedGenerate:
             )
         return Request(input_ids, attention_mask, sampling, config), None
 
-    def _serve(self, request: Request) -> Any:
+    def _serve(self, request: Request) -> Any | None:
+        """The call served by the engine, or ``None`` where it would not capture (graphcap's
+        eager loop is no faster than ``generate``, so ``generate`` serves those)."""
+        refusal = graph_refusal(self.model, self.engine.backend, scan_model(self.model))
+        if refusal is not None or not self.engine.config.enable_graph_capture:
+            self._fall_back(f"no graph for this call: {refusal or 'graphs are off in the config'}")
+            return None
         with self._lock:
             result = self.engine.generate(
                 request.input_ids, request.attention_mask, request.sampling
@@ -237,7 +252,8 @@ def resolved_config(
     asked = [n for n in ("output_scores", "output_logits") if getattr(config, n, False)]
     if asked:
         return f"{asked} asked for: the per-step scores are left to generate"
-    refused = [n for n in unsupported_generation_fields(config) if n not in RESOLVED_HERE]
+    ignored = RESOLVED_HERE + (BEAM_ONLY if (config.num_beams or 1) == 1 else ())
+    refused = [n for n in unsupported_generation_fields(config) if n not in ignored]
     if refused:
         return f"GenerationConfig fields graphcap does not serve: {refused}"
     return config, forward_kwargs
@@ -260,7 +276,7 @@ def sampling_for(
     if max_new < 1:
         return f"no tokens to generate (max_new_tokens {max_new} for {width}-token prompts)"
     config = copy.deepcopy(config)
-    for name in RESOLVED_HERE:  # resolved above: only the sampling fields are left to convert
+    for name in RESOLVED_HERE + BEAM_ONLY:  # resolved above: the sampling fields are left
         if hasattr(config, name):
             setattr(config, name, None)
     config.max_new_tokens, config.min_new_tokens = int(max_new), min(int(min_new), int(max_new))
