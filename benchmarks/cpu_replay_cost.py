@@ -5,7 +5,7 @@ explicit positions, argmax fed back into the input buffer): the Python model cod
 ``CPUGraph.replay()`` of the captured step. Before timing, it checks that the replayed step
 produces exactly the eager step's logits and tokens, so the figure is for a faithful graph.
 
-    python benchmarks/cpu_replay_cost.py [--out benchmarks/results/cpu_replay_cost.json]
+    python benchmarks/cpu_replay_cost.py [--out cpu-replay-cost.json] [--steps 24] [--repeats 21]
 
 Eager and replay blocks of ``--steps`` steps alternate ``--repeats`` times; each figure is a
 median over blocks (time per step), the ratio the median of per-pair ratios.
@@ -153,7 +153,7 @@ def measure(name: str, batch: int, cache_len: int, steps: int, repeats: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_replay_cost.json"))
+    parser.add_argument("--out", type=Path, default=Path("cpu-replay-cost.json"))
     parser.add_argument("--steps", type=int, default=24, help="steps per timed block")
     parser.add_argument("--repeats", type=int, default=21, help="timed blocks (median taken)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

@@ -1,87 +1,255 @@
 #!/usr/bin/env bash
-# graphcap bench on one H200: the runs behind docs/benchmarks.md's results section.
+# The benchmark suite on one H200: every figure of docs/benchmarks.md, as JSON (and a log per
+# file) in OUT, each file named by what it measures.
 #
-#   bash benchmarks/h200.sh RESULTS_DIR
+#   bash benchmarks/h200.sh OUT [PART...]      # no PART: every one-GPU part, in this order
 #
-# Expects the machine's own python3 with torch 2.11 + transformers 5.17, and graphcap installed
-# with:  pip install --no-build-isolation --no-deps -e . ./backends/cuda
-# No network is needed (all models are random-weight presets).
+#   steps-bs1        graphcap bench, llama-8b and llama-1b at batch 1 (bf16, 128 prompt + 512
+#                    new tokens, --repeats 3 --warmup 1, each mode in its own process):
+#                    graphcap-graph (the default configuration), graphcap-graph-uncompiled,
+#                    hf-static-compile and hf-eager (the ratios)
+#   steps-bs64-256   the same at batch 64 and 256, the graphcap modes
+#   steps            both of the above (two commands' worth of time)
+#   first-call       the first call in a fresh process, llama-8b and llama-1b at batch 1,
+#                    graphcap-graph and hf-static-compile: with empty Inductor, Triton and
+#                    graphcap compile caches, then again with the caches the first left
+#   kernels          the CUDA plugin's kernels alone against PyTorch's (kernels_h200.py)
+#   split-kv-launch  every launch of the split-KV kernel at 1-32 rows (kernels_h200.py)
+#   checks           the device tests, the plugin's tests on the GPU, the CUDA conformance suite
+#   profile          where a step's time goes (profile_decode.py, llama-8b at batch 1, 64,
+#                    256) and a first call's (first_call_profile.py, cold caches)
+#   continuous       the continuous-batching workloads (continuous.py)
+#   logits           bf16 teacher-forced logits against fp32 (logits_vs_fp32.py)
+#   trl              a TRL rollout, when benchmarks/trl_rollout.py exists
+#   distributed      two GPUs (not in the default list): tensor parallelism (tensor_parallel.py)
+#                    and the data-parallel example at 1 and 2 ranks
 #
-# Time: designed to finish in under 8 minutes. Each run gets a sweep budget (--budget-s); a
-# (mode, batch size) pair not started within it is reported as "skipped" in the JSON, so the
-# script cannot overrun by more than one mode's duration. Compiling modes (their cold first
-# call takes tens of seconds) run at batch size 1 only.
+# Each part fits in under 9 minutes (LIMIT); a run started near the end of a part is skipped
+# and says so. Run one part a command where commands are cut at 10 minutes.
 #
-# Compilation caches go to a fresh temporary directory, so "first call" figures are cold
-# compiles on every run of this script, not hits in a cache left by an earlier run.
-set -euo pipefail
+# The machine: its own python3 with torch (2.11) and transformers (5.17) installed, no network
+# (every model is a random-weight preset). The script makes an environment over that python's
+# packages ($GRAPHCAP_ENV, default /tmp/graphcap-h200-env; nothing is downloaded and the
+# machine's torch is never replaced) and installs this tree's graphcap and graphcap-cuda into it
+# with pip install --no-build-isolation --no-deps -e . -e ./backends/cuda.
+set -uo pipefail
 
-if [[ $# -ne 1 ]]; then
-    echo "usage: $0 RESULTS_DIR" >&2
+if [[ $# -lt 1 ]]; then
+    sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
-OUT=$1
-mkdir -p "$OUT"
+OUT=$(mkdir -p "$1" && cd "$1" && pwd)
+shift
 cd "$(dirname "$0")/.."
 
-export GRAPHCAP_BACKEND=cuda
-export HF_HUB_OFFLINE=1
-export TOKENIZERS_PARALLELISM=false
-CACHE=$(mktemp -d)
-trap 'rm -rf "$CACHE"' EXIT
-export TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor
-export TRITON_CACHE_DIR=$CACHE/triton
+DEFAULT_PARTS=(steps-bs1 steps-bs64-256 first-call kernels split-kv-launch checks profile
+    continuous logits trl)
+PARTS=("$@")
+[[ ${#PARTS[@]} -eq 0 ]] && PARTS=("${DEFAULT_PARTS[@]}")
+LIMIT=${GRAPHCAP_PART_LIMIT_S:-530} # seconds a part may take
+#: graphcap bench's workload for every step figure; --fuse-projections as the recorded figures
+STEP=(--dtype bf16 --prompt-len 128 --new-tokens 512 --repeats 3 --warmup 1 --fuse-projections)
 
-START=$(date +%s)
-LIMIT=450  # seconds for the whole script; budgets below are carved out of it
+export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-PLOT=()
-if python3 -c "import matplotlib" 2>/dev/null; then
-    PLOT=(yes)
-else
-    echo "matplotlib not installed: writing JSON only; plot later with" >&2
-    echo "  python3 benchmarks/plot_report.py RESULTS_DIR/<run>.json <run>.png" >&2
+# An environment over the machine's python (a .pth file names its site-packages, which a venv's
+# system_site_packages cannot see when that python is itself a venv), this tree installed.
+ENV=${GRAPHCAP_ENV:-/tmp/graphcap-h200-env}
+if [[ ! -x $ENV/bin/python ]]; then
+    python3 -m venv --without-pip "$ENV" || exit 1 # pip, setuptools: the machine's
+    purelib=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_machine.pth"
 fi
+"$ENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e . -e ./backends/cuda ||
+    exit 1
+py=$ENV/bin/python
+COMMIT=$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
+FAILED=()
 
-remaining() { echo $((LIMIT - ($(date +%s) - START))); }
-
-# bench NAME SWEEP_BUDGET_S ARGS...: one run, JSON (and PNG) named NAME, log next to them.
-bench() {
-    local name=$1 budget=$2
+# cold_caches: empty Inductor, Triton and graphcap compile caches for what follows.
+cold_caches() {
+    CACHE=$(mktemp -d)
+    export TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor TRITON_CACHE_DIR=$CACHE/triton
+    COMPILE_CACHE=$CACHE/graphcap
+}
+left() { echo $((LIMIT - ($(date +%s) - PART_START))); }
+fail() {
+    echo "== $1 FAILED (see $OUT/$1.log)" >&2
+    FAILED+=("$1")
+}
+# run NAME SECONDS CMD...: CMD with its output in OUT/NAME.log, cut after SECONDS (or what is
+# left of the part); skipped when less than a minute is left.
+run() {
+    local name=$1 seconds=$2 left
     shift 2
-    local left
-    left=$(remaining)
-    # Keep 25 s for the run's start-up (CUDA context, building the model) and its last mode.
-    if ((budget > left - 25)); then budget=$((left - 25)); fi
-    if ((budget < 10)); then
-        echo "== $name: skipped, only ${left}s of the script's ${LIMIT}s left" >&2
+    left=$(left)
+    if ((left < 60)); then
+        echo "== $name: skipped, ${left}s of the part left" >&2
+        FAILED+=("$name(skipped)")
         return 0
     fi
-    echo "== $name (sweep budget ${budget}s, $(remaining)s of the script left)" >&2
-    if ! python3 -m graphcap.bench --budget-s "$budget" --json "$OUT/$name.json" \
-        "$@" 2> >(tee "$OUT/$name.log" >&2) | tee "$OUT/$name.txt"; then
-        echo "== $name FAILED (see $OUT/$name.log); continuing" >&2
-        FAILED=$((FAILED + 1))
-    elif [[ ${#PLOT[@]} -gt 0 && $name == *sweep* ]]; then
-        python3 benchmarks/plot_report.py "$OUT/$name.json" "$OUT/$name.png"
-    fi
+    ((seconds > left)) && seconds=$left
+    echo "== $name (at most ${seconds}s)" >&2
+    timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1 || fail "$name"
+    tail -3 "$OUT/$name.log" >&2
 }
-FAILED=0
+# bench NAME LONGEST ARGS...: graphcap bench into OUT/NAME.json (table in NAME.txt, progress in
+# NAME.log); a (mode, batch size) pair starts only while LONGEST seconds (its longest pair) are
+# left of the part, later ones are reported skipped.
+bench() {
+    local name=$1 budget left
+    left=$(left)
+    budget=$((left - $2))
+    shift 2
+    if ((budget < 10)); then
+        echo "== $name: skipped, ${left}s of the part left" >&2
+        FAILED+=("$name(skipped)")
+        return 0
+    fi
+    echo "== $name (sweep budget ${budget}s)" >&2
+    timeout $((left - 5)) "$py" -m graphcap.bench --budget-s "$budget" --json "$OUT/$name.json" \
+        "$@" 2>"$OUT/$name.log" >"$OUT/$name.txt" || fail "$name"
+    grep -E '^(graphcap|hf)-|^  graphcap' "$OUT/$name.txt" >&2
+}
 
-# 1. GPT-2 medium shape, fp16: every mode at bs 1, 32 + 32 tokens (short and launch-bound).
-bench gpt2-medium-bs1 70 --model gpt2-medium --dtype fp16 \
-    --batch-sizes 1 --prompt-len 32 --new-tokens 32 --warmup 1 --repeats 5
+part_steps_bs1() {
+    cold_caches
+    local model longest
+    for model in llama-8b llama-1b; do
+        longest=$([[ $model == llama-8b ]] && echo 130 || echo 60)
+        bench "steps-$model-bs1" "$longest" --model $model --batch-sizes 1 "${STEP[@]}" --isolate \
+            --modes graphcap-graph,graphcap-graph-uncompiled,hf-static-compile,hf-eager \
+            --compile-cache "$COMPILE_CACHE"
+    done
+}
 
-# 2. Llama-3.2-1B shape, bf16: every mode at bs 1 (128 + 128 tokens), the modes that do not
-#    compile at bs 8/32/64, then the RL loop (generate -> SGD step in place -> generate) at bs 8.
-bench llama-1b-sweep 140 --model llama-1b --dtype bf16 \
-    --batch-sizes 1,8,32,64 --compile-batch-sizes 1 --prompt-len 128 --new-tokens 128 \
-    --warmup 0 --repeats 3 --rl-loop 3 --rl-batch-size 8
+part_steps_bs64_256() {
+    cold_caches
+    local model longest
+    for model in llama-8b llama-1b; do
+        longest=$([[ $model == llama-8b ]] && echo 100 || echo 50)
+        bench "steps-$model-bs64-256" "$longest" --model $model --batch-sizes 64,256 "${STEP[@]}" \
+            --isolate --modes graphcap-graph,graphcap-graph-uncompiled \
+            --compile-cache "$COMPILE_CACHE"
+    done
+}
 
-# 3. Llama-3-8B shape, bf16: the same sweep without the RL loop, in whatever time is left.
-bench llama-8b-sweep "$(remaining)" --model llama-8b --dtype bf16 \
-    --batch-sizes 1,8,32,64 --compile-batch-sizes 1 --prompt-len 128 --new-tokens 128 \
-    --warmup 0 --repeats 3
+part_first_call() {
+    cold_caches
+    local caches model longest
+    for caches in cold warm; do
+        for model in llama-8b llama-1b; do
+            longest=$([[ $model == llama-8b ]] && echo 100 || echo 60)
+            bench "first-call-$caches-$model-bs1" "$longest" --model $model --batch-sizes 1 \
+                --dtype bf16 --prompt-len 128 --new-tokens 512 --repeats 1 --warmup 0 \
+                --fuse-projections --isolate --modes graphcap-graph,hf-static-compile \
+                --compile-cache "$COMPILE_CACHE"
+        done
+    done
+}
 
-echo "done in $(($(date +%s) - START))s; results in $OUT; failed runs: $FAILED" >&2
-exit $((FAILED > 0))
+part_kernels() {
+    cold_caches
+    run kernels 480 "$py" benchmarks/kernels_h200.py "$OUT/kernels.json"
+}
+
+part_split_kv_launch() {
+    cold_caches
+    run split-kv-launch 480 "$py" benchmarks/kernels_h200.py "$OUT/split-kv-launch.json" \
+        --parts launch
+}
+
+part_checks() {
+    cold_caches
+    run device-tests 240 "$py" -m pytest -q -rs -p no:cacheprovider -m device tests \
+        backends/cuda/tests
+    run conformance-cuda 120 "$py" -m graphcap.testing -q \
+        --graphcap-json "$OUT/conformance-cuda.json"
+    run cuda-plugin-tests 240 "$py" -m pytest -q -rs -p no:cacheprovider backends/cuda/tests
+}
+
+part_profile() {
+    cold_caches
+    run profile-llama-8b 300 "$py" benchmarks/profile_decode.py "$OUT/profile-llama-8b.json" \
+        --cases llama-8b:bf16:1,llama-8b:bf16:64,llama-8b:bf16:256 --new-tokens 256 \
+        --fuse-projections
+    local attention
+    for attention in auto graphcap_gqa_sdpa; do
+        cold_caches
+        run "first-call-profile-llama-8b-$attention" 100 "$py" benchmarks/first_call_profile.py \
+            "$OUT/first-call-profile-llama-8b-$attention.txt" --attention $attention \
+            --compile-cache "$COMPILE_CACHE" --warm-forward
+    done
+}
+
+part_continuous() {
+    cold_caches
+    run continuous-gpt2-medium 300 "$py" benchmarks/continuous.py \
+        "$OUT/continuous-gpt2-medium.json"
+}
+
+part_logits() {
+    cold_caches
+    local batch
+    for batch in 8 1; do
+        run "logits-vs-fp32-bs$batch" 240 "$py" benchmarks/logits_vs_fp32.py \
+            "$OUT/logits-vs-fp32-bs$batch.json" --batch $batch
+    done
+}
+
+part_trl() {
+    if [[ ! -f benchmarks/trl_rollout.py ]]; then
+        echo "== trl: benchmarks/trl_rollout.py is not in this tree; nothing to run" >&2
+        return 0
+    fi
+    cold_caches
+    run trl-rollout 480 "$py" benchmarks/trl_rollout.py "$OUT/trl-rollout.json"
+}
+
+part_distributed() {
+    local gpus dtype n prompts
+    gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+    if ((gpus < 2)); then
+        echo "== distributed: needs two GPUs, this machine has $gpus" >&2
+        FAILED+=("distributed(no second GPU)")
+        return 0
+    fi
+    cold_caches
+    for dtype in fp32 bf16; do
+        run "tensor-parallel-llama-1b-$dtype" 150 "$py" -m torch.distributed.run \
+            --nproc-per-node 2 --master-port 29501 benchmarks/tensor_parallel.py \
+            "$OUT/tensor-parallel-llama-1b-$dtype.json" --model llama-1b --dtype $dtype
+    done
+    for prompts in 128 1024; do
+        for n in 1 2; do
+            run "data-parallel-llama-1b-$prompts-prompts-$n-ranks" 100 "$py" \
+                -m torch.distributed.run --nproc-per-node $n --master-port 29502 \
+                examples/data_parallel_rollout.py --model llama-1b --prompts $prompts \
+                --prompt-len 128 --max-new-tokens 128 --warmup
+            grep world "$OUT/data-parallel-llama-1b-$prompts-prompts-$n-ranks.log" \
+                >"$OUT/data-parallel-llama-1b-$prompts-prompts-$n-ranks.json"
+        done
+    done
+}
+
+for part in "${PARTS[@]}"; do
+    case $part in
+    steps) parts=(steps_bs1 steps_bs64_256) ;;
+    steps-bs1 | steps-bs64-256 | first-call | kernels | split-kv-launch | checks | profile | \
+        continuous | logits | trl | distributed) parts=("${part//-/_}") ;;
+    *)
+        echo "unknown part $part" >&2
+        exit 2
+        ;;
+    esac
+    for p in "${parts[@]}"; do
+        PART_START=$(date +%s)
+        echo "== part ${p//_/-}, commit $COMMIT, $(date -u +%FT%TZ)" >&2
+        "part_$p"
+        echo "${p//_/-} commit=$COMMIT date=$(date -u +%F) seconds=$(($(date +%s) - PART_START))" \
+            >>"$OUT/parts.log"
+    done
+done
+echo "results in $OUT; failed or skipped: ${FAILED[*]:-none}" >&2
+((${#FAILED[@]} == 0))

@@ -9,7 +9,14 @@ also compare graph and eager token by token with log-probabilities: the first st
 differ, the largest log-probability difference before it (0.0: bitwise-equal scores up to that
 step), and whether eager decoding on the graph's capture stream gives the graph's tokens.
 
-    python benchmarks/profile_decode.py OUT.json [--cases llama-1b:bf16:1,llama-1b:bf16:8]
+    python3 benchmarks/profile_decode.py OUT.json [--cases llama-8b:bf16:1,llama-8b:bf16:64] \\
+        [--new-tokens 256] [--fuse-projections] [--uncompiled] [--compare-eager]
+
+The engine runs the default configuration (compiled captures where the backend declares that
+compiling pays, as ``graphcap bench``'s ``graphcap-graph`` mode), or with ``--uncompiled``
+plain captures (``graphcap-graph-uncompiled``). With dependent launches a kernel's measured
+time includes the time its programs wait for the one before it, so the device times of a
+compiled step's kernels can add up to more than the step.
 """
 
 from __future__ import annotations
@@ -60,7 +67,14 @@ def device_kernels(engine, ids, mask, params, backend) -> tuple[dict[str, dict[s
 
 
 def profile_case(
-    preset: str, dtype: str, batch: int, prompt: int, new: int, compare_eager: bool, fast: bool
+    preset: str,
+    dtype: str,
+    batch: int,
+    prompt: int,
+    new: int,
+    compare_eager: bool,
+    compile: bool | None,
+    fuse: bool,
 ) -> dict[str, Any]:
     backend = graphcap.get_backend()
     model = build_model(
@@ -72,8 +86,8 @@ def profile_case(
         enable_graph_capture=True,
         backend=backend,
         length_buckets=(prompt + new,),
-        compile=fast,
-        fuse_projections=fast,
+        compile=compile,
+        fuse_projections=fuse,
     )
     graph = RolloutEngine(model, config)
     graph.generate(ids, mask, params)  # capture
@@ -96,7 +110,8 @@ def profile_case(
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["device_us"])[:12]
     result = {
         "preset": preset,
-        "fast": fast,
+        "compiled": out.stats.compiled,
+        "fuse_projections": fuse,
         "dtype": dtype,
         "batch": batch,
         "prompt": prompt,
@@ -154,7 +169,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--compare-eager", action="store_true", help="graph vs eager tokens too")
-    parser.add_argument("--fast", action="store_true", help="compile=True, fuse_projections=True")
+    parser.add_argument("--uncompiled", action="store_true", help="compile=False")
+    parser.add_argument("--fuse-projections", action="store_true", help="fuse_projections=True")
     args = parser.parse_args()
     results = []
     for case in args.cases.split(","):
@@ -166,7 +182,8 @@ def main() -> None:
             args.prompt_len,
             args.new_tokens,
             args.compare_eager,
-            args.fast,
+            False if args.uncompiled else None,
+            args.fuse_projections,
         )
         print(json.dumps(result, indent=1), flush=True)
         results.append(result)

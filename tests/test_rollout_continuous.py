@@ -250,8 +250,8 @@ def test_graph_unsafe_attention_and_bad_input_are_refused():
 
 
 def benchmark_script():
-    path = Path(__file__).parents[1] / "benchmarks" / "continuous_h200.py"
-    spec = importlib.util.spec_from_file_location("continuous_h200", path)
+    path = Path(__file__).parents[1] / "benchmarks" / "continuous.py"
+    spec = importlib.util.spec_from_file_location("continuous_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench

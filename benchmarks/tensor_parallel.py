@@ -1,10 +1,11 @@
 """Tensor-parallel rollouts on transformers' own TP: graph == eager, step time, recapture.
 
-    torchrun --nproc-per-node 2 benchmarks/distributed_tp.py OUT.json [--model llama-1b]
+    torchrun --nproc-per-node 2 benchmarks/tensor_parallel.py OUT.json [--model llama-1b]
 
 Rank 0 saves the preset (seeded random weights) with save_pretrained; every rank loads it with
 ``DistributedConfig(tp_size=WORLD, tp_plan="auto")`` and runs, with
-``RolloutConfig(process_group=WORLD)``:
+``RolloutConfig(process_group=WORLD, compile=False)`` (uncompiled, so that fp32 graph steps must
+equal eager ones bit for bit):
 
 1. graph vs eager on the shard (greedy, no EOS): tokens equal on each rank and across ranks
    (exact in fp32: ``--dtype fp32``; in bf16 the graph's attention kernel may round differently);
@@ -13,8 +14,8 @@ Rank 0 saves the preset (seeded random weights) with save_pretrained; every rank
 3. recapture agreement: a second call changes the pad id on rank 1 only; both ranks recapture
    (rank 0 with "another rank recaptures") and replay the same tokens.
 
-Rank 0 writes OUT.json. docs/distributed.md explains the setup; benchmarks/distributed_h200.sh
-runs this with the data-parallel example.
+Rank 0 writes OUT.json. docs/distributed.md explains the setup; ``bash benchmarks/h200.sh OUT
+distributed`` runs this on two GPUs with the data-parallel example.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def main() -> None:
     group = dist.group.WORLD
 
     def engine(graphs: bool, m=model, pg=group) -> RolloutEngine:
-        config = RolloutConfig(enable_graph_capture=graphs, backend=backend, process_group=pg)
+        config = RolloutConfig(
+            enable_graph_capture=graphs, backend=backend, process_group=pg, compile=False
+        )
         return RolloutEngine(m, config)
 
     graph = timed(engine(True), ids, mask, params, args.repeats)

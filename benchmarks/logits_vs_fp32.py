@@ -1,15 +1,16 @@
-"""bf16 decode attentions against a float32 reference (issue 11): teacher-forced logits of the
-model's SDPA, the grouped-query SDPA and the split-KV kernel, each in bf16, against the same
-random weights run in float32 with SDPA. Says whether an attention that differs from bf16 SDPA
-is less accurate or only rounds differently. The last row, ``split_kv+compile+fuse``, runs the
-split-KV kernel with the speed options' kernels too (``compile=True``'s compiled blocks and
-``fuse_projections``' joined products, and at batch 1 the CUDA plugin's one-row products), and
-also gives its largest difference from the plain split-KV row. One JSON.
+"""bf16 decode attentions against a float32 reference: teacher-forced logits of the model's
+SDPA, the grouped-query SDPA (``graphcap_gqa_sdpa``) and the split-KV kernel
+(``graphcap_split_kv``), each in bf16, against the same random weights run in float32 with
+SDPA. Says whether an attention that differs from bf16 SDPA is less accurate or only rounds
+differently. The last row, ``split_kv+compile+fuse``, runs the split-KV kernel with the speed
+options' kernels too (the compiled blocks of ``compile=True``, the joined products of
+``fuse_projections`` and, at batch 1, the CUDA plugin's one-row products), and also gives its
+largest difference from the plain split-KV row. One JSON.
 
-    python3 benchmarks/logits_vs_fp32_h200.py OUT.json [--models llama-1b,llama-8b] [--batch 1]
+    python3 benchmarks/logits_vs_fp32.py OUT.json [--models llama-1b,llama-8b] [--batch 1]
 
-Same inputs as decode_kernels_h200.py's comparison: batch 8 (or ``--batch``) with left padding,
-128-token prompt, then 32 single-token decodes with the engine's 4-D additive mask.
+Inputs: batch 8 (or ``--batch``) with left padding, 128-token prompts, then 32 single-token
+decodes with the engine's 4-D additive mask; the decode steps are compared.
 """
 
 from __future__ import annotations
@@ -23,13 +24,66 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from decode_kernels_h200 import ATTENTIONS, build, teacher_forced
 from graphcap_cuda.attention import IMPLEMENTATIONS, SPLIT_KV, register_attention
 from graphcap_cuda.backend import CUDABackend
 
 from graphcap.rollout.fusion import ProjectionFusion
 from graphcap.rollout.regions import compiled_regions, one_row_products
 from graphcap.rollout.scan import scan_model
+
+#: (label, attention implementation): the model's own SDPA, then the plugin's.
+ATTENTIONS = (
+    ("sdpa", None),
+    ("gqa_sdpa", "graphcap_gqa_sdpa"),
+    ("split_kv", "graphcap_split_kv"),
+)
+
+
+def build(name: str) -> torch.nn.Module:
+    """The preset with seeded random weights in bf16 on the GPU, the model's SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    from graphcap.bench.models import preset_config
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(
+            preset_config(name), dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def teacher_forced(model, attention: str, ids, mask, follow) -> torch.Tensor:
+    """Logits of the prefill's last position, then of each token of ``follow`` fed one at a
+    time with the engine's 4-D additive mask, under ``attention``."""
+    from transformers import DynamicCache
+
+    own = model.config._attn_implementation
+    model.set_attn_implementation(attention)
+    try:
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache
+            )
+            logits = [out.logits[:, -1].float()]
+            valid, position = mask.bool(), positions[:, -1:] + 1
+            low = torch.finfo(model.dtype).min
+            for t in range(follow.shape[1]):
+                valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=-1)
+                additive = torch.where(valid, 0.0, low).to(model.dtype)[:, None, None, :]
+                out = model(
+                    input_ids=follow[:, t : t + 1],
+                    attention_mask=additive,
+                    position_ids=position,
+                    past_key_values=cache,
+                )
+                logits.append(out.logits[:, -1].float())
+                position = position + 1
+    finally:
+        model.set_attn_implementation(own)
+    return torch.stack(logits, dim=1)
 
 
 def compare(name: str, batch: int = 8, prompt: int = 128, steps: int = 32) -> list[dict]:

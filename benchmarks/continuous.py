@@ -20,8 +20,8 @@ attention, information only); the static path's agreement (requests whose budget
 equal the continuous path's) is information only, since fp16 batches of different sizes may
 flip near-tied tokens.
 
-    python benchmarks/continuous_h200.py OUT.json            # accelerator from get_backend()
-    python benchmarks/continuous_h200.py OUT.json --tiny     # CPU-sized smoke run
+    python benchmarks/continuous.py OUT.json            # accelerator from get_backend()
+    python benchmarks/continuous.py OUT.json --tiny     # CPU-sized smoke run
 
 Designed to finish in well under 3 minutes on an H200.
 """

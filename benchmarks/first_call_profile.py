@@ -1,17 +1,19 @@
-"""Where the default graph mode's first call spends its time in a fresh process (issue 11's
-first-call target): the first ``generate`` of a new engine under cProfile, then a second call.
+"""Where a graph engine's first call spends its time in a fresh process: the first
+``generate`` of a new engine under cProfile, then a second call.
 
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)/i TRITON_CACHE_DIR=$(mktemp -d)/t \\
-        python3 benchmarks/first_call_profile_h200.py OUT.txt [--model llama-8b] [--batch 1] \\
-            [--attention auto] [--warm-forward]
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \\
+        python3 benchmarks/first_call_profile.py OUT.txt [--model llama-8b] [--batch 1] \\
+            [--attention auto] [--uncompiled] [--compile-cache DIR] [--warm-forward]
 
-The engine is opened as ``graphcap bench``'s graphcap-graph mode opens it (bf16, 128 + 512
-tokens, joined projections); the model is built before the clock starts, as the bench builds
-it. ``--attention`` is the engine's ``graph_attention`` (``graphcap_gqa_sdpa``: no Triton
-kernel in the default mode); ``--warm-forward`` runs the bench's one forward of 4 tokens before
-the clock, as ``graphcap bench`` does. OUT.txt gets both calls' seconds, the engine's stats and
-the 60 costliest functions by cumulative time, the 30 by own time, and what the prefill and the
-capture called.
+The engine is opened as ``graphcap bench``'s ``graphcap-graph`` mode opens it (the default
+configuration: compiled where the backend declares it pays; bf16, 128 + 512 tokens, joined
+projections); ``--uncompiled`` opens it as ``graphcap-graph-uncompiled``. The model is built
+before the clock starts, as the bench builds it. ``--attention`` is the engine's
+``graph_attention`` (``graphcap_gqa_sdpa``: SDPA's kernel, no Triton kernel of the plugin's);
+``--compile-cache`` its ``compile_cache`` (``none``: torch's caches only); ``--warm-forward``
+runs the bench's one forward of 4 tokens before the clock, as ``graphcap bench`` does. OUT.txt
+gets both calls' seconds, the engine's stats, the 60 costliest functions by cumulative time,
+the 30 by own time, and what the prefill and the capture called.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="the profile, as text")
     parser.add_argument("--model", default="llama-8b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--uncompiled", action="store_true", help="compile=False")
+    parser.add_argument("--compile-cache", default="auto", help="auto, a directory, or none")
     parser.add_argument("--warm-forward", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -47,6 +51,8 @@ def main() -> None:
         enable_graph_capture=True,
         fuse_projections=True,
         graph_attention=args.attention,
+        compile=False if args.uncompiled else None,
+        compile_cache=None if args.compile_cache == "none" else args.compile_cache,
     )
     engine = RolloutEngine(model, config)
     sampling = SamplingParams(max_new_tokens=512, pad_token_id=0)
