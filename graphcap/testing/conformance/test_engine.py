@@ -101,6 +101,26 @@ def test_static_graph_equals_eager_one_capture(
     _same_tokens(second, eager, "second graph call (replaying the first call's graph)")
 
 
+@pytest.mark.parametrize("compile", [None, False], ids=["default", "uncompiled"])
+def test_default_config_compiles_as_declared(
+    gc_graph_backend: Backend, model: torch.nn.Module, compile: bool | None
+) -> None:
+    """``RolloutConfig(compile=None)``, the default, compiles captured steps exactly where the
+    backend declares ``compile_by_default`` (and ``compile=False`` never does); compiled or
+    not, the tokens are the eager engine's."""
+    backend = gc_graph_backend
+    params = _params(False)
+    (eager,) = _generate(backend, model, params)
+    (result,) = _generate(backend, model, params, enable_graph_capture=True, compile=compile)
+    assert result.stats.path == "static_graph", result.stats.fallback_reason
+    declared = compile is None and backend.capabilities.compile_by_default
+    assert result.stats.compiled is declared, (
+        f"compile={compile}: stats.compiled={result.stats.compiled}, but the backend declares "
+        f"compile_by_default={backend.capabilities.compile_by_default}"
+    )
+    _same_tokens(result, eager, f"captured step (compile={compile})")
+
+
 def test_continuous_graph_equals_eager(gc_graph_backend: Backend, model: torch.nn.Module) -> None:
     backend = gc_graph_backend
     params = _params(False)
