@@ -67,11 +67,13 @@ py=$ENV/bin/python
 COMMIT=$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
 FAILED=()
 
-# cold_caches: empty Inductor, Triton and graphcap compile caches for what follows.
+# cold_caches: empty Inductor, Triton and graphcap compile caches for what follows (the scripts'
+# engines take graphcap's from GRAPHCAP_COMPILE_CACHE, graphcap bench from --compile-cache).
 cold_caches() {
     CACHE=$(mktemp -d)
     export TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor TRITON_CACHE_DIR=$CACHE/triton
-    COMPILE_CACHE=$CACHE/graphcap
+    export GRAPHCAP_COMPILE_CACHE=$CACHE/graphcap
+    COMPILE_CACHE=$GRAPHCAP_COMPILE_CACHE
 }
 left() { echo $((LIMIT - ($(date +%s) - PART_START))); }
 fail() {
