@@ -204,8 +204,8 @@ def scatter_columns(
 ) -> None:
     """Write new K/V columns (batch, heads, q, dim) at ``index`` (rows, heads, columns) with two
     scatters: eagerly the fastest write (7 us against 13 us for two ``index_put_`` a layer on
-    the H200, run O's kv-write.json). Under autocast K and V can arrive in other dtypes than the
-    buffers; they are stored as prefill stored them."""
+    the H200, benchmarks/results/kernels/kv-write-0bc9208.json). Under autocast K and V can
+    arrive in other dtypes than the buffers; they are stored as prefill stored them."""
     columns = index[2][..., None]  # (batch, 1, q, 1)
     keys.scatter_(
         2, columns.expand(*key_states.shape[:3], keys.shape[-1]), key_states.to(keys.dtype)

@@ -1,21 +1,22 @@
-"""``RolloutConfig(compile=True)``: the blocks around attention run compiled in the captured step.
+"""Compiled captures (``RolloutConfig.compile``): the blocks around attention run compiled.
 
 A captured step still launches every small kernel eager PyTorch issues: an RMSNorm is about
-eight, an MLP's activation two, some 1,500 a step on llama-8b (run G's profile). Compiling the
-whole forward fuses them, but costs tens of seconds per batch size and was slower than the plain
-graph at batch 64 on the H200 (runs D and F). PyTorch's regional compilation compiles the
-repeated blocks instead: a block class is traced once and its code is shared by every layer, so
-the first call pays seconds. The blocks are each decoder layer with its attention left out
-(dynamo compiles the code before and after the attention as two frames that every layer
-shares, so the residual add after attention fuses with the next norm), the attention's own
-norms, the rotary embedding function the attention calls, the decoder stack's blocks beside its
-layers (final norm, rotary embedding), and the cache's K/V writes (two kernels a layer become
-one). The backend's graph attention stays as it is; the projections compute through the
-backend's one-row product where it offers one (:func:`one_row_products`: batch-1 steps, where
-cuBLAS read the q/k/v, o and down weights at 29-77% of the H200's bandwidth, run Q). The step's
-own work around the model (masks, write positions, the choice of the next token) compiles too
-(:func:`compiled_bookkeeping`). Measured in benchmarks/results/h200/2026-12-01/step-variants-*.json
-and runs M-X (docs/benchmarks.md).
+eight, an MLP's activation two, some 1,500 a step on llama-8b (its profile on the H200).
+Compiling the whole forward fuses them, but costs tens of seconds per batch size and was slower
+than the plain graph at batch 64 on the H200 (docs/architecture.md, "Design decisions").
+PyTorch's regional compilation compiles the repeated blocks instead: a block class is traced
+once and its code is shared by every layer, so the first call pays seconds. The blocks are
+each decoder layer with its attention left out (dynamo compiles the code before and after the
+attention as two frames that every layer shares, so the residual add after attention fuses
+with the next norm), the attention's own norms, the rotary embedding function the attention
+calls, the decoder stack's blocks beside its layers (final norm, rotary embedding), and the
+cache's K/V writes (two kernels a layer become one). The backend's graph attention stays as it
+is; the projections compute through the backend's one-row product where it offers one
+(:func:`one_row_products`: batch-1 steps, where cuBLAS read the q/k/v, o and down weights at
+29-77% of the H200's bandwidth). The step's own work around the model (masks, write positions,
+the choice of the next token) compiles too (:func:`compiled_bookkeeping`). Measured in
+benchmarks/results/steps/step-variants-*-7b4c252.json (docs/architecture.md, "Design
+decisions").
 """
 
 from __future__ import annotations
@@ -155,9 +156,10 @@ def compiled_bookkeeping(step: DecodeStep, options: dict[str, Any] | None = None
     with inductor ``options`` and :data:`BOOKKEEPING_OPTIONS`: ``step.prepare`` (the masks) and
     ``step.finish`` (the write positions, the logits processors, the choice of the next token
     and its records); as they were after it. Eager, they are over a dozen small kernels a step
-    that do not launch dependent; compiled, fewer that do (llama-8b's batch-1 step: 366 kernels
-    in run X's profile, 376 in run U's). Run X, one process per variant: llama-8b batch 1 4.33 →
-    4.22 ms, llama-1b batch 1 1.05 → 0.99 ms, batch 64 1.58 → 1.45 ms."""
+    that do not launch dependent; compiled, fewer that do (llama-8b's batch-1 step: 366
+    kernels). On the H200, one process per variant: llama-8b batch 1 4.33 → 4.22 ms, llama-1b
+    batch 1 1.05 → 0.99 ms, batch 64 1.58 → 1.45 ms
+    (benchmarks/results/steps/step-*-bookkeeping-*-e7ff14a.json)."""
     if not COMPILE_BOOKKEEPING:
         yield
         return

@@ -317,8 +317,8 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     The index is one pass's (maxima are exact, and both passes take the first of equal
     values), but the first pass spreads a row over many programs where one pass reads it with
     one: a compiled batch-1 argmax over llama-8b's 128,256 scores took 31.5 µs of a 4.24 ms step
-    (run X's profile). Run Y then measured llama-8b's compiled batch-1 step at 4.204 ms (run X:
-    4.222, another call)."""
+    on the H200; with two passes the step measured 4.204 ms against 4.222 ms
+    (benchmarks/results/profiles/profile-llama-8b-bs1-one-pass-argmax-e7ff14a.json)."""
     rows, vocab = scores.shape
     chunks = vocab // ARGMAX_CHUNK
     if chunks < 2:

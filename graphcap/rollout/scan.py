@@ -3,8 +3,8 @@
 Each of them used to walk the module tree or the parameters on its own (device placement,
 residency, sharding, dtype, tensor facts, training flags, host state): ten walks and about 20 ms
 of host time per call on gpt2-medium on the H200
-(benchmarks/results/h200/2026-12-01/host-overhead.log). :func:`scan_model` walks the modules
-once and the parameters and buffers once.
+(benchmarks/results/profiles/host-overhead-per-call-b104d3c.log). :func:`scan_model` walks the
+modules once and the parameters and buffers once.
 """
 
 from __future__ import annotations
