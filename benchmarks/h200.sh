@@ -4,15 +4,16 @@
 #
 #   bash benchmarks/h200.sh OUT [PART...]      # no PART: every one-GPU part, in this order
 #
-#   steps-bs1        graphcap bench, llama-8b and llama-1b at batch 1 (bf16, 128 prompt + 512
-#                    new tokens, --repeats 3 --warmup 1, each mode in its own process):
-#                    graphcap-graph (the default configuration), graphcap-graph-uncompiled,
-#                    hf-static-compile and hf-eager (the ratios)
-#   steps-bs64-256   the same at batch 64 and 256, the graphcap modes
+#   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
+#                    new tokens, --repeats 2 --warmup 1, each mode and batch size in its own
+#                    process): graphcap-graph (the default configuration) and
+#                    graphcap-graph-uncompiled, and hf-static-compile at batch 1 (the ratio)
+#   steps-llama-1b   the same for llama-1b
 #   steps            both of the above (two commands' worth of time)
-#   first-call       the first call in a fresh process, llama-8b and llama-1b at batch 1,
-#                    graphcap-graph and hf-static-compile: with empty Inductor, Triton and
-#                    graphcap compile caches, then again with the caches the first left
+#   first-call       the first call in a fresh process, llama-8b and llama-1b at batch 1, 128 +
+#                    128 tokens: graphcap-graph and hf-static-compile with empty Inductor, Triton
+#                    and graphcap compile caches, then graphcap-graph again with the caches the
+#                    first process left; the report splits each first call into its phases
 #   kernels          the CUDA plugin's kernels alone against PyTorch's (kernels_h200.py)
 #   split-kv-launch  every launch of the split-KV kernel at 1-32 rows (kernels_h200.py)
 #   checks           the device tests, the plugin's tests on the GPU, the CUDA conformance suite
@@ -20,7 +21,8 @@
 #                    256) and a first call's (first_call_profile.py, cold caches)
 #   continuous       the continuous-batching workloads (continuous.py)
 #   logits           bf16 teacher-forced logits against fp32 (logits_vs_fp32.py)
-#   trl              a TRL rollout, when benchmarks/trl_rollout.py exists
+#   trl              TRL's GRPOTrainer on a llama-1b-shaped model (examples/trl_grpo.py), with
+#                    and without graphcap: rollout seconds per step, completions compared
 #   distributed      two GPUs (not in the default list): tensor parallelism (tensor_parallel.py)
 #                    and the data-parallel example at 1 and 2 ranks
 #
@@ -42,13 +44,13 @@ OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 cd "$(dirname "$0")/.."
 
-DEFAULT_PARTS=(steps-bs1 steps-bs64-256 first-call kernels split-kv-launch checks profile
-    continuous logits trl)
+DEFAULT_PARTS=(steps-llama-8b steps-llama-1b first-call trl checks kernels split-kv-launch
+    profile continuous logits)
 PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 ]] && PARTS=("${DEFAULT_PARTS[@]}")
 LIMIT=${GRAPHCAP_PART_LIMIT_S:-530} # seconds a part may take
-#: graphcap bench's workload for every step figure; --fuse-projections as the recorded figures
-STEP=(--dtype bf16 --prompt-len 128 --new-tokens 512 --repeats 3 --warmup 1 --fuse-projections)
+#: graphcap bench's workload for every step figure: the default configuration (no options)
+STEP=(--dtype bf16 --prompt-len 128 --new-tokens 512 --repeats 2 --warmup 1)
 
 export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -115,38 +117,28 @@ bench() {
     grep -E '^(graphcap|hf)-|^  graphcap' "$OUT/$name.txt" >&2
 }
 
-part_steps_bs1() {
+# steps MODEL LONGEST: the step figures of MODEL (LONGEST: its longest pair, in seconds).
+steps() {
     cold_caches
-    local model longest
-    for model in llama-8b llama-1b; do
-        longest=$([[ $model == llama-8b ]] && echo 130 || echo 60)
-        bench "steps-$model-bs1" "$longest" --model $model --batch-sizes 1 "${STEP[@]}" --isolate \
-            --modes graphcap-graph,graphcap-graph-uncompiled,hf-static-compile,hf-eager \
-            --compile-cache "$COMPILE_CACHE"
-    done
+    bench "steps-$1" "$2" --model "$1" --batch-sizes 1,64,256 --compile-batch-sizes 1,64,256 \
+        "${STEP[@]}" --isolate --modes graphcap-graph,graphcap-graph-uncompiled \
+        --compile-cache "$COMPILE_CACHE"
+    bench "steps-$1-hf-static-compile" "$2" --model "$1" --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes hf-static-compile
 }
-
-part_steps_bs64_256() {
-    cold_caches
-    local model longest
-    for model in llama-8b llama-1b; do
-        longest=$([[ $model == llama-8b ]] && echo 100 || echo 50)
-        bench "steps-$model-bs64-256" "$longest" --model $model --batch-sizes 64,256 "${STEP[@]}" \
-            --isolate --modes graphcap-graph,graphcap-graph-uncompiled \
-            --compile-cache "$COMPILE_CACHE"
-    done
-}
+part_steps_llama_8b() { steps llama-8b 100; }
+part_steps_llama_1b() { steps llama-1b 60; }
 
 part_first_call() {
     cold_caches
-    local caches model longest
+    local caches model modes
     for caches in cold warm; do
+        modes=graphcap-graph
+        [[ $caches == cold ]] && modes=graphcap-graph,hf-static-compile
         for model in llama-8b llama-1b; do
-            longest=$([[ $model == llama-8b ]] && echo 100 || echo 60)
-            bench "first-call-$caches-$model-bs1" "$longest" --model $model --batch-sizes 1 \
-                --dtype bf16 --prompt-len 128 --new-tokens 512 --repeats 1 --warmup 0 \
-                --fuse-projections --isolate --modes graphcap-graph,hf-static-compile \
-                --compile-cache "$COMPILE_CACHE"
+            bench "first-call-$caches-$model-bs1" 90 --model $model --batch-sizes 1 \
+                --dtype bf16 --prompt-len 128 --new-tokens 128 --repeats 1 --warmup 0 \
+                --isolate --modes $modes --compile-cache "$COMPILE_CACHE"
         done
     done
 }
@@ -164,9 +156,9 @@ part_split_kv_launch() {
 
 part_checks() {
     cold_caches
-    run device-tests 240 "$py" -m pytest -q -rs -p no:cacheprovider -m device tests \
+    run device-tests 330 "$py" -m pytest -q -rs -p no:cacheprovider -m device tests \
         backends/cuda/tests
-    run conformance-cuda 120 "$py" -m graphcap.testing -q \
+    run conformance-cuda 150 "$py" -m graphcap.testing -q \
         --graphcap-json "$OUT/conformance-cuda.json"
     run cuda-plugin-tests 240 "$py" -m pytest -q -rs -p no:cacheprovider backends/cuda/tests
 }
@@ -174,8 +166,7 @@ part_checks() {
 part_profile() {
     cold_caches
     run profile-llama-8b 300 "$py" benchmarks/profile_decode.py "$OUT/profile-llama-8b.json" \
-        --cases llama-8b:bf16:1,llama-8b:bf16:64,llama-8b:bf16:256 --new-tokens 256 \
-        --fuse-projections
+        --cases llama-8b:bf16:1,llama-8b:bf16:64,llama-8b:bf16:256 --new-tokens 256
     local attention
     for attention in auto graphcap_gqa_sdpa; do
         cold_caches
@@ -201,12 +192,11 @@ part_logits() {
 }
 
 part_trl() {
-    if [[ ! -f benchmarks/trl_rollout.py ]]; then
-        echo "== trl: benchmarks/trl_rollout.py is not in this tree; nothing to run" >&2
-        return 0
-    fi
     cold_caches
-    run trl-rollout 480 "$py" benchmarks/trl_rollout.py "$OUT/trl-rollout.json"
+    export GRAPHCAP_COMPILE_CACHE=$COMPILE_CACHE
+    run trl-grpo-llama-1b 480 "$py" examples/trl_grpo.py \
+        --model llama-1b --dtype bf16 --steps 4 --batch-size 8 --generations 4 --new-tokens 128 \
+        --words 64 --compare --output-dir "$CACHE/trl" --json "$OUT/trl-grpo-llama-1b.json"
 }
 
 part_distributed() {
@@ -237,8 +227,8 @@ part_distributed() {
 
 for part in "${PARTS[@]}"; do
     case $part in
-    steps) parts=(steps_bs1 steps_bs64_256) ;;
-    steps-bs1 | steps-bs64-256 | first-call | kernels | split-kv-launch | checks | profile | \
+    steps) parts=(steps_llama_8b steps_llama_1b) ;;
+    steps-llama-8b | steps-llama-1b | first-call | kernels | split-kv-launch | checks | profile | \
         continuous | logits | trl | distributed) parts=("${part//-/_}") ;;
     *)
         echo "unknown part $part" >&2
