@@ -98,3 +98,33 @@ def test_compile_without_graphs_is_refused_only_when_asked():
 def test_an_empty_compile_cache_setting_is_refused():
     with pytest.raises(ValueError, match="compile_cache"):
         RolloutConfig(compile_cache="")
+
+
+def test_a_host_state_change_discards_compiled_code_before_compiling_again(monkeypatch):
+    """dynamo does not guard on a module's forward hooks: a hook added after a compiled capture
+    must not be served by the code compiled before it, so the holder resets dynamo before it
+    compiles for a changed host state (``torch.compile`` is the identity here, so the CPU graph
+    captures the "compiled" step)."""
+    resets = []
+    real_reset = torch.compiler.reset
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(1) or real_reset())
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2)
+    engine = RolloutEngine(
+        model, RolloutConfig(enable_graph_capture=True, backend=CompilingBackend())
+    )
+    sampling = SamplingParams(max_new_tokens=NEW, **NO_EOS)
+    first = engine.generate(ids, mask, sampling)
+    assert first.stats.compiled and first.stats.path == "static_graph"
+    engine.generate(ids, mask, sampling)  # the same host state: nothing to discard
+    assert resets == []
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * 2)
+    try:
+        hooked = engine.generate(ids, mask, sampling)
+        eager = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
+    finally:
+        handle.remove()
+    assert resets == [1] and hooked.stats.recapture_reason[0].startswith("host_state")
+    assert torch.equal(hooked.sequences, eager.sequences)
+    assert not torch.equal(hooked.sequences, first.sequences)

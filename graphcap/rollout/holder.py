@@ -63,6 +63,8 @@ class GraphHolder:
         #: the sampler's graph shape: it only grows, so alternating greedy and sampled calls
         #: replay one graph (docs/rollout.md, "One graph for any setting")
         self.sampler = SamplerShape()
+        #: the model's host state when this engine last compiled (see :meth:`_compiled`)
+        self.compiled_state: object | None = None
 
     def sampler_for(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The sampler shape serving this call (its per-row settings ``rows``) and every
@@ -167,6 +169,12 @@ class GraphHolder:
         product = self.backend.one_row_product() if compiled else None
         with contextlib.ExitStack() as stack:
             if compiled:
+                state = self.held.signature.host_state
+                if self.compiled_state is not None and self.compiled_state != state:
+                    # dynamo does not guard on every host value the signature does (a module's
+                    # forward hooks): code compiled before the change must not be captured
+                    torch.compiler.reset()
+                self.compiled_state = state
                 options = self.backend.compile_options()
                 key = self._cache_key(step, options)
                 stats.compile_cache = stack.enter_context(self.compile_cache.session(key)).state

@@ -252,6 +252,14 @@ def process_scores(
     return scores
 
 
+@torch.compiler.disable
+def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:
+    """``probs.cumsum(-1)``, never compiled: torch 2.11's inductor fails to generate the split
+    scan it picks for rows over 128 columns when the scan is fused with a broadcast (the
+    softmax before it; pytorch issue 180221, fixed after 2.11). Eager, it is one kernel."""
+    return probs.cumsum(dim=-1)
+
+
 def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p per row, each off where its setting is neutral.
 
@@ -268,7 +276,7 @@ def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
     use_k = (k > 0)[:, None]
     scores = scores.masked_fill(use_k & (scores < kth), neg_inf)
     ordered = ordered.masked_fill(use_k & (ordered < kth), neg_inf)
-    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+    cumulative = cumulative_sum(ordered.softmax(dim=-1))
     remove_sorted = cumulative <= rows.top_p_floor[:, None]
     remove_sorted[..., -1:] = False
     remove = remove_sorted.scatter(1, order, remove_sorted)
