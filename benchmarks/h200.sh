@@ -120,11 +120,11 @@ bench() {
 # steps MODEL LONGEST: the step figures of MODEL (LONGEST: its longest pair, in seconds).
 steps() {
     cold_caches
-    bench "steps-$1" "$2" --model "$1" --batch-sizes 1,64,256 --compile-batch-sizes 1,64,256 \
-        "${STEP[@]}" --isolate --modes graphcap-graph,graphcap-graph-uncompiled \
-        --compile-cache "$COMPILE_CACHE"
     bench "steps-$1-hf-static-compile" "$2" --model "$1" --batch-sizes 1 "${STEP[@]}" \
         --isolate --modes hf-static-compile
+    bench "steps-$1" "$2" --model "$1" --batch-sizes 1,256,64 --compile-batch-sizes 1,256,64 \
+        "${STEP[@]}" --isolate --modes graphcap-graph,graphcap-graph-uncompiled \
+        --compile-cache "$COMPILE_CACHE"
 }
 part_steps_llama_8b() { steps llama-8b 100; }
 part_steps_llama_1b() { steps llama-1b 60; }
