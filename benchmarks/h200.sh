@@ -66,7 +66,7 @@ fi
 "$ENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e . -e ./backends/cuda ||
     exit 1
 py=$ENV/bin/python
-COMMIT=$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
+COMMIT=${GRAPHCAP_COMMIT:-$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)}
 FAILED=()
 
 # cold_caches: empty Inductor, Triton and graphcap compile caches for what follows (the scripts'
