@@ -14,6 +14,7 @@
 #                    128 tokens: graphcap-graph and hf-static-compile with empty Inductor, Triton
 #                    and graphcap compile caches, then graphcap-graph again with the caches the
 #                    first process left; the report splits each first call into its phases
+#                    (GRAPHCAP_FIRST_CALL_MODELS: the models, default "llama-8b llama-1b")
 #   kernels          the CUDA plugin's kernels alone against PyTorch's (kernels_h200.py)
 #   split-kv-launch  every launch of the split-KV kernel at 1-32 rows (kernels_h200.py)
 #   checks           the device tests, the plugin's tests on the GPU, the CUDA conformance suite
@@ -135,7 +136,7 @@ part_first_call() {
     for caches in cold warm; do
         modes=graphcap-graph
         [[ $caches == cold ]] && modes=graphcap-graph,hf-static-compile
-        for model in llama-8b llama-1b; do
+        for model in ${GRAPHCAP_FIRST_CALL_MODELS:-llama-8b llama-1b}; do
             bench "first-call-$caches-$model-bs1" 90 --model $model --batch-sizes 1 \
                 --dtype bf16 --prompt-len 128 --new-tokens 128 --repeats 1 --warmup 0 \
                 --isolate --modes $modes --compile-cache "$COMPILE_CACHE"
