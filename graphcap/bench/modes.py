@@ -35,6 +35,7 @@ def spread(values: Iterable[float | None]) -> tuple[float | None, float | None, 
 
 def compile_counts() -> tuple[int, int]:
     """(graphs compiled, recompilations included; graph breaks) so far in this process."""
+    # private: dynamo's counters are torch's only record of what it compiled and broke
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))

@@ -78,6 +78,7 @@ def graph_refusal(model: torch.nn.Module, backend: Backend, scan: ModelScan) -> 
     """Why this call must run eagerly although graphs were requested, or ``None``."""
     if not backend.supports_graph_capture:
         return f"backend {backend.name!r} cannot capture graphs (create_graph() returned None)"
+    # private: transformers' own flag for models with recurrent state (no public equivalent)
     if getattr(model, "_is_stateful", False):
         return f"{type(model).__name__} is stateful (_is_stateful); its state is not in the cache"
     if scan.non_resident:

@@ -28,6 +28,8 @@ def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None, bool]:
 
 def attention_implementation(model: torch.nn.Module) -> str:
     config = getattr(model, "config", None)
+    # private: transformers sets the implementation through set_attn_implementation() but has
+    # no public getter; this property is what its own modeling code reads
     return str(getattr(config, "_attn_implementation", None) or "eager")
 
 
