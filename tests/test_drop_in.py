@@ -40,6 +40,22 @@ SETTINGS = {
     "min-length": {"max_new_tokens": 8, "min_length": 10, "eos_token_id": [EOS, 7]},
     "generate-default-length": {},
     "dict-output": {"max_new_tokens": 6, "return_dict_in_generate": True},
+    "scores-and-logits": {
+        "max_new_tokens": 6,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+        "output_logits": True,
+    },
+    "sampled-scores": {
+        "max_new_tokens": 6,
+        "do_sample": True,
+        "top_k": 12,
+        "top_p": 0.8,
+        "temperature": 0.7,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+    },
+    "scores-without-a-dict": {"max_new_tokens": 6, "output_scores": True},
 }
 
 
@@ -60,13 +76,26 @@ def both(model, call, seed: int = 0):
 
 
 def assert_same_output(expected, got) -> None:
+    """The same type, shapes and tokens; per-step scores and logits equal within float
+    rounding (the graph's attention runs over a padded cache), -inf where generate's are."""
     assert type(got) is type(expected)
     if isinstance(expected, torch.Tensor):
         assert got.dtype == expected.dtype and torch.equal(got, expected), (got, expected)
         return
     assert torch.equal(got.sequences, expected.sequences)
-    for name in ("scores", "logits", "attentions", "hidden_states"):
-        assert getattr(got, name) is None and getattr(expected, name) is None
+    for name in ("attentions", "hidden_states", "past_key_values"):
+        assert getattr(got, name) is None
+    for name in ("scores", "logits"):
+        mine, theirs = getattr(got, name), getattr(expected, name)
+        assert (mine is None) == (theirs is None), name
+        if theirs is None:
+            continue
+        assert len(mine) == len(theirs)
+        for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, step)
+            assert torch.equal(torch.isinf(a), torch.isinf(b)), (name, step)
+            finite = torch.isfinite(b)
+            torch.testing.assert_close(a[finite], b[finite], rtol=1e-5, atol=1e-5)
 
 
 #: Every setting on Llama; on the other families the ones that exercise different code.
@@ -74,7 +103,7 @@ CASES = [("llama", name) for name in SETTINGS] + [
     (family, name)
     for family in FAMILIES
     if family != "llama"
-    for name in ("greedy-eos-list", "sampled-warped", "samples-per-prompt", "max-length")
+    for name in ("greedy-eos-list", "sampled-warped", "samples-per-prompt", "scores-and-logits")
 ]
 
 
@@ -166,7 +195,6 @@ def test_prompts_of_new_widths_reuse_the_graph_of_their_length_bucket():
 
 FALLBACKS = {
     "beam search": ({"num_beams": 2}, "num_beams"),
-    "scores": ({"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
     "attentions": (
         {"output_attentions": True, "return_dict_in_generate": True},
         "output_attentions",

@@ -36,6 +36,8 @@ GENERATION_CONFIG_FIELDS: tuple[str, ...] = (
     "min_new_tokens",
     "num_return_sequences",
     "min_p",
+    "output_scores",
+    "output_logits",
 )
 #: Fields accepted and ignored because they cannot change a decoder-only continuation.
 GENERATION_CONFIG_IGNORED: tuple[str, ...] = ("bos_token_id", "use_cache", "transformers_version")
@@ -121,7 +123,10 @@ class SamplingParams:
     ``top_k=None`` disables top-k (unlike ``generate``, which applies 50 when sampling; a
     ``GenerationConfig`` converted by :meth:`from_generation_config` keeps generate's default).
     ``eos_token_id`` / ``pad_token_id`` left ``None`` are taken from the model's generation config
-    (pad falls back to the first EOS id, as generate does).
+    (pad falls back to the first EOS id, as generate does). ``output_scores`` /
+    ``output_logits``: the result also holds every step's processed scores / raw logits, as
+    ``generate(output_scores=True)`` / ``output_logits=True`` return them (float32,
+    ``(rows, max_new_tokens, vocab)``: recorded inside the step, so they cost that memory).
     """
 
     do_sample: bool = False
@@ -139,6 +144,8 @@ class SamplingParams:
     min_p: float = 0.0
     logprobs_mode: str = "sampling"
     stop_token_ids: tuple[int, ...] | None = None
+    output_scores: bool = False
+    output_logits: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -257,6 +264,8 @@ class SamplingParams:
             "min_new_tokens": int(config.min_new_tokens or 0),
             "num_return_sequences": int(config.num_return_sequences or 1),
             "min_p": 0.0 if config.min_p is None else float(config.min_p),
+            "output_scores": bool(config.output_scores),
+            "output_logits": bool(config.output_logits),
             "return_logprobs": return_logprobs,
             "seed": seed,
         }

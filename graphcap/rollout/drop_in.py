@@ -196,7 +196,12 @@ class AcceleratedGenerate:
             return sequences
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        steps = sequences.shape[1] - width
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=_per_step(result.scores, steps),
+            logits=_per_step(result.logits, steps),
+        )
 
     def _fall_back(self, reason: str) -> None:
         self.stats.fallbacks[reason] += 1
@@ -208,6 +213,11 @@ class AcceleratedGenerate:
                 GenerateFallbackWarning,
                 stacklevel=4,
             )
+
+
+def _per_step(record: torch.Tensor | None, steps: int) -> tuple[torch.Tensor, ...] | None:
+    """A ``(rows, steps, vocab)`` record as generate's tuple of one ``(rows, vocab)`` a step."""
+    return None if record is None else tuple(record[:, t] for t in range(steps))
 
 
 @dataclass(frozen=True)
@@ -249,9 +259,8 @@ def resolved_config(
     if own is not None:
         config.update(**own.to_dict(), defaults_only=True, allow_custom_entries=True)
     forward_kwargs = config.update(**kwargs)
-    asked = [n for n in ("output_scores", "output_logits") if getattr(config, n, False)]
-    if asked:
-        return f"{asked} asked for: the per-step scores are left to generate"
+    if not config.return_dict_in_generate:  # generate returns scores only in its output dict
+        config.output_scores = config.output_logits = False
     ignored = RESOLVED_HERE + (BEAM_ONLY if (config.num_beams or 1) == 1 else ())
     refused = [n for n in unsupported_generation_fields(config) if n not in ignored]
     if refused:

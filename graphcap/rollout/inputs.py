@@ -72,6 +72,8 @@ CALL_FIELDS: tuple[str, ...] = (
     "pad_token_id",
     "return_logprobs",
     "stop_token_ids",
+    "output_scores",
+    "output_logits",
 )
 
 

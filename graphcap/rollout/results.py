@@ -59,7 +59,9 @@ class RolloutResult:
 
     ``finish_reasons``: "eos" (an EOS id ended the row), "stop" (one of ``stop_token_ids``) or
     "length". ``stop_token_ids``: the id that ended each row, ``None`` for "length" rows (vLLM's
-    ``stop_reason``, EOS included).
+    ``stop_reason``, EOS included). ``scores`` / ``logits`` (``SamplingParams.output_scores`` /
+    ``output_logits``): float32 ``(rows, steps + 1, vocab)``, one entry per token position the
+    call decoded (the prefill's first), as ``generate`` returns them per step.
     """
 
     sequences: torch.Tensor
@@ -69,6 +71,8 @@ class RolloutResult:
     logprobs: torch.Tensor | None
     stats: RolloutStats
     stop_token_ids: list[int | None] | None = None
+    scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 def finish_details(

@@ -43,13 +43,15 @@ class SamplerShape:
     the first call with a sampled row captures once more, and from then on every call, greedy
     or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty`` /
     ``min_new``: the step applies the repetition penalty / blocks stop ids before
-    ``min_new_tokens`` (some row had one; likewise).
+    ``min_new_tokens`` (some row had one; likewise). ``records``: the step records every step's
+    scores and logits (some call asked for them).
     """
 
     samples: bool = False
     logprobs: bool = False
     penalty: bool = False
     min_new: bool = False
+    records: bool = False
 
     def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The shape that serves both what this one served and every row of ``rows``."""
@@ -58,6 +60,7 @@ class SamplerShape:
             logprobs=self.logprobs or any(p.return_logprobs for p in rows),
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
             min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
+            records=self.records or any(p.output_scores or p.output_logits for p in rows),
         )
 
 

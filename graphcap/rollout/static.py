@@ -133,6 +133,9 @@ def collect(
     finished = state.finished[:batch].tolist()
     reasons, stops = finish_details(sequences, response, finished, params.eos_ids)
     logprobs = state.logprobs[:batch, width:total].clone() if params.return_logprobs else None
+    decoded = stats.steps + 1  # the prefill's token and one a step
+    scores = state.scores[:batch, :decoded].clone() if params.output_scores else None
+    logits = state.logits[:batch, :decoded].clone() if params.output_logits else None
     return RolloutResult(
         sequences=sequences,
         response_mask=response,
@@ -141,4 +144,6 @@ def collect(
         logprobs=logprobs,
         stats=stats,
         stop_token_ids=stops,
+        scores=scores,
+        logits=logits,
     )

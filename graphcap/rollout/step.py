@@ -31,6 +31,7 @@ from graphcap.rollout.sampling import (
     logprobs_of,
     process_scores,
     select,
+    warp,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ class DecodeState:
     stop_vocab: torch.Tensor  # (V,) bool: True at the call's EOS and stop_token_ids
     pad: torch.Tensor  # () long
     rows: RowSettings  # per-row sampling settings (written per call)
+    #: (B, L, V) float32, at the index of each chosen token: the processed scores and the raw
+    #: logits it was chosen from (only when the sampler shape records them; see ``record``)
+    scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -82,6 +87,14 @@ class DecodeState:
         )
         state.set_stop_ids(eos_ids)
         return state
+
+    def record(self) -> None:
+        """Allocate the scores and logits records (once; a ``(B, L, V)`` float32 pair)."""
+        if self.scores is None:
+            shape = (*self.sequences.shape, self.stop_vocab.shape[0])
+            device = self.sequences.device
+            self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.logits = torch.zeros(shape, dtype=torch.float32, device=device)
 
     def set_stop_ids(self, ids: tuple[int, ...]) -> None:
         """The ids that end a row (EOS and ``stop_token_ids``); outside any graph."""
@@ -163,6 +176,8 @@ class DecodeStep:
         )
         eos, pad = params.eos_ids, int(params.pad_token_id)
         state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
+        if sig.sampler.records:
+            state.record()
         return cls(model, cache, masks, state, sig.sampler, generator)
 
     allocate_state = staticmethod(DecodeState.allocate)
@@ -207,6 +222,13 @@ class DecodeStep:
         if self.sampler.logprobs:
             logp = logprobs_of(chosen, drawn_from, logits, s.rows)[:, None]
             s.logprobs.scatter_(1, column, logp.masked_fill(s.finished[:, None], 0.0))
+        if self.sampler.records:
+            # what generate returns as scores: processed, warped where the row samples
+            warped = warp(scores, s.rows) if self.sampler.samples else scores
+            processed = torch.where(s.rows.sample[:, None], warped, scores)
+            at = s.generated.view(1)
+            s.scores.index_copy_(1, at, processed[:, None])
+            s.logits.index_copy_(1, at, logits.float()[:, None])
         s.finished.logical_or_(s.stop_vocab[token])
         s.tokens.copy_(token[:, None])
         s.generated.add_(1)
