@@ -71,9 +71,69 @@ PLANTS = (
     Plant(
         "warm-up leaves its trace (no rollback before capture)",
         "graphcap/rollout/capture.py",
-        "        backend.synchronize()\n        rollback()\n",
-        "        backend.synchronize()\n",
+        '            timings["warmup_s"] = time.perf_counter() - start\n        rollback()\n',
+        '            timings["warmup_s"] = time.perf_counter() - start\n',
         ("tests/test_rollout_equivalence.py",),
+    ),
+    Plant(
+        "compile-cache file never loaded",
+        "graphcap/rollout/compile_cache.py",
+        "        loaded = _load(path)\n",
+        "        loaded = None\n",
+        (
+            "tests/test_compile_cache.py::test_a_compile_writes_the_file_and_the_next_session_loads_it",
+        ),
+    ),
+    Plant(
+        "captured steps never compile by default",
+        "graphcap/rollout/config.py",
+        "            return backend.capabilities.compile_by_default\n",
+        "            return False\n",
+        ("tests/test_compile_default.py",),
+    ),
+    Plant(
+        "compiled code kept across a host-state change",
+        "graphcap/rollout/holder.py",
+        "                    torch.compiler.reset()\n",
+        "                    pass\n",
+        ("tests/test_compile_default.py",),
+    ),
+    Plant(
+        "drop-in output not cut to generate's width",
+        "graphcap/rollout/drop_in.py",
+        "        sequences = result.sequences[:, : width + int(result.response_lengths.max())]\n",
+        "        sequences = result.sequences\n",
+        ("tests/test_drop_in.py::test_rows_that_all_stop_early_give_generates_shorter_output",),
+    ),
+    Plant(
+        "drop-in checks for finished rows every 16 steps",
+        "graphcap/rollout/drop_in.py",
+        "length_buckets=buckets or None, eos_check_interval=1",
+        "length_buckets=buckets or None, eos_check_interval=16",
+        ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
+    ),
+    Plant(
+        "finished flag not read before the first step",
+        "graphcap/rollout/static.py",
+        "    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):\n",
+        "    if False:\n",
+        ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
+    ),
+    Plant(
+        "checkpointing hook kept in the host state",
+        "graphcap/rollout/fingerprint.py",
+        "    live = {h: hook for h, hook in hooks.items() if hook_name(hook) not in INERT_HOOKS}\n",
+        "    live = dict(hooks)\n",
+        (
+            "tests/test_drop_in.py::test_the_checkpointing_hook_left_out_of_the_host_state_still_exists_and_does_nothing",
+        ),
+    ),
+    Plant(
+        "scores recorded before the repetition penalty",
+        "graphcap/rollout/step.py",
+        "            processed = torch.where(s.rows.sample[:, None], warped, scores)\n",
+        "            processed = torch.where(s.rows.sample[:, None], warped, logits.float())\n",
+        ("tests/test_rollout_scores.py::test_scores_match_generate_per_step",),
     ),
     Plant(
         "retired slot's mask row kept",
@@ -270,10 +330,9 @@ PLANTS = (
     Plant(
         "plain captures run under the backend's compiled-capture settings",
         "graphcap/rollout/holder.py",
-        "            if compiled:\n"
-        "                stack.enter_context(self.backend.compiled_capture_context())\n",
+        "            if compiled:\n                state = ",
         "            stack.enter_context(self.backend.compiled_capture_context())\n"
-        "            if compiled:\n",
+        "            if compiled:\n                state = ",
         ("tests/test_rollout_plan.py",),
     ),
     Plant(

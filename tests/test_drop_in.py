@@ -164,6 +164,29 @@ def test_rows_that_all_stop_early_give_generates_shorter_output():
     assert accelerated.stats.served == 1
 
 
+@pytest.mark.parametrize("position", [0, 2], ids=["first-token", "third-token"])
+def test_sampled_rows_that_all_end_early_draw_what_generate_draws(position):
+    """Every row ends at its first (the prefill's) or third token: the call stops where
+    generate stops, so it draws as many random numbers and the next call samples alike."""
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    torch.manual_seed(0)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True)
+    eos = sorted({EOS, *free[:, ids.shape[1] + position].tolist()})
+
+    def call():
+        first = model.generate(
+            ids, attention_mask=mask, max_new_tokens=12, do_sample=True, eos_token_id=eos
+        )
+        then = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=True)
+        return torch.cat([first, then], 1)
+
+    expected, got, accelerated, same_rng = both(model, call)
+    assert got.shape[1] <= ids.shape[1] * 2 + position + 1 + 5
+    assert_same_output(expected, got)
+    assert same_rng and accelerated.stats.served == 2
+
+
 def test_a_generation_config_object_and_keywords_resolve_as_generate_resolves_them():
     model = tiny_model("qwen2")
     ids, mask = prompts(4)
