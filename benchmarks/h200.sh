@@ -10,6 +10,10 @@
 #                    graphcap-graph-uncompiled, and hf-static-compile at batch 1 (the ratio)
 #   steps-llama-1b   the same for llama-1b
 #   steps            both of the above (two commands' worth of time)
+#   default-step     llama-8b at batch 1 (128 + 512): hf-static-compile, graphcap-graph and
+#                    graphcap-graph-uncompiled, each in a fresh process from empty caches, then
+#                    graphcap-graph again in a fresh process with the caches they left (the
+#                    default configuration's step, its cold and warm first calls, in 4 minutes)
 #   first-call       the first call in a fresh process, llama-8b and llama-1b at batch 1, 128 +
 #                    128 tokens: graphcap-graph and hf-static-compile with empty Inductor, Triton
 #                    and graphcap compile caches, then graphcap-graph again with the caches the
@@ -130,6 +134,15 @@ steps() {
 part_steps_llama_8b() { steps llama-8b 100; }
 part_steps_llama_1b() { steps llama-1b 60; }
 
+part_default_step() {
+    cold_caches
+    bench default-step-llama-8b-bs1-cold 100 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes hf-static-compile,graphcap-graph,graphcap-graph-uncompiled \
+        --compile-cache "$COMPILE_CACHE"
+    bench default-step-llama-8b-bs1-warm 60 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+}
+
 part_first_call() {
     cold_caches
     local caches model modes
@@ -229,8 +242,8 @@ part_distributed() {
 for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
-    steps-llama-8b | steps-llama-1b | first-call | kernels | split-kv-launch | checks | profile | \
-        continuous | logits | trl | distributed) parts=("${part//-/_}") ;;
+    steps-llama-8b | steps-llama-1b | default-step | first-call | kernels | split-kv-launch | \
+        checks | profile | continuous | logits | trl | distributed) parts=("${part//-/_}") ;;
     *)
         echo "unknown part $part" >&2
         exit 2
