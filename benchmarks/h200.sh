@@ -10,10 +10,11 @@
 #                    graphcap-graph-uncompiled, and hf-static-compile at batch 1 (the ratio)
 #   steps-llama-1b   the same for llama-1b
 #   steps            both of the above (two commands' worth of time)
-#   default-step     llama-8b at batch 1 (128 + 512): hf-static-compile, graphcap-graph and
+#   default-step     llama-8b at batch 1 (128 + 512): graphcap-graph and
 #                    graphcap-graph-uncompiled, each in a fresh process from empty caches, then
-#                    graphcap-graph again in a fresh process with the caches they left (the
-#                    default configuration's step, its cold and warm first calls, in 4 minutes)
+#                    graphcap-graph again in a fresh process with the caches they left, then
+#                    hf-static-compile from empty caches (the default configuration's step, its
+#                    cold and warm first calls and the ratio to HF, in about 4 minutes)
 #   first-call       the first call in a fresh process, llama-8b and llama-1b at batch 1, 128 +
 #                    128 tokens: graphcap-graph and hf-static-compile with empty Inductor, Triton
 #                    and graphcap compile caches, then graphcap-graph again with the caches the
@@ -136,11 +137,13 @@ part_steps_llama_1b() { steps llama-1b 60; }
 
 part_default_step() {
     cold_caches
-    bench default-step-llama-8b-bs1-cold 100 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
-        --isolate --modes hf-static-compile,graphcap-graph,graphcap-graph-uncompiled \
-        --compile-cache "$COMPILE_CACHE"
-    bench default-step-llama-8b-bs1-warm 60 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
+    bench default-step-llama-8b-bs1-cold 50 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes graphcap-graph,graphcap-graph-uncompiled --compile-cache "$COMPILE_CACHE"
+    bench default-step-llama-8b-bs1-warm 40 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
         --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+    cold_caches # HF's compile from empty caches too
+    bench default-step-llama-8b-bs1-hf 80 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes hf-static-compile
 }
 
 part_first_call() {
