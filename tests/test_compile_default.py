@@ -128,3 +128,12 @@ def test_a_host_state_change_discards_compiled_code_before_compiling_again(monke
     assert resets == [1] and hooked.stats.recapture_reason[0].startswith("host_state")
     assert torch.equal(hooked.sequences, eager.sequences)
     assert not torch.equal(hooked.sequences, first.sequences)
+
+
+def test_tensor_parallel_steps_compile_only_when_asked():
+    """Compiled tensor-parallel steps have not run anywhere: the default leaves them plain."""
+    config = RolloutConfig(enable_graph_capture=True)
+    object.__setattr__(config, "process_group", object())  # only its presence is read here
+    assert not config.wants_compile(CompilingBackend())
+    config.compile = True
+    assert config.wants_compile(CompilingBackend())

@@ -380,7 +380,7 @@ class RolloutConfig:
     ``compile``: ``None`` (the default) compiles captured steps where the backend declares that
     it pays (``Capabilities.compile_by_default``: CUDA), ``False`` never, ``True`` always
     (refused with the reason where the backend cannot capture compiled code). Per-position
-    graphs never compile. ``compile_cache``: where compiled code is kept between processes
+    graphs never compile; tensor-parallel steps (``process_group``) compile only when asked. ``compile_cache``: where compiled code is kept between processes
     (:mod:`graphcap.rollout.compile_cache`): ``"auto"`` is ``$GRAPHCAP_COMPILE_CACHE`` or
     ``~/.cache/graphcap/compile``, a path that directory, ``None`` none beyond torch's own
     caches. Compiled captures run the blocks around attention (each decoder layer with its
@@ -469,11 +469,13 @@ class RolloutConfig:
 
     def wants_compile(self, backend: Backend) -> bool:
         """Whether captured steps compile on ``backend``: ``compile`` where set, else the
-        backend's declared default (never for per-position graphs)."""
+        backend's declared default, except for per-position graphs (never) and tensor-parallel
+        steps (``process_group`` set: compiled TP steps have not run anywhere yet, so they
+        compile only when asked)."""
         if self.per_position_graphs:
             return False
         if self.compile is None:
-            return backend.capabilities.compile_by_default
+            return self.process_group is None and backend.capabilities.compile_by_default
         return self.compile
 
     def _check_per_position(self) -> None:
