@@ -380,7 +380,8 @@ class RolloutConfig:
     ``compile``: ``None`` (the default) compiles captured steps where the backend declares that
     it pays (``Capabilities.compile_by_default``: CUDA), ``False`` never, ``True`` always
     (refused with the reason where the backend cannot capture compiled code). Per-position
-    graphs never compile; tensor-parallel steps (``process_group``) compile only when asked. ``compile_cache``: where compiled code is kept between processes
+    graphs never compile; tensor-parallel steps (``process_group``) compile only when asked.
+    ``compile_cache``: where compiled code is kept between processes
     (:mod:`graphcap.rollout.compile_cache`): ``"auto"`` is ``$GRAPHCAP_COMPILE_CACHE`` or
     ``~/.cache/graphcap/compile``, a path that directory, ``None`` none beyond torch's own
     caches. Compiled captures run the blocks around attention (each decoder layer with its
