@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 from rollout_models import EOS, FAMILIES, prompts, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode  # private: sees every aten op
 from transformers import GenerationConfig, LogitsProcessorList, TopKLogitsWarper
 
+from graphcap.cpu.torch_internals import TorchDispatchMode
 from graphcap.errors import GenerateFallbackWarning
 from graphcap.rollout import AcceleratedGenerate, accelerate_generate, restore_generate
 from graphcap.rollout.config import GENERATE_DEFAULTS
