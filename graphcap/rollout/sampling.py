@@ -44,7 +44,9 @@ class SamplerShape:
     or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty`` /
     ``min_new``: the step applies the repetition penalty / blocks stop ids before
     ``min_new_tokens`` (some row had one; likewise). ``records``: the step records every step's
-    scores and logits (some call asked for them).
+    scores and logits (some call asked for them). ``stops``: (sequences, longest) of the
+    stop-sequence table the step matches against, (0, 0) = none; a call's own list is written
+    into it, so only a longer or larger list recaptures.
     """
 
     samples: bool = False
@@ -52,6 +54,7 @@ class SamplerShape:
     penalty: bool = False
     min_new: bool = False
     records: bool = False
+    stops: tuple[int, int] = (0, 0)
 
     def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The shape that serves both what this one served and every row of ``rows``."""
@@ -61,6 +64,10 @@ class SamplerShape:
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
             min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
             records=self.records or any(p.output_scores or p.output_logits for p in rows),
+            stops=(
+                max([self.stops[0], *(len(p.stop_sequences or ()) for p in rows)]),
+                max([self.stops[1], *(len(q) for p in rows for q in p.stop_sequences or ())]),
+            ),
         )
 
 
@@ -91,6 +98,14 @@ class RowPlan:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self.params[0].stop_ids
+
+    @property
+    def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+        return self.params[0].stop_sequences or ()
+
+    @property
+    def keep_stop_sequences(self) -> bool:
+        return self.params[0].include_stop_str_in_output
 
 
 def per_prompt_params(call: SamplingParams | Sequence[SamplingParams], rows: int) -> list:

@@ -131,7 +131,10 @@ def collect(
     response = state.response[:batch, width:total].to(torch.long)
     sequences = state.sequences[:batch, :total].clone()
     finished = state.finished[:batch].tolist()
-    reasons, stops = finish_details(sequences, response, finished, params.eos_ids)
+    hits = state.stop_hit[:batch].tolist() if state.stop_hit is not None else None
+    reasons, stops, matched = finish_details(
+        sequences, response, finished, params.eos_ids, hits, params.stop_sequences or ()
+    )
     logprobs = state.logprobs[:batch, width:total].clone() if params.return_logprobs else None
     decoded = stats.steps + 1  # the prefill's token and one a step
     scores = state.scores[:batch, :decoded].clone() if params.output_scores else None
@@ -146,4 +149,5 @@ def collect(
         stop_token_ids=stops,
         scores=scores,
         logits=logits,
+        stop_sequences=matched,
     )
