@@ -174,7 +174,10 @@ def test_logprobs_of_each_mode_equal_log_softmax_of_its_distribution():
     drawn_from[:, ::3] = -float("inf")  # truncated entries, as top-k / top-p leave them
     chosen = torch.tensor([1, 5, 38])
     modes = ["sampling", "temperature", "raw"]
-    rows = _rows(*[SamplingParams(do_sample=False, temperature=0.7, logprobs_mode=m) for m in modes], vocab=40)
+    rows = _rows(
+        *[SamplingParams(do_sample=False, temperature=0.7, logprobs_mode=m) for m in modes],
+        vocab=40,
+    )
     expected = [drawn_from[0], logits[1] / 0.7, logits[2]]
     got = logprobs_of(chosen, drawn_from, logits, rows)
     for row in range(3):

@@ -355,13 +355,12 @@ def stop_string_sequences(stop: str | Sequence[str], tokenizer: Any) -> list[lis
 
 def _stop_sequences(value: Any) -> tuple[tuple[int, ...], ...]:
     """``stop_sequences`` as a tuple of non-empty tuples of non-negative ids, else refused."""
-    sequences = [value] if isinstance(value, (str, int)) else value
     out = []
-    for seq in sequences:
+    for seq in value if isinstance(value, (list, tuple)) else [None]:
         if isinstance(seq, torch.Tensor):
             seq = seq.tolist()
         if (
-            isinstance(seq, (str, int))
+            not isinstance(seq, (list, tuple))
             or not seq
             or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in seq)
         ):
@@ -446,8 +445,9 @@ def _accepting_vllm_names(init: Any) -> Any:
     @functools.wraps(init)
     def __init__(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
         keywords = _vllm_keywords(dict(kwargs))
-        check_warpers_have_do_sample(keywords, decided=bool(args))  # args[0] is do_sample
-        init(self, *args, **keywords)
+        init(self, *args, **keywords)  # type and value checks first
+        given = {k: getattr(self, k) for k in keywords}
+        check_warpers_have_do_sample(given, decided=bool(args))  # args[0] is do_sample
 
     return __init__
 

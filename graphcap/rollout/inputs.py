@@ -304,14 +304,15 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int | None) -> tuple[torch.Tens
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in row)
         ):
             raise ValueError(
-                f"ragged prompt {i} must be a non-empty list of int token ids, got {row!r}; pass "
+                f"input_ids: ragged prompt {i} must be a non-empty list of int token ids, got "
+                f"{row!r}; pass "
                 "a list of token-id lists, or a left-padded 2-D tensor with its attention_mask"
             )
         ids.append(list(row))
     if not ids:
-        raise ValueError("input_ids is an empty list of prompts")
+        raise ValueError("input_ids is an empty list of prompts; give at least one")
     if pad is None:
-        raise ValueError("ragged prompts need a pad id: set SamplingParams(pad_token_id=...)")
+        raise ValueError("ragged input_ids need a pad id: set SamplingParams(pad_token_id=...)")
     width = max(len(row) for row in ids)
     padded = torch.tensor([[pad] * (width - len(row)) + row for row in ids], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
