@@ -72,8 +72,10 @@ def test_from_vllm_follows_vllm_meaning():
 def test_vllm_names_without_a_counterpart_are_refused_saying_what_to_do():
     assert SamplingParams(presence_penalty=0.0, frequency_penalty=0.0) == SamplingParams()
     for name in ("presence_penalty", "frequency_penalty"):
-        with pytest.raises(ValueError, match="repetition_penalty"):
-            SamplingParams(**{name: 0.5})
+        with pytest.raises(ValueError, match=rf"{name} must be in \[-2, 2\]"):
+            SamplingParams(**{name: 2.5})
+    with pytest.raises(ValueError, match="pick on the host"):
+        SamplingParams(best_of=2)
     with pytest.raises(ValueError, match=r"logprobs=0 \(or return_logprobs=True\)"):
         SamplingParams(logprobs=5)
     with pytest.raises(ValueError, match=r"forward of the model over result\.sequences"):
@@ -339,6 +341,67 @@ def test_stop_sequences_on_the_continuous_path_graph_equals_eager_and_static():
             assert torch.equal(run.response_mask, static.response_mask)
             assert run.finish_reasons == static.finish_reasons
             assert run.stop_sequences == static.stop_sequences
+
+
+# ---- presence / frequency penalties -------------------------------------------------------------
+def teacher_forced_logits(model, sequences, mask, new: int) -> torch.Tensor:
+    """(B, new, V) logits that predicted each response token, from one full forward."""
+    width = sequences.shape[1] - new
+    full = torch.cat([mask, torch.ones_like(sequences[:, width:])], dim=1)
+    positions = (full.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=full, position_ids=positions).logits
+    return logits[:, width - 1 : -1].float()
+
+
+PENALISED = [
+    {"presence_penalty": 1.5},
+    {"frequency_penalty": 2.0},
+    {"presence_penalty": -0.5, "frequency_penalty": 0.7},
+]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "opt"])
+def test_presence_and_frequency_penalties_graph_equals_eager_and_vllm_math(family):
+    model = tiny_model(family)
+    ids, mask = prompts(3, seed=6)
+    base = {"max_new_tokens": NEW, "return_logprobs": True, **NO_EOS}
+    rows = [SamplingParams(**base, **row) for row in PENALISED]
+    graph = make_engine(model).generate(ids, mask, rows)
+    eager = make_engine(model, graph=False).generate(ids, mask, rows)
+    assert graph.stats.path == "static_graph"
+    assert torch.equal(graph.sequences, eager.sequences)
+    torch.testing.assert_close(graph.logprobs, eager.logprobs, rtol=0, atol=1e-6)
+    assert not torch.equal(graph.sequences, free_run(model, ids, mask).sequences)
+    # vLLM's math, from teacher-forced logits: counts of the row's own generated tokens only
+    logits = teacher_forced_logits(model, graph.sequences, mask, NEW)
+    for r, params in enumerate(rows):
+        out = graph.responses[r].tolist()
+        for t in range(NEW):
+            counts = torch.bincount(torch.tensor(out[:t], dtype=torch.long), minlength=VOCAB)
+            scores = (
+                logits[r, t]
+                - params.frequency_penalty * counts
+                - params.presence_penalty * (counts > 0)
+            )
+            assert int(scores.argmax()) == out[t], (r, t)
+            expected = torch.log_softmax(scores, -1)[out[t]]
+            torch.testing.assert_close(graph.logprobs[r, t], expected, rtol=0, atol=1e-4)
+
+
+def test_presence_and_frequency_penalties_on_the_continuous_path_equal_the_static_path():
+    model = tiny_model("qwen2")
+    ids, mask = prompts(4, seed=3)
+    rows = [SamplingParams(max_new_tokens=NEW, **NO_EOS, **PENALISED[i % 3]) for i in range(4)]
+    static = make_engine(model, graph=False).generate(ids, mask, rows)
+    for graph in (True, False):
+        engine = make_engine(model, graph=graph, continuous_batch_size=2)
+        result = engine.generate(ids, mask, rows, request_max_new_tokens=[NEW, 3, NEW, 5])
+        for row, limit in enumerate([NEW, 3, NEW, 5]):
+            width = ids.shape[1]
+            assert torch.equal(
+                result.sequences[row, : width + limit], static.sequences[row, : width + limit]
+            ), (graph, row)
 
 
 # ---- the one table -----------------------------------------------------------------------------

@@ -53,12 +53,8 @@ VLLM_ALIASES: dict[str, str] = {
     "min_tokens": "min_new_tokens",
     "logprobs": "return_logprobs",
 }
-#: vLLM penalties graphcap does not apply: 0.0 (vLLM's "off") is accepted, anything else refused.
-VLLM_ZERO_ONLY: tuple[str, ...] = ("presence_penalty", "frequency_penalty")
 #: What to do instead of a refused vLLM name, where there is something better than "remove it".
 VLLM_INSTEAD: dict[str, str] = {
-    "presence_penalty": "use repetition_penalty (transformers' multiplicative penalty)",
-    "frequency_penalty": "use repetition_penalty (transformers' multiplicative penalty)",
     "stop": (
         "stop strings need a tokenizer: SamplingParams.from_vllm(stop=[...], tokenizer=tok), "
         "or stop_sequences=[tok.encode(s, add_special_tokens=False), ...]"
@@ -71,7 +67,6 @@ VLLM_INSTEAD: dict[str, str] = {
 }
 #: vLLM SamplingParams names with no counterpart here: refused by name, never ignored.
 VLLM_UNSUPPORTED: tuple[str, ...] = (
-    *VLLM_ZERO_ONLY,
     "stop",
     "best_of",
     "ignore_eos",
@@ -146,6 +141,9 @@ class SamplingParams:
     ``stop_sequences``: token-id sequences that end a row when its generated tokens end with
     one (matched on the device; the tokenisation of a stop string, see :meth:`from_vllm`);
     ``include_stop_str_in_output`` keeps the matched tokens in the response (vLLM's name).
+    ``presence_penalty`` / ``frequency_penalty``: vLLM's additive penalties over the tokens the
+    row generated (not the prompt), ``score - frequency * count - presence * (count > 0)``,
+    after the repetition penalty.
 
     Warpers (``temperature``, ``top_p``, ``top_k``, ``min_p``) given without ``do_sample`` are
     refused: transformers would decode greedily, vLLM would sample. Say ``do_sample=True``, or
@@ -171,6 +169,8 @@ class SamplingParams:
     output_logits: bool = False
     stop_sequences: tuple[tuple[int, ...], ...] | None = None
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -217,6 +217,11 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(
+                    f"{name} must be in [-2, 2] (vLLM's range), got {getattr(self, name)}"
+                )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.stop_token_ids is not None:
@@ -251,8 +256,7 @@ class SamplingParams:
     @classmethod
     def from_vllm(cls, *, tokenizer: Any = None, **kwargs: Any) -> SamplingParams:
         """Build from vLLM ``SamplingParams`` keywords with vLLM's meaning: sampling unless
-        ``temperature`` is 0 (vLLM's greedy), ``top_k`` of -1 or 0 disables top-k,
-        ``presence_penalty`` / ``frequency_penalty`` of 0 are off (others refused). ``stop``
+        ``temperature`` is 0 (vLLM's greedy), ``top_k`` of -1 or 0 disables top-k. ``stop``
         strings become ``stop_sequences`` through ``tokenizer`` (its ``encode``, no special
         tokens), so the engine itself needs no tokenizer. Other names as the constructor."""
         temperature = float(kwargs.pop("temperature", 1.0))
@@ -392,10 +396,7 @@ def check_warpers_have_do_sample(keywords: dict[str, Any], decided: bool = False
 
 def _vllm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Constructor keywords with vLLM's one-to-one names translated, the rest of vLLM's refused
-    (each with what to do instead); vLLM's zero penalties, which change nothing, pass."""
-    for name in VLLM_ZERO_ONLY:
-        if name in kwargs and kwargs[name] == 0:
-            del kwargs[name]
+    (each with what to do instead)."""
     refused = sorted(k for k in kwargs if k in VLLM_UNSUPPORTED)
     if refused:
         instead = "; ".join(f"{k}: {VLLM_INSTEAD[k]}" for k in refused if k in VLLM_INSTEAD)
@@ -403,7 +404,8 @@ def _vllm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
             f"SamplingParams does not support vLLM's {refused}"
             + (f" ({instead})" if instead else "; remove them")
             + f". vLLM names it accepts: {sorted(VLLM_ALIASES)}, stop_token_ids, seed, min_p, "
-            "include_stop_str_in_output and the shared sampling fields"
+            "presence_penalty, frequency_penalty, include_stop_str_in_output and the shared "
+            "sampling fields"
         )
     out: dict[str, Any] = {}
     for key, value in kwargs.items():

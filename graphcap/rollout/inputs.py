@@ -236,8 +236,8 @@ def check_prompts(
     if isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:
             raise ValueError(
-                "attention_mask is given with ragged prompts (a list of token-id lists); the "
-                "engine builds the mask itself: pass attention_mask=None"
+                "input_ids holds ragged prompts (a list of token-id lists) and attention_mask "
+                "is given; the engine builds the mask itself: pass attention_mask=None"
             )
         input_ids, attention_mask = left_pad(
             input_ids, None if params is None else params.pad_token_id

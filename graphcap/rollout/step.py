@@ -271,6 +271,7 @@ class DecodeStep:
             s.rows,
             s.sequences,
             self.masks.valid,
+            s.response,
             s.stop_vocab,
             s.generated,
             self.sampler,
