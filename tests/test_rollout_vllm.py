@@ -61,6 +61,9 @@ def test_from_vllm_follows_vllm_meaning():
     greedy = SamplingParams.from_vllm(temperature=0.0, presence_penalty=0.0, frequency_penalty=0)
     assert not greedy.do_sample
     assert SamplingParams.from_vllm(seed=3, logprobs=0).return_logprobs
+    assert SamplingParams.from_vllm(ignore_eos=True, stop_token_ids=[4]).stop_ids == (4,)
+    with pytest.raises(ValueError, match=r"eos_token_id=\[\]"):
+        SamplingParams(ignore_eos=True)
     tok = word_tokenizer()
     stops = SamplingParams.from_vllm(stop=["t5t6", "t9"], tokenizer=tok, stop_token_ids=[7])
     assert stops.stop_sequences == ((5, 6), (9,)) and stops.stop_token_ids == (7,)

@@ -64,6 +64,7 @@ VLLM_INSTEAD: dict[str, str] = {
         "result.sequences: log_softmax(model(sequences).logits[:, :-1]).gather(...)"
     ),
     "best_of": "use n (num_return_sequences) and pick on the host",
+    "ignore_eos": "use eos_token_id=[], or SamplingParams.from_vllm(ignore_eos=True, ...)",
 }
 #: vLLM SamplingParams names with no counterpart here: refused by name, never ignored.
 VLLM_UNSUPPORTED: tuple[str, ...] = (
@@ -256,7 +257,8 @@ class SamplingParams:
     @classmethod
     def from_vllm(cls, *, tokenizer: Any = None, **kwargs: Any) -> SamplingParams:
         """Build from vLLM ``SamplingParams`` keywords with vLLM's meaning: sampling unless
-        ``temperature`` is 0 (vLLM's greedy), ``top_k`` of -1 or 0 disables top-k. ``stop``
+        ``temperature`` is 0 (vLLM's greedy), ``top_k`` of -1 or 0 disables top-k,
+        ``ignore_eos=True`` sets no EOS id. ``stop``
         strings become ``stop_sequences`` through ``tokenizer`` (its ``encode``, no special
         tokens), so the engine itself needs no tokenizer. Other names as the constructor."""
         temperature = float(kwargs.pop("temperature", 1.0))
@@ -264,6 +266,8 @@ class SamplingParams:
         kwargs.setdefault("do_sample", temperature > 0)
         kwargs["temperature"] = temperature if temperature > 0 else 1.0
         kwargs["top_k"] = None if top_k in (None, -1, 0) else top_k
+        if kwargs.pop("ignore_eos", False):
+            kwargs["eos_token_id"] = []  # stop ids and stop sequences still end rows
         stop = kwargs.pop("stop", None)
         if stop:
             sequences = list(kwargs.pop("stop_sequences", None) or ())

@@ -77,7 +77,7 @@ CALL_FIELDS: tuple[str, ...] = (
     "stop_sequences",
     "include_stop_str_in_output",
 )
-#: What to do when rows differ in a call field, where splitting the call is not the only way.
+#: What to do, beyond "give every row the same value", when rows differ in a call field.
 CALL_FIELD_HINTS: dict[str, str] = {
     "num_return_sequences": (
         " (every prompt of a call gets n samples: run greedy evaluation rows and n > 1 sampled "
