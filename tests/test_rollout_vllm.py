@@ -6,6 +6,7 @@ or is refused with a message that says what to do.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,8 @@ def test_vllm_names_without_a_counterpart_are_refused_saying_what_to_do():
             SamplingParams(**{name: 2.5})
     with pytest.raises(ValueError, match="pick on the host"):
         SamplingParams(best_of=2)
-    with pytest.raises(ValueError, match=r"logprobs=0 \(or return_logprobs=True\)"):
-        SamplingParams(logprobs=5)
+    with pytest.raises(ValueError, match=r"logprobs=k\) must be in \[0, 20\]"):
+        SamplingParams(logprobs=25)
     with pytest.raises(ValueError, match=r"forward of the model over result\.sequences"):
         SamplingParams(prompt_logprobs=1)
     with pytest.raises(ValueError, match=r"from_vllm\(stop=\[\.\.\.\], tokenizer=tok\)"):
@@ -405,6 +406,46 @@ def test_presence_and_frequency_penalties_on_the_continuous_path_equal_the_stati
             assert torch.equal(
                 result.sequences[row, : width + limit], static.sequences[row, : width + limit]
             ), (graph, row)
+
+
+# ---- top-k alternative log-probs -----------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_top_logprobs_graph_equals_eager_and_log_softmax_top_k(family):
+    model = tiny_model(family)
+    ids, mask = prompts(3, seed=4)
+    width = ids.shape[1]
+    vllm = SamplingParams(logprobs=3, max_tokens=NEW)
+    assert vllm.top_logprobs == 3 and vllm.return_logprobs
+    rows = [
+        SamplingParams(max_new_tokens=NEW, logprobs=3, logprobs_mode="raw", **NO_EOS),
+        SamplingParams(
+            do_sample=True, temperature=0.7, seed=2, max_new_tokens=NEW, logprobs=3, **NO_EOS
+        ),
+        SamplingParams(max_new_tokens=NEW, logprobs=3, logprobs_mode="raw", **NO_EOS),
+    ]
+    engine = make_engine(model)
+    graph = engine.generate(ids, mask, rows)
+    eager = make_engine(model, graph=False).generate(ids, mask, rows)
+    assert graph.stats.path == "static_graph"
+    assert graph.top_logprobs.shape == (3, NEW, 3)
+    for name in ("sequences", "logprobs", "top_logprobs", "top_logprob_ids"):
+        assert torch.equal(getattr(graph, name), getattr(eager, name)), name
+    # greedy rows ("raw"): the top-3 of log_softmax(logits), the chosen token first
+    logits = teacher_forced_logits(model, graph.sequences, mask, NEW)
+    for r in (0, 2):
+        values, index = torch.log_softmax(logits[r], -1).topk(3, dim=-1)
+        assert torch.equal(graph.top_logprob_ids[r], index)
+        torch.testing.assert_close(graph.top_logprobs[r], values, rtol=0, atol=1e-4)
+        assert torch.equal(graph.top_logprob_ids[r, :, 0], graph.sequences[r, width:])
+    # the sampled row: the chosen token's log-prob is among the recorded distribution's
+    assert (graph.logprobs[1] <= graph.top_logprobs[1, :, 0] + 1e-6).all()
+    # fewer alternatives read the held records: no recapture
+    fewer = engine.generate(ids, mask, [replace(r, top_logprobs=1) for r in rows])
+    assert fewer.stats.captures == 1 and torch.equal(
+        fewer.top_logprobs, graph.top_logprobs[..., :1]
+    )
+    with pytest.raises(ValueError, match="top_logprobs"):
+        make_engine(model, continuous_batch_size=2).generate(ids, mask, rows)
 
 
 # ---- the one table -----------------------------------------------------------------------------

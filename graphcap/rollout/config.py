@@ -53,6 +53,8 @@ VLLM_ALIASES: dict[str, str] = {
     "min_tokens": "min_new_tokens",
     "logprobs": "return_logprobs",
 }
+#: The most alternatives per token ``top_logprobs`` returns (vLLM's default ``max_logprobs``).
+MAX_TOP_LOGPROBS: int = 20
 #: What to do instead of a refused vLLM name, where there is something better than "remove it".
 VLLM_INSTEAD: dict[str, str] = {
     "stop": (
@@ -144,7 +146,9 @@ class SamplingParams:
     ``include_stop_str_in_output`` keeps the matched tokens in the response (vLLM's name).
     ``presence_penalty`` / ``frequency_penalty``: vLLM's additive penalties over the tokens the
     row generated (not the prompt), ``score - frequency * count - presence * (count > 0)``,
-    after the repetition penalty.
+    after the repetition penalty. ``top_logprobs=k`` (vLLM's ``logprobs=k``): also the ``k``
+    most likely tokens of each step and their log-probs, under ``logprobs_mode``'s
+    distribution (implies ``return_logprobs``).
 
     Warpers (``temperature``, ``top_p``, ``top_k``, ``min_p``) given without ``do_sample`` are
     refused: transformers would decode greedily, vLLM would sample. Say ``do_sample=True``, or
@@ -172,6 +176,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -218,6 +223,13 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
             )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs (vLLM's logprobs=k) must be in [0, {MAX_TOP_LOGPROBS}], got "
+                f"{self.top_logprobs}"
+            )
+        if self.top_logprobs:
+            object.__setattr__(self, "return_logprobs", True)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(
@@ -416,7 +428,12 @@ def _vllm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
         name = VLLM_ALIASES.get(key, key)
         if name in out:
             raise ValueError(f"both {name!r} and its vLLM alias were given; set only one")
-        out[name] = _logprobs_flag(value) if key == "logprobs" else value
+        if key == "logprobs":
+            out[name] = value is not None and value is not False
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+                out["top_logprobs"] = value
+        else:
+            out[name] = value
     return out
 
 
@@ -433,18 +450,6 @@ def override(params: SamplingParams, changes: dict[str, Any]) -> SamplingParams:
         )
     check_warpers_have_do_sample(changes, decided=params.do_sample)
     return replace(params, **changes)
-
-
-def _logprobs_flag(value: Any) -> bool:
-    """vLLM's ``logprobs``: ``None`` = off, ``0`` = the chosen token's log-prob only."""
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if value == 0:
-        return True
-    raise ValueError(
-        f"logprobs={value!r} asks for the top {value} alternatives per token, which graphcap does "
-        "not return; use logprobs=0 (or return_logprobs=True) for the chosen token's log-prob"
-    )
 
 
 def _accepting_vllm_names(init: Any) -> Any:

@@ -72,11 +72,11 @@ class ContinuousRollout:
         """Run the call's rows (x samples) through the slots; results in request order."""
         config, holder = self.config, self.holder
         params, generator = call.params, call.generator
-        if params.output_scores or params.output_logits:
+        if params.output_scores or params.output_logits or params.top_logprobs:
             raise ValueError(
-                "output_scores / output_logits are recorded per batch row, but the continuous "
-                "path reuses rows for other requests; drop RolloutConfig.continuous_batch_size "
-                "for calls that need them"
+                "output_scores / output_logits / top_logprobs are recorded per batch row, but "
+                "the continuous path reuses rows for other requests; drop "
+                "RolloutConfig.continuous_batch_size for calls that need them"
             )
         slots = int(config.continuous_batch_size)
         repeats = params.num_return_sequences

@@ -76,6 +76,7 @@ CALL_FIELDS: tuple[str, ...] = (
     "output_logits",
     "stop_sequences",
     "include_stop_str_in_output",
+    "top_logprobs",
 )
 #: What to do, beyond "give every row the same value", when rows differ in a call field.
 CALL_FIELD_HINTS: dict[str, str] = {
@@ -347,6 +348,11 @@ def check_vocab_ids(model: PreTrainedModel, params: SamplingParams) -> None:
         ("stop_token_ids", params.stop_token_ids or ()),
         ("stop_sequences", [i for seq in params.stop_sequences or () for i in seq]),
     )
+    if params.top_logprobs > vocab:
+        raise ValueError(
+            f"top_logprobs {params.top_logprobs} asks for more alternatives than the "
+            f"vocabulary [0, {vocab}) has"
+        )
     for name, ids in checks:
         for token in ids:
             if not 0 <= int(token) < vocab:

@@ -61,7 +61,10 @@ class RolloutResult:
     ``stop_sequences``) or "length". ``stop_token_ids``: the id that ended each row, ``None``
     for "length" rows and rows a stop sequence ended (vLLM's ``stop_reason``, EOS included);
     ``stop_sequences``: the stop sequence that ended each row, else ``None`` (only when the
-    call had some). ``scores`` / ``logits`` (``SamplingParams.output_scores`` /
+    call had some). ``top_logprobs`` / ``top_logprob_ids`` (``SamplingParams.top_logprobs=k``,
+    vLLM's ``logprobs=k``): ``(rows, max_new_tokens, k)``, the ``k`` most likely tokens at each
+    response position, most likely first, under ``logprobs_mode``'s distribution (0 outside
+    the response). ``scores`` / ``logits`` (``SamplingParams.output_scores`` /
     ``output_logits``): float32 ``(rows, steps + 1, vocab)``, one entry per token position the
     call decoded (the prefill's first), as ``generate`` returns them per step.
     """
@@ -76,6 +79,8 @@ class RolloutResult:
     scores: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     stop_sequences: list[tuple[int, ...] | None] | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
 
     @property
     def responses(self) -> torch.Tensor:

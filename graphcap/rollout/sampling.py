@@ -36,7 +36,7 @@ GOLDEN32 = 0x9E3779B9
 
 @dataclass(frozen=True)
 class SamplerShape:
-    """What the sampler adds to the graph signature: four facts that only ever grow per engine.
+    """What the sampler adds to the graph signature: facts that only ever grow per engine.
 
     ``samples``: the step contains the sampling branch (one vocabulary sort per step for top-k /
     top-p, the shared generator's draw, the hash draw). A greedy-only engine never pays for it;
@@ -44,10 +44,12 @@ class SamplerShape:
     or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty`` /
     ``min_new``: the step applies the repetition penalty / blocks stop ids before
     ``min_new_tokens`` (some row had one; likewise); ``output_penalty``: vLLM's presence and
-    frequency penalties (likewise). ``records``: the step records every step's
-    scores and logits (some call asked for them). ``stops``: (sequences, longest) of the
-    stop-sequence table the step matches against, (0, 0) = none; a call's own list is written
-    into it, so only a longer or larger list recaptures.
+    frequency penalties (likewise); ``top_logprobs``: how many alternatives per token the step
+    records (the most any call asked for; a call asking fewer reads the first ones).
+    ``records``: the step records every step's scores and logits (some call asked for them).
+    ``stops``: (sequences, longest) of the stop-sequence table the step matches against,
+    (0, 0) = none; a call's own list is written into it, so only a longer or larger list
+    recaptures.
     """
 
     samples: bool = False
@@ -57,6 +59,7 @@ class SamplerShape:
     records: bool = False
     stops: tuple[int, int] = (0, 0)
     output_penalty: bool = False
+    top_logprobs: int = 0
 
     def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The shape that serves both what this one served and every row of ``rows``."""
@@ -66,6 +69,7 @@ class SamplerShape:
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
             min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
             records=self.records or any(p.output_scores or p.output_logits for p in rows),
+            top_logprobs=max([self.top_logprobs, *(p.top_logprobs for p in rows)]),
             output_penalty=self.output_penalty
             or any(p.presence_penalty or p.frequency_penalty for p in rows),
             stops=(
@@ -415,16 +419,16 @@ def select(
     return chosen, torch.where(rows.sample[:, None], warped, scores)
 
 
-def logprobs_of(
-    chosen: torch.Tensor, drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
+def logprob_distribution(
+    drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
 ) -> torch.Tensor:
-    """Log-prob of each chosen token (B,) under the row's ``logprobs_mode``: the distribution
-    it was drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides
-    by 1 (exact), so one division and one selection serve the three modes."""
+    """(B, V) log-probs under the row's ``logprobs_mode``: the distribution the token was
+    drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides by 1
+    (exact), so one division and one selection serve the three modes."""
     mode = rows.logprobs_mode[:, None]
     divisor = torch.where(mode == 1, rows.logprob_temperature[:, None], 1.0)
     source = torch.where(mode == 0, drawn_from, logits.float() / divisor)
-    return torch.log_softmax(source, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+    return torch.log_softmax(source, dim=-1)
 
 
 @contextmanager

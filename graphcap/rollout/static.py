@@ -136,6 +136,9 @@ def collect(
         sequences, response, finished, params.eos_ids, hits, params.stop_sequences or ()
     )
     logprobs = state.logprobs[:batch, width:total].clone() if params.return_logprobs else None
+    k = params.top_logprobs
+    top = (state.top_values, state.top_ids) if k else (None, None)
+    top = tuple(None if t is None else t[:batch, width:total, :k].clone() for t in top)
     decoded = stats.steps + 1  # the prefill's token and one a step
     scores = state.scores[:batch, :decoded].clone() if params.output_scores else None
     logits = state.logits[:batch, :decoded].clone() if params.output_logits else None
@@ -150,4 +153,6 @@ def collect(
         scores=scores,
         logits=logits,
         stop_sequences=matched,
+        top_logprobs=top[0],
+        top_logprob_ids=top[1],
     )

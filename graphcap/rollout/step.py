@@ -28,7 +28,7 @@ from graphcap.rollout.sampling import (
     RowSettings,
     SamplerShape,
     argmax_rows,
-    logprobs_of,
+    logprob_distribution,
     process_scores,
     select,
     warp,
@@ -65,6 +65,10 @@ class DecodeState:
     stop_table: torch.Tensor | None = None
     stop_keep: torch.Tensor | None = None  # () bool: matched tokens stay in the response
     stop_hit: torch.Tensor | None = None  # (B,) long: the stop sequence that ended a row, -1
+    #: (B, L, K): the K most likely tokens' log-probs and ids at each chosen token's column
+    #: (only when the sampler shape records alternatives; see ``alternatives``)
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -100,6 +104,13 @@ class DecodeState:
             device = self.sequences.device
             self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
             self.logits = torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def alternatives(self, count: int) -> None:
+        """Allocate the top-``count`` log-prob records (once per step shape)."""
+        shape = (*self.sequences.shape, count)
+        device = self.sequences.device
+        self.top_values = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(shape, dtype=torch.long, device=device)
 
     def stop_sequence_table(self, sequences: int, longest: int) -> None:
         """Allocate the stop-sequence table (once per step shape)."""
@@ -152,6 +163,9 @@ class DecodeState:
         self.response.masked_fill_(drop, False)
         self.sequences.masked_fill_(drop, self.pad)
         self.logprobs.masked_fill_(drop, 0.0)
+        if self.top_values is not None:
+            self.top_values.masked_fill_(drop[..., None], 0.0)
+            self.top_ids.masked_fill_(drop[..., None], 0)
         self.finished.logical_or_(hit)
 
     def set_stop_ids(self, ids: tuple[int, ...]) -> None:
@@ -180,6 +194,9 @@ class DecodeState:
         self.sequences[:, :width].copy_(prompt_ids)
         self.response.zero_()
         self.logprobs.zero_()
+        if self.top_values is not None:
+            self.top_values.zero_()
+            self.top_ids.zero_()
         self.positions.copy_(next_positions.view(-1, 1))
         self.tokens.zero_()
         self.generated.zero_()
@@ -239,6 +256,8 @@ class DecodeStep:
         state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
         if sig.sampler.records:
             state.record()
+        if sig.sampler.top_logprobs:
+            state.alternatives(sig.sampler.top_logprobs)
         if sig.sampler.stops != (0, 0):
             state.stop_sequence_table(*sig.sampler.stops)
         return cls(model, cache, masks, state, sig.sampler, generator)
@@ -261,6 +280,7 @@ class DecodeStep:
             self.masks.valid,
             *self.masks.outputs.values(),
             *([s.stop_hit] if s.stop_hit is not None else []),
+            *([s.top_values, s.top_ids] if s.top_values is not None else []),
         ]
 
     def commit(self, logits: torch.Tensor) -> None:
@@ -285,8 +305,15 @@ class DecodeStep:
         s.sequences.scatter_(1, column, token[:, None])
         s.response.scatter_(1, column, ~s.finished[:, None])
         if self.sampler.logprobs:
-            logp = logprobs_of(chosen, drawn_from, logits, s.rows)[:, None]
+            dist = logprob_distribution(drawn_from, logits, s.rows)
+            logp = dist.gather(1, chosen[:, None])
             s.logprobs.scatter_(1, column, logp.masked_fill(s.finished[:, None], 0.0))
+            if s.top_values is not None:
+                values, ids = dist.topk(s.top_values.shape[-1], dim=-1)
+                idle = s.finished[:, None, None]
+                at = column[:, :, None].expand(-1, 1, values.shape[-1])
+                s.top_values.scatter_(1, at, values[:, None].masked_fill(idle, 0.0))
+                s.top_ids.scatter_(1, at, ids[:, None].masked_fill(idle, 0))
         if self.sampler.records:
             # what generate returns as scores: processed, warped where the row samples
             warped = warp(scores, s.rows) if self.sampler.samples else scores
