@@ -179,7 +179,9 @@ def test_greedy_ignores_warper_settings_and_reuses_the_graph():
     engine = make_engine(model)
     ids, mask = prompts(3)
     first = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
-    warped = SamplingParams(max_new_tokens=NEW, temperature=0.3, top_p=0.5, top_k=4, **NO_EOS)
+    warped = SamplingParams(
+        max_new_tokens=NEW, do_sample=False, temperature=0.3, top_p=0.5, top_k=4, **NO_EOS
+    )
     second = engine.generate(ids, mask, warped)
     assert second.stats.captures == 1 and second.stats.recapture_reason == []
     assert torch.equal(first.sequences, second.sequences)

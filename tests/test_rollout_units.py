@@ -24,7 +24,7 @@ from graphcap.rollout.sampling import (
     RowSettings,
     SamplerShape,
     argmax_rows,
-    logprobs_of,
+    logprob_distribution,
     repetition_penalty,
     sanitise,
     stops_blocked,
@@ -167,16 +167,19 @@ def test_repetition_penalty_matches_transformers_and_skips_unwritten_slots():
     assert torch.equal(scores, before)  # the caller's logits are not written
 
 
-def test_logprobs_of_each_mode_equal_log_softmax_of_its_distribution():
+def test_logprob_distribution_of_each_mode_is_log_softmax_of_its_distribution():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 40, generator=gen) * 4
     drawn_from = logits / 0.7
     drawn_from[:, ::3] = -float("inf")  # truncated entries, as top-k / top-p leave them
     chosen = torch.tensor([1, 5, 38])
     modes = ["sampling", "temperature", "raw"]
-    rows = _rows(*[SamplingParams(temperature=0.7, logprobs_mode=m) for m in modes], vocab=40)
+    rows = _rows(
+        *[SamplingParams(do_sample=False, temperature=0.7, logprobs_mode=m) for m in modes],
+        vocab=40,
+    )
     expected = [drawn_from[0], logits[1] / 0.7, logits[2]]
-    got = logprobs_of(chosen, drawn_from, logits, rows)
+    got = logprob_distribution(drawn_from, logits, rows).gather(1, chosen[:, None]).squeeze(1)
     for row in range(3):
         reference = torch.log_softmax(expected[row], dim=-1)[chosen[row]]
         torch.testing.assert_close(got[row], reference, rtol=0, atol=1e-6, msg=modes[row])

@@ -11,6 +11,7 @@ import functools
 import math
 import numbers
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ GENERATION_CONFIG_FIELDS: tuple[str, ...] = (
     "min_p",
     "output_scores",
     "output_logits",
+    "stop_strings",
 )
 #: Fields accepted and ignored because they cannot change a decoder-only continuation.
 GENERATION_CONFIG_IGNORED: tuple[str, ...] = ("bos_token_id", "use_cache", "transformers_version")
@@ -51,10 +53,23 @@ VLLM_ALIASES: dict[str, str] = {
     "min_tokens": "min_new_tokens",
     "logprobs": "return_logprobs",
 }
+#: The most alternatives per token ``top_logprobs`` returns (vLLM's default ``max_logprobs``).
+MAX_TOP_LOGPROBS: int = 20
+#: What to do instead of a refused vLLM name, where there is something better than "remove it".
+VLLM_INSTEAD: dict[str, str] = {
+    "stop": (
+        "stop strings need a tokenizer: SamplingParams.from_vllm(stop=[...], tokenizer=tok), "
+        "or stop_sequences=[tok.encode(s, add_special_tokens=False), ...]"
+    ),
+    "prompt_logprobs": (
+        "score the prompt (e.g. for a reference-model KL) with one forward of the model over "
+        "result.sequences: log_softmax(model(sequences).logits[:, :-1]).gather(...)"
+    ),
+    "best_of": "use n (num_return_sequences) and pick on the host",
+    "ignore_eos": "use eos_token_id=[], or SamplingParams.from_vllm(ignore_eos=True, ...)",
+}
 #: vLLM SamplingParams names with no counterpart here: refused by name, never ignored.
 VLLM_UNSUPPORTED: tuple[str, ...] = (
-    "presence_penalty",
-    "frequency_penalty",
     "stop",
     "best_of",
     "ignore_eos",
@@ -62,7 +77,6 @@ VLLM_UNSUPPORTED: tuple[str, ...] = (
     "logit_bias",
     "allowed_token_ids",
     "bad_words",
-    "include_stop_str_in_output",
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "detokenize",
@@ -127,6 +141,18 @@ class SamplingParams:
     ``output_logits``: the result also holds every step's processed scores / raw logits, as
     ``generate(output_scores=True)`` / ``output_logits=True`` return them (float32,
     ``(rows, max_new_tokens, vocab)``: recorded inside the step, so they cost that memory).
+    ``stop_sequences``: token-id sequences that end a row when its generated tokens end with
+    one (matched on the device; the tokenisation of a stop string, see :meth:`from_vllm`);
+    ``include_stop_str_in_output`` keeps the matched tokens in the response (vLLM's name).
+    ``presence_penalty`` / ``frequency_penalty``: vLLM's additive penalties over the tokens the
+    row generated (not the prompt), ``score - frequency * count - presence * (count > 0)``,
+    after the repetition penalty. ``top_logprobs=k`` (vLLM's ``logprobs=k``): also the ``k``
+    most likely tokens of each step and their log-probs, under ``logprobs_mode``'s
+    distribution (implies ``return_logprobs``).
+
+    Warpers (``temperature``, ``top_p``, ``top_k``, ``min_p``) given without ``do_sample`` are
+    refused: transformers would decode greedily, vLLM would sample. Say ``do_sample=True``, or
+    build from vLLM keywords with :meth:`from_vllm`.
     """
 
     do_sample: bool = False
@@ -146,6 +172,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     output_scores: bool = False
     output_logits: bool = False
+    stop_sequences: tuple[tuple[int, ...], ...] | None = None
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -168,7 +199,10 @@ class SamplingParams:
                 "(SamplingParams.from_vllm maps vLLM's temperature=0 to greedy)"
             )
         if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k}")
+            raise ValueError(
+                f"top_k must be >= 0 (0 or None disables it), got {self.top_k}; for vLLM's "
+                "top_k=-1 (off) use top_k=None, or SamplingParams.from_vllm(top_k=-1, ...)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.repetition_penalty > 0:
@@ -177,7 +211,8 @@ class SamplingParams:
         if self.num_return_sequences > 1 and not self.do_sample:
             raise ValueError(
                 "num_return_sequences > 1 with greedy decoding would return identical copies; "
-                "set do_sample=True"
+                "set do_sample=True (SamplingParams.from_vllm(n=..., temperature=...) samples "
+                "as vLLM does)"
             )
 
     def _check_sampling_extras(self) -> None:
@@ -188,6 +223,18 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
             )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs (vLLM's logprobs=k) must be in [0, {MAX_TOP_LOGPROBS}], got "
+                f"{self.top_logprobs}"
+            )
+        if self.top_logprobs:
+            object.__setattr__(self, "return_logprobs", True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(
+                    f"{name} must be in [-2, 2] (vLLM's range), got {getattr(self, name)}"
+                )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.stop_token_ids is not None:
@@ -197,6 +244,8 @@ class SamplingParams:
                     f"stop_token_ids must be a list of non-negative token ids, got {ids!r}"
                 )
             object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.stop_sequences is not None:
+            object.__setattr__(self, "stop_sequences", _stop_sequences(self.stop_sequences))
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -218,33 +267,44 @@ class SamplingParams:
         return (self.top_k or 0) if self.do_sample else 0
 
     @classmethod
-    def from_vllm(cls, **kwargs: Any) -> SamplingParams:
+    def from_vllm(cls, *, tokenizer: Any = None, **kwargs: Any) -> SamplingParams:
         """Build from vLLM ``SamplingParams`` keywords with vLLM's meaning: sampling unless
-        ``temperature`` is 0 (vLLM's greedy), ``top_k`` of -1 or 0 disables top-k. Other names
-        as the constructor (aliases translated, unsupported vLLM names refused)."""
+        ``temperature`` is 0 (vLLM's greedy), ``top_k`` of -1 or 0 disables top-k,
+        ``ignore_eos=True`` sets no EOS id. ``stop``
+        strings become ``stop_sequences`` through ``tokenizer`` (its ``encode``, no special
+        tokens), so the engine itself needs no tokenizer. Other names as the constructor."""
         temperature = float(kwargs.pop("temperature", 1.0))
         top_k = kwargs.pop("top_k", None)
         kwargs.setdefault("do_sample", temperature > 0)
         kwargs["temperature"] = temperature if temperature > 0 else 1.0
         kwargs["top_k"] = None if top_k in (None, -1, 0) else top_k
+        if kwargs.pop("ignore_eos", False):
+            kwargs["eos_token_id"] = []  # stop ids and stop sequences still end rows
+        stop = kwargs.pop("stop", None)
+        if stop:
+            sequences = list(kwargs.pop("stop_sequences", None) or ())
+            kwargs["stop_sequences"] = sequences + stop_string_sequences(stop, tokenizer)
         return cls(**kwargs)
 
     @classmethod
     def from_generation_config(
-        cls, config: GenerationConfig, *, return_logprobs: bool = False, seed: int | None = None
+        cls,
+        config: GenerationConfig,
+        *,
+        return_logprobs: bool = False,
+        seed: int | None = None,
+        tokenizer: Any = None,
     ) -> SamplingParams:
-        """Convert a ``GenerationConfig`` through the allow-list, with generate's defaults."""
+        """Convert a ``GenerationConfig`` through the allow-list, with generate's defaults
+        (``max_new_tokens`` unset: 16, as ``engine.generate`` without ``sampling``).
+        ``stop_strings`` need ``tokenizer``, as in ``generate``; they are kept in the output,
+        as generate keeps them."""
         refused = unsupported_generation_fields(config)
         if refused:
             raise ValueError(
                 f"GenerationConfig field(s) {refused} are not supported by graphcap's rollout "
                 f"engine; supported fields are {list(GENERATION_CONFIG_FIELDS)}. Remove them "
                 "(or use model.generate() for those features)."
-            )
-        if config.max_new_tokens is None:
-            raise ValueError(
-                "GenerationConfig.max_new_tokens is not set; graphcap needs max_new_tokens "
-                "(max_length is not supported)"
             )
         do_sample = bool(config.do_sample)
         top_k = config.top_k
@@ -260,7 +320,7 @@ class SamplingParams:
             else float(config.repetition_penalty),
             "eos_token_id": config.eos_token_id,
             "pad_token_id": config.pad_token_id,
-            "max_new_tokens": int(config.max_new_tokens),
+            "max_new_tokens": int(config.max_new_tokens or cls.max_new_tokens),
             "min_new_tokens": int(config.min_new_tokens or 0),
             "num_return_sequences": int(config.num_return_sequences or 1),
             "min_p": 0.0 if config.min_p is None else float(config.min_p),
@@ -269,6 +329,9 @@ class SamplingParams:
             "return_logprobs": return_logprobs,
             "seed": seed,
         }
+        if config.stop_strings:
+            values["stop_sequences"] = stop_string_sequences(config.stop_strings, tokenizer)
+            values["include_stop_str_in_output"] = True
         return cls(**values)
 
     def resolved(self, eos_default: Any, pad_default: int | None) -> SamplingParams:
@@ -286,40 +349,116 @@ class SamplingParams:
         return replace(params, pad_token_id=int(pad))
 
 
+#: Warpers whose values differ in meaning between transformers (greedy unless do_sample) and
+#: vLLM (sampling unless temperature is 0), with the value that means "off" in both.
+WARPER_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "temperature": (1.0, 0.0),
+    "top_p": (1.0,),
+    "top_k": (None, 0),
+    "min_p": (0.0,),
+}
+
+
+def stop_string_sequences(stop: str | Sequence[str], tokenizer: Any) -> list[list[int]]:
+    """Each stop string's token ids (``tokenizer.encode``, no special tokens)."""
+    strings = [stop] if isinstance(stop, str) else list(stop)
+    if tokenizer is None:
+        raise ValueError(
+            f"stop strings {strings!r} need a tokenizer to become token sequences: pass "
+            "tokenizer=... (the engine itself stays tokenizer-free), or give "
+            "stop_sequences=[tokenizer.encode(s, add_special_tokens=False), ...]"
+        )
+    if not all(isinstance(text, str) and text for text in strings):
+        raise ValueError(f"stop strings must be non-empty strings, got {strings!r}")
+    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in strings]
+
+
+def _stop_sequences(value: Any) -> tuple[tuple[int, ...], ...]:
+    """``stop_sequences`` as a tuple of non-empty tuples of non-negative ids, else refused."""
+    out = []
+    for seq in value if isinstance(value, (list, tuple)) else [None]:
+        if isinstance(seq, torch.Tensor):
+            seq = seq.tolist()
+        if (
+            not isinstance(seq, (list, tuple))
+            or not seq
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in seq)
+        ):
+            raise ValueError(
+                "stop_sequences must be a list of non-empty token-id lists (e.g. "
+                f"[[13, 29]]), got {value!r}; for stop strings use "
+                "SamplingParams.from_vllm(stop=[...], tokenizer=tok)"
+            )
+        out.append(tuple(seq))
+    return tuple(out)
+
+
+def check_warpers_have_do_sample(keywords: dict[str, Any], decided: bool = False) -> None:
+    """Refuse warpers set without ``do_sample`` (unless ``decided`` elsewhere): transformers would
+    decode greedily, vLLM would sample, so either reading is a silent surprise for someone."""
+    if "do_sample" in keywords or decided:
+        return
+    set_ = sorted(
+        k for k, off in WARPER_NEUTRAL.items() if k in keywords and keywords[k] not in off
+    )
+    if set_:
+        given = ", ".join(f"{k}={keywords[k]!r}" for k in set_)
+        raise ValueError(
+            f"{given} without do_sample is ambiguous: transformers decodes greedily, vLLM "
+            "samples. Say do_sample=True to sample (do_sample=False for greedy), or use "
+            f"SamplingParams.from_vllm({given}, ...) for vLLM's meaning"
+        )
+
+
 def _vllm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Constructor keywords with vLLM's one-to-one names translated, the rest of vLLM's refused."""
+    """Constructor keywords with vLLM's one-to-one names translated, the rest of vLLM's refused
+    (each with what to do instead)."""
     refused = sorted(k for k in kwargs if k in VLLM_UNSUPPORTED)
     if refused:
+        instead = "; ".join(f"{k}: {VLLM_INSTEAD[k]}" for k in refused if k in VLLM_INSTEAD)
         raise ValueError(
-            f"SamplingParams does not support vLLM's {refused}; remove them (vLLM names it "
-            f"accepts: {sorted(VLLM_ALIASES)}, stop_token_ids, seed, min_p and the shared "
-            "sampling fields)"
+            f"SamplingParams does not support vLLM's {refused}"
+            + (f" ({instead})" if instead else "; remove them")
+            + f". vLLM names it accepts: {sorted(VLLM_ALIASES)}, stop_token_ids, seed, min_p, "
+            "presence_penalty, frequency_penalty, include_stop_str_in_output and the shared "
+            "sampling fields"
         )
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         name = VLLM_ALIASES.get(key, key)
         if name in out:
             raise ValueError(f"both {name!r} and its vLLM alias were given; set only one")
-        out[name] = _logprobs_flag(value) if key == "logprobs" else value
+        if key == "logprobs":
+            out[name] = value is not None and value is not False
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+                out["top_logprobs"] = value
+        else:
+            out[name] = value
     return out
 
 
-def _logprobs_flag(value: Any) -> bool:
-    """vLLM's ``logprobs``: ``None`` = off, ``0`` = the chosen token's log-prob only."""
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if value == 0:
-        return True
-    raise ValueError(
-        f"logprobs={value!r} asks for the top {value} alternatives per token, which graphcap does "
-        "not return; use logprobs=0 (or return_logprobs=True) for the chosen token's log-prob"
-    )
+def override(params: SamplingParams, changes: dict[str, Any]) -> SamplingParams:
+    """``params`` with ``changes`` (field names or vLLM aliases), as ``generate``'s keyword
+    arguments update its generation config; warpers on a greedy base need ``do_sample``."""
+    changes = _vllm_keywords(dict(changes))
+    unknown = sorted(set(changes) - {f.name for f in fields(SamplingParams)})
+    if unknown:
+        raise TypeError(
+            f"generate() got unexpected keyword arguments {unknown}; it takes SamplingParams "
+            f"fields ({sorted(f.name for f in fields(SamplingParams))}) and vLLM's "
+            f"{sorted(VLLM_ALIASES)}"
+        )
+    check_warpers_have_do_sample(changes, decided=params.do_sample)
+    return replace(params, **changes)
 
 
 def _accepting_vllm_names(init: Any) -> Any:
     @functools.wraps(init)
     def __init__(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **_vllm_keywords(kwargs))
+        keywords = _vllm_keywords(dict(kwargs))
+        init(self, *args, **keywords)  # type and value checks first
+        given = {k: getattr(self, k) for k in keywords}
+        check_warpers_have_do_sample(given, decided=bool(args))  # args[0] is do_sample
 
     return __init__
 

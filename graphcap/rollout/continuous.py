@@ -72,11 +72,11 @@ class ContinuousRollout:
         """Run the call's rows (x samples) through the slots; results in request order."""
         config, holder = self.config, self.holder
         params, generator = call.params, call.generator
-        if params.output_scores or params.output_logits:
+        if params.output_scores or params.output_logits or params.top_logprobs:
             raise ValueError(
-                "output_scores / output_logits are recorded per batch row, but the continuous "
-                "path reuses rows for other requests; drop RolloutConfig.continuous_batch_size "
-                "for calls that need them"
+                "output_scores / output_logits / top_logprobs are recorded per batch row, but "
+                "the continuous path reuses rows for other requests; drop "
+                "RolloutConfig.continuous_batch_size for calls that need them"
             )
         slots = int(config.continuous_batch_size)
         repeats = params.num_return_sequences
@@ -115,6 +115,7 @@ class ContinuousRollout:
         out_seq = torch.full((rows, width + max_new), int(params.pad_token_id), device=device)
         out_resp = torch.zeros((rows, max_new), dtype=torch.bool, device=device)
         out_logp = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        out_hit = torch.full((rows,), -1, dtype=torch.long, device=device)
         table = SlotTable.empty(slots)
         first = queue.take(slots)
         prefill = self._prefill(queue, first)
@@ -126,9 +127,12 @@ class ContinuousRollout:
         )
         assert isinstance(step, ContinuousStep)
         step.state.set_stop_ids(params.stop_ids)
+        step.state.set_stop_sequences(
+            params.stop_sequences or (), params.include_stop_str_in_output
+        )
         clear_slots(step, torch.arange(slots, device=device))
         self._fill(step, table, queue, first, 0, prefill)
-        outputs = (out_seq, out_resp, out_logp)
+        outputs = (out_seq, out_resp, out_logp, out_hit)
         if table.due_by(0):  # budget-1 requests are done at their first token
             self._service(step, table, queue, outputs, 0, align, trim, read=False)
         stats.prefill_s = time.perf_counter() - start
@@ -166,7 +170,7 @@ class ContinuousRollout:
         stats.slots_refilled = table.refilled
         stats.moved_columns = table.moved_columns
         stats.mean_span = attended / stats.steps if stats.steps else float(total)
-        return _result(out_seq, out_resp, out_logp, width, params, stats, slots)
+        return _result(outputs, width, params, stats, slots)
 
     def _fill(
         self,
@@ -234,7 +238,7 @@ class ContinuousRollout:
         step: ContinuousStep,
         table: SlotTable,
         queue: _Queue,
-        outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        outputs: tuple[torch.Tensor, ...],
         now: int,
         align: bool,
         trim: bool,
@@ -272,10 +276,10 @@ class ContinuousRollout:
         step: ContinuousStep,
         table: SlotTable,
         done: list[int],
-        outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        outputs: tuple[torch.Tensor, ...],
         queue: _Queue,
     ) -> None:
-        out_seq, out_resp, out_logp = outputs
+        out_seq, out_resp, out_logp, out_hit = outputs
         width, max_new = queue.ids.shape[1], out_resp.shape[1]
         s = step.state
         for slot in done:
@@ -286,6 +290,8 @@ class ContinuousRollout:
             out_seq[request, width:] = s.sequences[slot, first : first + max_new]
             out_resp[request] = s.response[slot, first : first + max_new]
             out_logp[request] = s.logprobs[slot, first : first + max_new]
+            if s.stop_hit is not None:
+                out_hit[request] = s.stop_hit[slot]
             table.request[slot] = -1
             table.start[slot] = 0
         clear_slots(step, torch.tensor(done, dtype=torch.long, device=out_seq.device))
@@ -334,20 +340,26 @@ class ContinuousRollout:
 
 
 def _result(
-    out_seq: torch.Tensor,
-    out_resp: torch.Tensor,
-    out_logp: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
     width: int,
     params: SamplingParams,
     stats: RolloutStats,
     slots: int,
 ) -> RolloutResult:
+    out_seq, out_resp, out_logp, out_hit = outputs
     lengths = out_resp.sum(-1)
     last = (lengths - 1).clamp(min=0)
     last_token = out_seq[:, width:].gather(1, last[:, None]).squeeze(1)
     stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=out_seq.device)
     stopped = ((last_token[:, None] == stop_ids).any(-1) & (lengths > 0)).tolist()
-    reasons, stops = finish_details(out_seq, out_resp.to(torch.long), stopped, params.eos_ids)
+    reasons, stops, matched = finish_details(
+        out_seq,
+        out_resp.to(torch.long),
+        stopped,
+        params.eos_ids,
+        out_hit.tolist(),
+        params.stop_sequences or (),
+    )
     useful = int((lengths - 1).clamp(min=0).sum())
     stats.occupancy = useful / (slots * stats.steps) if stats.steps else 1.0
     return RolloutResult(
@@ -358,6 +370,7 @@ def _result(
         logprobs=out_logp if params.return_logprobs else None,
         stats=stats,
         stop_token_ids=stops,
+        stop_sequences=matched,
     )
 
 

@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig
@@ -28,6 +28,7 @@ from graphcap.rollout.fusion import ProjectionFusion
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.inputs import (
     Call,
+    apply_overrides,
     check_generator,
     check_prompts,
     check_vocab_ids,
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 
 #: ``recapture_reason`` of the first capturing call after ``sleep``
 WOKE = "woke from sleep"
+#: vLLM's ``wake_up`` tags
+WAKE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 
 
 def resolve_backend(backend: Backend | str | None) -> Backend:
@@ -84,20 +87,30 @@ class RolloutEngine:
 
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | Sequence[Sequence[int]],
         attention_mask: torch.Tensor | None = None,
         sampling: SamplingParams | GenerationConfig | Sequence[SamplingParams] | None = None,
         generator: torch.Generator | None = None,
         *,
         request_max_new_tokens: Sequence[int] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **overrides: Any,
     ) -> RolloutResult:
-        """Generate continuations of left-padded prompts (see docs/rollout.md).
+        """Generate continuations of left-padded prompts, or of ragged ones (a list of token-id
+        lists, padded here); see docs/rollout.md.
 
         ``request_max_new_tokens`` (continuous path only): each prompt's own token budget.
+        ``sampling_params``: vLLM's name for ``sampling``. ``overrides``: SamplingParams fields
+        (or vLLM aliases) over ``sampling``, as ``model.generate(max_new_tokens=8)``.
         """
+        if sampling_params is not None:
+            if sampling is not None:
+                raise TypeError("give sampling or sampling_params (vLLM's name), not both")
+            sampling = sampling_params
         with self._lock:
             self._check_open()
             start = time.perf_counter()
+            sampling = apply_overrides(self.model, sampling, overrides)
             params = resolve_sampling(self.model, sampling)
             device = self.backend.device
             scan = scan_model(self.model)
@@ -137,27 +150,36 @@ class RolloutEngine:
                 stats.first_call_s = stats.total_s
             return result
 
-    def sleep(self) -> None:
+    def sleep(self, level: int = 1) -> None:
         """Free the KV cache, masks, decode buffers and graphs until the next ``generate``.
 
         For a trainer that needs the memory back while it trains (vLLM's ``sleep``). The
-        weights are the caller's and stay untouched; the freed memory goes back to the device
-        through ``backend.empty_cache()``. The next ``generate`` allocates and captures again
-        (``stats.captured``, ``capture_s``, ``first_call_s``; ``recapture_reason`` starts with
-        ``"woke from sleep"``). Not freed: the weights, ``torch.compile``'s compiled code, the
-        backend's capture stream (docs/rollout.md, "Memory between rollouts").
+        weights are the caller's and stay untouched at either vLLM ``level`` (1: vLLM offloads
+        its weights, 2: discards them; graphcap holds no copy of them to free). The freed
+        memory goes back to the device through ``backend.empty_cache()``. The next ``generate``
+        allocates and captures again (``stats.captured``, ``capture_s``, ``first_call_s``;
+        ``recapture_reason`` starts with ``"woke from sleep"``). Not freed: the weights,
+        ``torch.compile``'s compiled code, the backend's capture stream (docs/rollout.md,
+        "Memory between rollouts").
         """
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2 (vLLM's levels), got {level!r}")
         with self._lock:
             self._check_open()
             self._sleeping = self._sleeping or self._holder.held is not None
             self._holder.drop()
 
-    def wake_up(self) -> None:
-        """End a ``sleep`` explicitly (vLLM's name); safe to call at any time.
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """End a ``sleep`` explicitly (vLLM's name and signature); safe to call at any time.
 
         ``generate`` wakes the engine by itself, and the buffers are sized from the call's
-        prefill, so this allocates nothing: to pre-warm, run a short ``generate``.
+        prefill, so this allocates nothing for any of vLLM's ``tags`` (``"weights"``: the
+        caller's, never freed; ``"kv_cache"``: allocated by the next call): to pre-warm, run a
+        short ``generate``.
         """
+        unknown = sorted(set(tags or ()) - set(WAKE_TAGS))
+        if isinstance(tags, str) or unknown:
+            raise ValueError(f"wake_up tags must be a list of {list(WAKE_TAGS)}, got {tags!r}")
         with self._lock:
             self._check_open()
 

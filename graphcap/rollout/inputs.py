@@ -20,6 +20,7 @@ from graphcap.rollout.config import (
     GENERATION_CONFIG_FIELDS,
     RolloutConfig,
     SamplingParams,
+    override,
     unsupported_generation_fields,
 )
 from graphcap.rollout.sampling import per_prompt_params
@@ -50,10 +51,9 @@ def model_sampling(model: PreTrainedModel) -> SamplingParams:
     gen = getattr(model, "generation_config", None)
     if gen is None:
         return SamplingParams()
-    values = {k: getattr(gen, k, None) for k in GENERATION_CONFIG_FIELDS}
+    values = {k: getattr(gen, k, None) for k in GENERATION_CONFIG_FIELDS if k != "stop_strings"}
     values = {k: v for k, v in values.items() if v is not None}
-    values.setdefault("max_new_tokens", SamplingParams.max_new_tokens)
-    ignored = unsupported_generation_fields(gen)
+    ignored = unsupported_generation_fields(gen) + (["stop_strings"] if gen.stop_strings else [])
     if ignored:
         _warn_once(
             f"{type(model).__name__}.generation_config sets {ignored}, which graphcap does not "
@@ -74,7 +74,17 @@ CALL_FIELDS: tuple[str, ...] = (
     "stop_token_ids",
     "output_scores",
     "output_logits",
+    "stop_sequences",
+    "include_stop_str_in_output",
+    "top_logprobs",
 )
+#: What to do, beyond "give every row the same value", when rows differ in a call field.
+CALL_FIELD_HINTS: dict[str, str] = {
+    "num_return_sequences": (
+        " (every prompt of a call gets n samples: run greedy evaluation rows and n > 1 sampled "
+        "rows as two generate calls)"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,7 @@ def resolve_sampling(model: PreTrainedModel, sampling: Sampling) -> SamplingPara
             if differing:
                 raise ValueError(
                     f"sampling rows {differing} differ from row 0 in {name}, which applies to the "
-                    "whole call; give every row the same value"
+                    f"whole call; give every row the same value{CALL_FIELD_HINTS.get(name, '')}"
                 )
         return replace(
             rows[0],
@@ -129,18 +139,38 @@ def row_settings(model: PreTrainedModel, sampling: Sampling, rows: int) -> list[
     return per_prompt_params(_resolve_one(model, sampling), rows)
 
 
-def _resolve_one(
+def apply_overrides(
+    model: PreTrainedModel, sampling: Sampling, overrides: dict[str, object]
+) -> Sampling:
+    """``sampling`` (the model's generation config when ``None``) with ``generate``'s keyword
+    overrides (``max_new_tokens=8``, vLLM's ``max_tokens=8``, ...) applied to every row, as
+    ``model.generate(**kwargs)`` updates its generation config."""
+    if not overrides:
+        return sampling
+    if isinstance(sampling, (list, tuple)):
+        return [override(_as_params(model, s), overrides) for s in sampling]
+    return override(_as_params(model, sampling), overrides)
+
+
+def _as_params(
     model: PreTrainedModel, sampling: SamplingParams | GenerationConfig | None
 ) -> SamplingParams:
     if sampling is None:
-        sampling = model_sampling(model)
-    elif isinstance(sampling, GenerationConfig):
-        sampling = SamplingParams.from_generation_config(sampling)
-    elif not isinstance(sampling, SamplingParams):
+        return model_sampling(model)
+    if isinstance(sampling, GenerationConfig):
+        return SamplingParams.from_generation_config(sampling)
+    if not isinstance(sampling, SamplingParams):
         raise TypeError(
             f"sampling must be SamplingParams, transformers.GenerationConfig or a list of "
             f"SamplingParams (one per prompt row), got {type(sampling).__name__}"
         )
+    return sampling
+
+
+def _resolve_one(
+    model: PreTrainedModel, sampling: SamplingParams | GenerationConfig | None
+) -> SamplingParams:
+    sampling = _as_params(model, sampling)
     gen_config = getattr(model, "generation_config", None)
     eos = getattr(gen_config, "eos_token_id", None)
     if eos is None:
@@ -202,7 +232,17 @@ def check_prompts(
     pass over the model (its tensors must all be on ``device``).
 
     ``attention_mask=None`` is inferred from ``params.pad_token_id`` as generate infers it.
+    A list of token-id lists (vLLM's and verl's ragged prompts) is left-padded with the pad id.
     """
+    if isinstance(input_ids, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError(
+                "input_ids holds ragged prompts (a list of token-id lists) and attention_mask "
+                "is given; the engine builds the mask itself: pass attention_mask=None"
+            )
+        input_ids, attention_mask = left_pad(
+            input_ids, None if params is None else params.pad_token_id
+        )
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a 2-D tensor (batch, prompt_width)")
     if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
@@ -254,6 +294,32 @@ def check_prompts(
     return input_ids.to(device=device, dtype=torch.long), mask.to(device)
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged prompts as one left-padded (ids, 0/1 mask) pair."""
+    ids = []
+    for i, row in enumerate(rows):
+        row = row.tolist() if isinstance(row, torch.Tensor) else row
+        if (
+            isinstance(row, (str, int))
+            or not row
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+        ):
+            raise ValueError(
+                f"input_ids: ragged prompt {i} must be a non-empty list of int token ids, got "
+                f"{row!r}; pass "
+                "a list of token-id lists, or a left-padded 2-D tensor with its attention_mask"
+            )
+        ids.append(list(row))
+    if not ids:
+        raise ValueError("input_ids is an empty list of prompts; give at least one")
+    if pad is None:
+        raise ValueError("ragged input_ids need a pad id: set SamplingParams(pad_token_id=...)")
+    width = max(len(row) for row in ids)
+    padded = torch.tensor([[pad] * (width - len(row)) + row for row in ids], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
+    return padded, mask
+
+
 def check_generator(generator: torch.Generator | None, device: torch.device) -> None:
     """The generator must be one, and draw on the device the sampler runs on."""
     if generator is None:
@@ -280,7 +346,13 @@ def check_vocab_ids(model: PreTrainedModel, params: SamplingParams) -> None:
         ("eos_token_id", params.eos_ids),
         ("pad_token_id", (params.pad_token_id,)),
         ("stop_token_ids", params.stop_token_ids or ()),
+        ("stop_sequences", [i for seq in params.stop_sequences or () for i in seq]),
     )
+    if params.top_logprobs > vocab:
+        raise ValueError(
+            f"top_logprobs {params.top_logprobs} asks for more alternatives than the "
+            f"vocabulary [0, {vocab}) has"
+        )
     for name, ids in checks:
         for token in ids:
             if not 0 <= int(token) < vocab:

@@ -57,9 +57,14 @@ class RolloutStats:
 class RolloutResult:
     """Prompt + response per row, in generate()'s row order (samples of a prompt adjacent).
 
-    ``finish_reasons``: "eos" (an EOS id ended the row), "stop" (one of ``stop_token_ids``) or
-    "length". ``stop_token_ids``: the id that ended each row, ``None`` for "length" rows (vLLM's
-    ``stop_reason``, EOS included). ``scores`` / ``logits`` (``SamplingParams.output_scores`` /
+    ``finish_reasons``: "eos" (an EOS id ended the row), "stop" (one of ``stop_token_ids`` or
+    ``stop_sequences``) or "length". ``stop_token_ids``: the id that ended each row, ``None``
+    for "length" rows and rows a stop sequence ended (vLLM's ``stop_reason``, EOS included);
+    ``stop_sequences``: the stop sequence that ended each row, else ``None`` (only when the
+    call had some). ``top_logprobs`` / ``top_logprob_ids`` (``SamplingParams.top_logprobs=k``,
+    vLLM's ``logprobs=k``): ``(rows, max_new_tokens, k)``, the ``k`` most likely tokens at each
+    response position, most likely first, under ``logprobs_mode``'s distribution (0 outside
+    the response). ``scores`` / ``logits`` (``SamplingParams.output_scores`` /
     ``output_logits``): float32 ``(rows, steps + 1, vocab)``, one entry per token position the
     call decoded (the prefill's first), as ``generate`` returns them per step.
     """
@@ -73,6 +78,20 @@ class RolloutResult:
     stop_token_ids: list[int | None] | None = None
     scores: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    stop_sequences: list[tuple[int, ...] | None] | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+
+    @property
+    def responses(self) -> torch.Tensor:
+        """Response-only tokens ``(rows, max_new_tokens)``, pad after a row ended (verl's
+        ``responses``)."""
+        return self.sequences[:, self.sequences.shape[1] - self.response_mask.shape[1] :]
+
+    @property
+    def response_bool_mask(self) -> torch.Tensor:
+        """``response_mask`` as bool: True at the tokens each row generated."""
+        return self.response_mask.bool()
 
 
 def finish_details(
@@ -80,12 +99,24 @@ def finish_details(
     response_mask: torch.Tensor,
     finished: list[bool],
     eos_ids: tuple[int, ...],
-) -> tuple[list[str], list[int | None]]:
-    """``finish_reasons`` and ``stop_token_ids`` of rows of prompt + response ``sequences``
-    (B, W + N) with ``response_mask`` (B, N): a finished row's last response token stopped it."""
+    stop_hits: list[int] | None = None,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
+) -> tuple[list[str], list[int | None], list[tuple[int, ...] | None] | None]:
+    """``finish_reasons``, ``stop_token_ids`` and ``stop_sequences`` of rows of prompt +
+    response ``sequences`` (B, W + N) with ``response_mask`` (B, N): a finished row's last
+    response token stopped it, unless ``stop_hits`` (per row, -1 = none) names the stop
+    sequence that did."""
     width = sequences.shape[1] - response_mask.shape[1]
     last = (width + response_mask.sum(-1) - 1).clamp(min=width)
     tokens = sequences.gather(1, last[:, None]).squeeze(1).tolist()
-    stops = [token if done else None for token, done in zip(tokens, finished, strict=True)]
-    reasons = ["length" if t is None else "eos" if t in eos_ids else "stop" for t in stops]
-    return reasons, stops
+    hits = stop_hits if stop_hits is not None else [-1] * len(tokens)
+    stops = [
+        token if done and hit < 0 else None
+        for token, done, hit in zip(tokens, finished, hits, strict=True)
+    ]
+    reasons = [
+        "stop" if hit >= 0 else "length" if t is None else "eos" if t in eos_ids else "stop"
+        for t, hit in zip(stops, hits, strict=True)
+    ]
+    matched = [stop_sequences[h] if h >= 0 else None for h in hits] if stop_sequences else None
+    return reasons, stops, matched

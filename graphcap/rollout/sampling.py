@@ -36,15 +36,20 @@ GOLDEN32 = 0x9E3779B9
 
 @dataclass(frozen=True)
 class SamplerShape:
-    """What the sampler adds to the graph signature: four facts that only ever grow per engine.
+    """What the sampler adds to the graph signature: facts that only ever grow per engine.
 
     ``samples``: the step contains the sampling branch (one vocabulary sort per step for top-k /
     top-p, the shared generator's draw, the hash draw). A greedy-only engine never pays for it;
     the first call with a sampled row captures once more, and from then on every call, greedy
     or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty`` /
     ``min_new``: the step applies the repetition penalty / blocks stop ids before
-    ``min_new_tokens`` (some row had one; likewise). ``records``: the step records every step's
-    scores and logits (some call asked for them).
+    ``min_new_tokens`` (some row had one; likewise); ``output_penalty``: vLLM's presence and
+    frequency penalties (likewise); ``top_logprobs``: how many alternatives per token the step
+    records (the most any call asked for; a call asking fewer reads the first ones).
+    ``records``: the step records every step's scores and logits (some call asked for them).
+    ``stops``: (sequences, longest) of the stop-sequence table the step matches against,
+    (0, 0) = none; a call's own list is written into it, so only a longer or larger list
+    recaptures.
     """
 
     samples: bool = False
@@ -52,6 +57,9 @@ class SamplerShape:
     penalty: bool = False
     min_new: bool = False
     records: bool = False
+    stops: tuple[int, int] = (0, 0)
+    output_penalty: bool = False
+    top_logprobs: int = 0
 
     def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The shape that serves both what this one served and every row of ``rows``."""
@@ -61,6 +69,13 @@ class SamplerShape:
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
             min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
             records=self.records or any(p.output_scores or p.output_logits for p in rows),
+            top_logprobs=max([self.top_logprobs, *(p.top_logprobs for p in rows)]),
+            output_penalty=self.output_penalty
+            or any(p.presence_penalty or p.frequency_penalty for p in rows),
+            stops=(
+                max([self.stops[0], *(len(p.stop_sequences or ()) for p in rows)]),
+                max([self.stops[1], *(len(q) for p in rows for q in p.stop_sequences or ())]),
+            ),
         )
 
 
@@ -91,6 +106,14 @@ class RowPlan:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self.params[0].stop_ids
+
+    @property
+    def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+        return self.params[0].stop_sequences or ()
+
+    @property
+    def keep_stop_sequences(self) -> bool:
+        return self.params[0].include_stop_str_in_output
 
 
 def per_prompt_params(call: SamplingParams | Sequence[SamplingParams], rows: int) -> list:
@@ -145,6 +168,8 @@ class RowSettings:
     top_p_floor: torch.Tensor  # float32: 1 - top_p, computed in double as generate does
     min_p: torch.Tensor  # float32: 0 = off
     penalty: torch.Tensor  # float32: repetition penalty (1 = off)
+    presence: torch.Tensor  # float32: presence penalty (0 = off)
+    frequency: torch.Tensor  # float32: frequency penalty (0 = off)
     min_new: torch.Tensor  # long: min_new_tokens
     logprobs_mode: torch.Tensor  # long: index into LOGPROBS_MODES
     logprob_temperature: torch.Tensor  # float32: the row's temperature, greedy rows too
@@ -165,6 +190,8 @@ class RowSettings:
             top_p_floor=full(0.0, torch.float32),
             min_p=full(0.0, torch.float32),
             penalty=full(1.0, torch.float32),
+            presence=full(0.0, torch.float32),
+            frequency=full(0.0, torch.float32),
             min_new=full(0, torch.long),
             logprobs_mode=full(0, torch.long),
             logprob_temperature=full(1.0, torch.float32),
@@ -191,6 +218,8 @@ class RowSettings:
             "top_p_floor": [1.0 - p.top_p if p.do_sample else 0.0 for p in params],
             "min_p": [p.min_p if p.do_sample else 0.0 for p in params],
             "penalty": [p.repetition_penalty for p in params],
+            "presence": [p.presence_penalty for p in params],
+            "frequency": [p.frequency_penalty for p in params],
             "min_new": [p.min_new_tokens for p in params],
             "logprobs_mode": [LOGPROBS_MODES.index(p.logprobs_mode) for p in params],
             "logprob_temperature": [p.temperature for p in params],
@@ -224,6 +253,25 @@ def repetition_penalty(
     return widened[:, :vocab]
 
 
+def output_penalties(
+    scores: torch.Tensor,
+    tokens: torch.Tensor,
+    response: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's presence and frequency penalties, per row, over the generated tokens of
+    ``tokens`` (B, L) (``response`` marks them; the prompt is not counted):
+    ``score - frequency * count - presence * (count > 0)``. The counts come from the step's
+    own buffers, so no counter has to be kept; other slots land in one dropped column."""
+    vocab = scores.shape[-1]
+    index = torch.where(response, tokens, vocab)
+    counts = scores.new_zeros((scores.shape[0], vocab + 1))
+    counts.scatter_add_(1, index, response.to(scores.dtype))
+    counts = counts[:, :vocab]
+    return scores - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
 def stops_blocked(
     stop_vocab: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor
 ) -> torch.Tensor:
@@ -237,20 +285,25 @@ def process_scores(
     rows: RowSettings,
     tokens: torch.Tensor,
     written: torch.Tensor,
+    response: torch.Tensor,
     stop_vocab: torch.Tensor,
     generated: torch.Tensor,
     shape: SamplerShape,
 ) -> torch.Tensor:
-    """generate()'s logits processors (penalty, min_new_tokens) on float32 scores: what greedy
-    rows take the argmax of. A processor no row of the engine has used (``shape``) is skipped:
-    it would be the identity for every row. After the penalty's fresh output the stop block is
-    written in place, so one copy serves both."""
+    """generate()'s logits processors (penalty, min_new_tokens), with vLLM's presence and
+    frequency penalties after the repetition penalty (vLLM's order), on float32 scores: what
+    greedy rows take the argmax of. A processor no row of the engine has used (``shape``) is
+    skipped: it would be the identity for every row. After a penalty's fresh output the stop
+    block is written in place, so one copy serves both."""
     scores = logits.float()
     if shape.penalty:
         scores = repetition_penalty(scores, tokens, written, rows.penalty)
+    if shape.output_penalty:
+        scores = output_penalties(scores, tokens, response, rows.presence, rows.frequency)
     if shape.min_new:
         blocked = stops_blocked(stop_vocab, generated, rows.min_new)
-        fill = scores.masked_fill_ if shape.penalty else scores.masked_fill  # fresh, or logits'
+        fresh = shape.penalty or shape.output_penalty
+        fill = scores.masked_fill_ if fresh else scores.masked_fill  # fresh, or logits'
         scores = fill(blocked, -float("inf"))
     return scores
 
@@ -366,16 +419,16 @@ def select(
     return chosen, torch.where(rows.sample[:, None], warped, scores)
 
 
-def logprobs_of(
-    chosen: torch.Tensor, drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
+def logprob_distribution(
+    drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
 ) -> torch.Tensor:
-    """Log-prob of each chosen token (B,) under the row's ``logprobs_mode``: the distribution
-    it was drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides
-    by 1 (exact), so one division and one selection serve the three modes."""
+    """(B, V) log-probs under the row's ``logprobs_mode``: the distribution the token was
+    drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides by 1
+    (exact), so one division and one selection serve the three modes."""
     mode = rows.logprobs_mode[:, None]
     divisor = torch.where(mode == 1, rows.logprob_temperature[:, None], 1.0)
     source = torch.where(mode == 0, drawn_from, logits.float() / divisor)
-    return torch.log_softmax(source, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+    return torch.log_softmax(source, dim=-1)
 
 
 @contextmanager

@@ -83,6 +83,7 @@ class ContinuousStep(DecodeStep):
         was: the refilled slots' first token is chosen by exactly the static path's math."""
         s = self.state
         written = [s.sequences, s.response, s.logprobs, s.finished, s.tokens, s.generated]
+        written += [s.stop_hit] if s.stop_hit is not None else []
         before = [t.clone() for t in written]
         full = torch.zeros(
             (s.finished.shape[0], logits.shape[-1]), dtype=logits.dtype, device=logits.device
@@ -143,6 +144,8 @@ def clear_slots(step: ContinuousStep, rows: torch.Tensor) -> None:
     s.positions[rows] = 0
     s.generated[rows] = 0
     s.finished[rows] = True
+    if s.stop_hit is not None:
+        s.stop_hit[rows] = -1
     step.limits[rows] = 0
     cache.write_pos[rows] = step.sink
     s.all_finished.copy_(s.finished.all())

@@ -131,8 +131,14 @@ def collect(
     response = state.response[:batch, width:total].to(torch.long)
     sequences = state.sequences[:batch, :total].clone()
     finished = state.finished[:batch].tolist()
-    reasons, stops = finish_details(sequences, response, finished, params.eos_ids)
+    hits = state.stop_hit[:batch].tolist() if state.stop_hit is not None else None
+    reasons, stops, matched = finish_details(
+        sequences, response, finished, params.eos_ids, hits, params.stop_sequences or ()
+    )
     logprobs = state.logprobs[:batch, width:total].clone() if params.return_logprobs else None
+    k = params.top_logprobs
+    top = (state.top_values, state.top_ids) if k else (None, None)
+    top = tuple(None if t is None else t[:batch, width:total, :k].clone() for t in top)
     decoded = stats.steps + 1  # the prefill's token and one a step
     scores = state.scores[:batch, :decoded].clone() if params.output_scores else None
     logits = state.logits[:batch, :decoded].clone() if params.output_logits else None
@@ -146,4 +152,7 @@ def collect(
         stop_token_ids=stops,
         scores=scores,
         logits=logits,
+        stop_sequences=matched,
+        top_logprobs=top[0],
+        top_logprob_ids=top[1],
     )

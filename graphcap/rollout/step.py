@@ -28,7 +28,7 @@ from graphcap.rollout.sampling import (
     RowSettings,
     SamplerShape,
     argmax_rows,
-    logprobs_of,
+    logprob_distribution,
     process_scores,
     select,
     warp,
@@ -60,6 +60,15 @@ class DecodeState:
     #: logits it was chosen from (only when the sampler shape records them; see ``record``)
     scores: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    #: (S, T) long: the call's stop sequences, right-aligned, -1 before each (only when the
+    #: sampler shape matches them; see ``match_stops``); written per call, read by replays
+    stop_table: torch.Tensor | None = None
+    stop_keep: torch.Tensor | None = None  # () bool: matched tokens stay in the response
+    stop_hit: torch.Tensor | None = None  # (B,) long: the stop sequence that ended a row, -1
+    #: (B, L, K): the K most likely tokens' log-probs and ids at each chosen token's column
+    #: (only when the sampler shape records alternatives; see ``alternatives``)
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -96,6 +105,69 @@ class DecodeState:
             self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
             self.logits = torch.zeros(shape, dtype=torch.float32, device=device)
 
+    def alternatives(self, count: int) -> None:
+        """Allocate the top-``count`` log-prob records (once per step shape)."""
+        shape = (*self.sequences.shape, count)
+        device = self.sequences.device
+        self.top_values = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(shape, dtype=torch.long, device=device)
+
+    def stop_sequence_table(self, sequences: int, longest: int) -> None:
+        """Allocate the stop-sequence table (once per step shape)."""
+        device = self.sequences.device
+        self.stop_table = torch.full((sequences, longest), -1, dtype=torch.long, device=device)
+        self.stop_keep = torch.zeros((), dtype=torch.bool, device=device)
+        self.stop_hit = torch.full_like(self.finished, -1, dtype=torch.long)
+
+    def set_stop_sequences(self, sequences: tuple[tuple[int, ...], ...], keep: bool) -> None:
+        """The call's stop sequences and ``include_stop_str_in_output``; outside any graph.
+        Unused table rows stay all -1, which never matches."""
+        if self.stop_table is None:
+            assert not sequences, "the sampler shape sizes the table for every call"
+            return
+        longest = self.stop_table.shape[1]
+        table = [[-1] * (longest - len(seq)) + list(seq) for seq in sequences]
+        table += [[-1] * longest] * (self.stop_table.shape[0] - len(table))
+        self.stop_table.copy_(torch.tensor(table, dtype=torch.long))
+        self.stop_keep.fill_(keep)
+
+    def match_stops(self, column: torch.Tensor) -> None:
+        """End rows whose generated tokens now end with a stop sequence, on the device.
+
+        ``column`` (B, 1): where each row's latest token was written. The window of the last
+        ``T`` columns is compared with every table row; only generated tokens count (never the
+        prompt), and not before the row has ``min_new_tokens`` tokens (vLLM's rule). Without
+        ``stop_keep`` the matched tokens leave the response (pad in ``sequences``).
+        """
+        table = self.stop_table
+        filler = table < 0
+        offsets = torch.arange(1 - table.shape[1], 1, device=table.device)
+        index = column + offsets
+        inside = index >= 0
+        index = index.clamp(min=0)
+        window = self.sequences.gather(1, index)
+        ours = self.response.gather(1, index) & inside
+        equal = (window[:, None, :] == table) & ours[:, None, :]
+        hits = (equal | filler).all(-1) & ~filler.all(-1)  # (B, S)
+        allowed = self.generated.view(-1) + 1 >= self.rows.min_new
+        hit = hits.any(-1) & allowed
+        which = hits.to(torch.long).argmax(-1)
+        self.stop_hit.copy_(torch.where(hit, which, self.stop_hit))
+        length = (~filler).sum(-1)[which]
+        columns = torch.arange(self.sequences.shape[1], device=table.device)
+        drop = (
+            (hit & ~self.stop_keep)[:, None]
+            & (columns > column - length[:, None])
+            & (columns <= column)
+        )
+        self.response.masked_fill_(drop, False)
+        self.sequences.masked_fill_(drop, self.pad)
+        self.logprobs.masked_fill_(drop, 0.0)
+        if self.top_values is not None:
+            self.top_values.masked_fill_(drop[..., None], 0.0)
+            self.top_ids.masked_fill_(drop[..., None], 0)
+        self.finished.logical_or_(hit)
+
     def set_stop_ids(self, ids: tuple[int, ...]) -> None:
         """The ids that end a row (EOS and ``stop_token_ids``); outside any graph."""
         self.stop_vocab.zero_()
@@ -108,6 +180,7 @@ class DecodeState:
         ``plan`` has one entry per row) and its stop ids; outside any graph."""
         self.rows.write(plan.params, plan.samples, rows)
         self.set_stop_ids(plan.stop_ids)
+        self.set_stop_sequences(plan.stop_sequences, plan.keep_stop_sequences)
 
     def reset(self, prompt_ids: torch.Tensor, next_positions: torch.Tensor, plan: RowPlan) -> None:
         """Start a call: prompt in the first columns, pad after, counters and flags cleared,
@@ -121,12 +194,17 @@ class DecodeState:
         self.sequences[:, :width].copy_(prompt_ids)
         self.response.zero_()
         self.logprobs.zero_()
+        if self.top_values is not None:
+            self.top_values.zero_()
+            self.top_ids.zero_()
         self.positions.copy_(next_positions.view(-1, 1))
         self.tokens.zero_()
         self.generated.zero_()
         self.finished.zero_()
         self.finished[plan.active :] = True
         self.all_finished.zero_()
+        if self.stop_hit is not None:
+            self.stop_hit.fill_(-1)
 
 
 class DecodeStep:
@@ -178,6 +256,10 @@ class DecodeStep:
         state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
         if sig.sampler.records:
             state.record()
+        if sig.sampler.top_logprobs:
+            state.alternatives(sig.sampler.top_logprobs)
+        if sig.sampler.stops != (0, 0):
+            state.stop_sequence_table(*sig.sampler.stops)
         return cls(model, cache, masks, state, sig.sampler, generator)
 
     allocate_state = staticmethod(DecodeState.allocate)
@@ -197,6 +279,8 @@ class DecodeStep:
             self.cache.write_pos,
             self.masks.valid,
             *self.masks.outputs.values(),
+            *([s.stop_hit] if s.stop_hit is not None else []),
+            *([s.top_values, s.top_ids] if s.top_values is not None else []),
         ]
 
     def commit(self, logits: torch.Tensor) -> None:
@@ -207,6 +291,7 @@ class DecodeStep:
             s.rows,
             s.sequences,
             self.masks.valid,
+            s.response,
             s.stop_vocab,
             s.generated,
             self.sampler,
@@ -220,8 +305,15 @@ class DecodeStep:
         s.sequences.scatter_(1, column, token[:, None])
         s.response.scatter_(1, column, ~s.finished[:, None])
         if self.sampler.logprobs:
-            logp = logprobs_of(chosen, drawn_from, logits, s.rows)[:, None]
+            dist = logprob_distribution(drawn_from, logits, s.rows)
+            logp = dist.gather(1, chosen[:, None])
             s.logprobs.scatter_(1, column, logp.masked_fill(s.finished[:, None], 0.0))
+            if s.top_values is not None:
+                values, ids = dist.topk(s.top_values.shape[-1], dim=-1)
+                idle = s.finished[:, None, None]
+                at = column[:, :, None].expand(-1, 1, values.shape[-1])
+                s.top_values.scatter_(1, at, values[:, None].masked_fill(idle, 0.0))
+                s.top_ids.scatter_(1, at, ids[:, None].masked_fill(idle, 0))
         if self.sampler.records:
             # what generate returns as scores: processed, warped where the row samples
             warped = warp(scores, s.rows) if self.sampler.samples else scores
@@ -229,6 +321,8 @@ class DecodeStep:
             at = s.generated.view(1)
             s.scores.index_copy_(1, at, processed[:, None])
             s.logits.index_copy_(1, at, logits.float()[:, None])
+        if s.stop_table is not None:
+            s.match_stops(column)
         s.finished.logical_or_(s.stop_vocab[token])
         s.tokens.copy_(token[:, None])
         s.generated.add_(1)
