@@ -517,6 +517,20 @@ PLANTS = (
         ("backends/cuda/tests/test_kernels_compile.py",),
     ),
     Plant(
+        "stop sequences match prompt tokens",
+        "graphcap/rollout/step.py",
+        "        ours = self.response.gather(1, index) & inside\n",
+        "        ours = inside\n",
+        ("tests/test_rollout_vllm.py",),
+    ),
+    Plant(
+        "a stop sequence ends a row before min_new_tokens",
+        "graphcap/rollout/step.py",
+        "        hit = hits.any(-1) & allowed\n",
+        "        hit = hits.any(-1)\n",
+        ("tests/test_rollout_vllm.py",),
+    ),
+    Plant(
         "a module's forward hook does not turn compiling off",
         "graphcap/rollout/fingerprint.py",
         'return next((path or "<root>" for path, _, hooks, _ in self.modules if hooks), None)',
