@@ -16,13 +16,13 @@ pytest.importorskip("triton", reason="the kernel needs Triton (CUDA builds of to
 
 from graphcap_cuda import backend
 from graphcap_cuda.kernels import epilogues, gemv
-from rollout_models import tiny_model
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from graphcap.rollout import regions
 from graphcap.rollout.fusion import ProjectionFusion
 from graphcap.rollout.scan import scan_model
+from graphcap.tiny_models import tiny_model
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -115,7 +115,7 @@ def test_bad_epilogue_operands_are_refused():
 def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
     """A transformers model's logits for one token through one-row products in compiled regions
     with a fresh pass, the pass's counts, and the eager logits."""
-    model = tiny_model(family, fresh=True).to(DEVICE)
+    model = tiny_model(family).to(DEVICE)
     fusion = ProjectionFusion(model) if fuse else None
     if fusion is not None:
         fusion.join(scan_model(model))

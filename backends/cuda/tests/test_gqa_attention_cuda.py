@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from graphcap_cuda.attention import GQA_SDPA, register_attention
-from rollout_models import prompts, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.tiny_models import prompts, tiny_model
 
 pytestmark = [
     pytest.mark.device,
@@ -33,7 +33,7 @@ def _logits(model, attention: str, ids, mask) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_fp32_logits_and_captured_tokens_equal_sdpa(family):
     window = {"sliding_window": 3} if family == "mistral" else {}
-    model = tiny_model(family, fresh=True, **window).cuda()
+    model = tiny_model(family, **window).cuda()
     ids, mask = (t.cuda() for t in prompts(4, width=8))
     real = mask.bool()
     torch.testing.assert_close(
