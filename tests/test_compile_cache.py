@@ -104,7 +104,7 @@ def test_another_process_compiles_from_the_file(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys, torch
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import counters  # private: dynamo counts its compiles only here
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_compile_cache import INPUTS, compiled_in, silu_product
         from graphcap.rollout.compile_cache import CompileCache

@@ -128,7 +128,7 @@ def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Ten
         options = {"post_grad_custom_post_pass": found, **UNCACHED}
         with joined, products, regions.compiled_regions(model, None, options):
             logits = model(ids).logits
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return found.fused, logits, eager
 
 
@@ -170,7 +170,7 @@ def test_pass_leaves_activations_the_kernel_does_not_compute(activation):
     found = epilogues.GemvEpilogues()
     compiled = torch.compile(mlp, options={"post_grad_custom_post_pass": found, **UNCACHED})
     out = compiled(x, wg, wu)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert found.fused == dict.fromkeys(("gate", "residual", "norm", "sum"), 0)
     torch.testing.assert_close(out, mlp(x, wg, wu), rtol=1e-5, atol=1e-5)
 
@@ -189,7 +189,7 @@ def test_pass_leaves_products_with_other_uses_and_broadcast_adds():
     found = epilogues.GemvEpilogues()
     compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
     out, _ = compiled(x, r, wg, wu, wd)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert found.fused == dict.fromkeys(("gate", "residual", "norm", "sum"), 0)
     torch.testing.assert_close(out, block(x, r, wg, wu, wd)[0], rtol=1e-5, atol=1e-5)
 
@@ -222,7 +222,7 @@ def test_pass_moves_rms_norms_and_nothing_else_into_the_product(norm, folds):
     found = epilogues.GemvEpilogues()
     compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
     out = compiled(x, w, up)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert (found.fused["norm"], found.fused["sum"]) == (folds, 0)
     torch.testing.assert_close(out, block(x, w, up), rtol=1e-5, atol=1e-5)
 
@@ -249,7 +249,7 @@ def test_pass_leaves_norms_and_sums_read_elsewhere():
         found = epilogues.GemvEpilogues()
         compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
         got = compiled(x, r, w, up, None)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         assert (found.fused["norm"], found.fused["sum"]) == want, block.__name__
         torch.testing.assert_close(got, block(x, r, w, up, None), rtol=1e-5, atol=1e-5)
 

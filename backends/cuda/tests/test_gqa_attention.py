@@ -113,7 +113,7 @@ def _logits(model, attention: str, ids, mask) -> torch.Tensor:
 @pytest.mark.parametrize("family", list(MODELS))
 def test_model_logits_equal_its_own_attention(family):
     model = MODELS[family]()
-    own = model.config._attn_implementation
+    own = model.config._attn_implementation  # private: transformers has no public getter
     ids, mask = prompts(3, width=8)
     expected = _logits(model, own, ids, mask)
     got = _logits(model, GQA_SDPA, ids, mask)

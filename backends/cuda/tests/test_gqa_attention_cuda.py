@@ -21,7 +21,7 @@ register_attention()
 
 
 def _logits(model, attention: str, ids, mask) -> torch.Tensor:
-    own = model.config._attn_implementation
+    own = model.config._attn_implementation  # private: transformers has no public getter
     model.set_attn_implementation(attention)
     try:
         with torch.no_grad():
@@ -61,8 +61,8 @@ def test_bf16_logits_within_rounding_of_sdpa():
         vocab_size=1024,
         initializer_range=0.05,
         pad_token_id=0,
+        attn_implementation="sdpa",
     )
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     ids, mask = (t.cuda() for t in prompts(8, width=64))
