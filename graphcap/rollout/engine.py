@@ -127,7 +127,7 @@ class RolloutEngine:
                 result = self._path.run(call, start)
             woke, self._sleeping = self._sleeping, False
             stats = result.stats
-            stats.captures = self._holder.captures
+            stats.captures = self._holder.capture_count()
             stats.joined_projections = len(self._fusion.active) if self._fusion is not None else 0
             if woke and stats.captured:
                 stats.recapture_reason.insert(0, WOKE)
@@ -149,8 +149,8 @@ class RolloutEngine:
         """
         with self._lock:
             self._check_open()
-            self._sleeping = self._sleeping or self._holder.held is not None
-            self._holder.drop()
+            freed = self._holder.drop()
+            self._sleeping = self._sleeping or freed
 
     def wake_up(self) -> None:
         """End a ``sleep`` explicitly (vLLM's name); safe to call at any time.
@@ -174,14 +174,13 @@ class RolloutEngine:
     @property
     def captures(self) -> int:
         """Graphs this engine has captured so far (every call, every path)."""
-        return self._holder.captures
+        return self._holder.capture_count()
 
     @property
     def step(self) -> DecodeStep | None:
         """The decode step held (its cache, masks and state), ``None`` before the first call or
         after a drop; for inspection and tests."""
-        held = self._holder.held
-        return None if held is None else held.step
+        return self._holder.held_step()
 
     @property
     def cache(self) -> StaticKVCache | None:
