@@ -29,6 +29,9 @@
 #   logits           bf16 teacher-forced logits against fp32 (logits_vs_fp32.py)
 #   trl              TRL's GRPOTrainer on a llama-1b-shaped model (examples/trl_grpo.py), with
 #                    and without graphcap: rollout seconds per step, completions compared
+#   gemm-levers      llama-8b at batch 256, the default configuration as it is, with PyTorch's
+#                    TunableOp tuning its GEMMs, and with inductor's max-autotune of GEMMs (each
+#                    in a fresh process from empty caches; not in the default list)
 #   distributed      two GPUs (not in the default list): tensor parallelism (tensor_parallel.py)
 #                    and the data-parallel example at 1 and 2 ranks
 #
@@ -146,17 +149,18 @@ part_default_step() {
         --isolate --modes hf-static-compile
 }
 
+# first-call: each model's cold call (graphcap, then HF), then its warm one from the caches the
+# cold one left, so a part cut at its limit keeps whole pairs
 part_first_call() {
-    cold_caches
-    local caches model modes
-    for caches in cold warm; do
-        modes=graphcap-graph
-        [[ $caches == cold ]] && modes=graphcap-graph,hf-static-compile
-        for model in ${GRAPHCAP_FIRST_CALL_MODELS:-llama-8b llama-1b}; do
-            bench "first-call-$caches-$model-bs1" 90 --model $model --batch-sizes 1 \
-                --dtype bf16 --prompt-len 128 --new-tokens 128 --repeats 1 --warmup 0 \
-                --isolate --modes $modes --compile-cache "$COMPILE_CACHE"
-        done
+    local model
+    for model in ${GRAPHCAP_FIRST_CALL_MODELS:-llama-8b llama-1b}; do
+        cold_caches
+        bench "first-call-cold-$model-bs1" 90 --model $model --batch-sizes 1 --dtype bf16 \
+            --prompt-len 128 --new-tokens 128 --repeats 1 --warmup 0 --isolate \
+            --modes graphcap-graph,hf-static-compile --compile-cache "$COMPILE_CACHE"
+        bench "first-call-warm-$model-bs1" 30 --model $model --batch-sizes 1 --dtype bf16 \
+            --prompt-len 128 --new-tokens 128 --repeats 1 --warmup 0 --isolate \
+            --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
     done
 }
 
@@ -178,6 +182,27 @@ part_checks() {
     run conformance-cuda 150 "$py" -m graphcap.testing -q \
         --graphcap-json "$OUT/conformance-cuda.json"
     run cuda-plugin-tests 240 "$py" -m pytest -q -rs -p no:cacheprovider backends/cuda/tests
+}
+
+# gemm-levers: llama-8b batch 256 (the GEMM-bound step) in the default configuration, as it
+# is, with PyTorch's TunableOp tuning its GEMMs in the warm-up (results in OUT), and with
+# inductor's max-autotune of GEMMs (Triton templates, persistent and TMA ones on Hopper)
+part_gemm_levers() {
+    local lever
+    for lever in none tunableop max-autotune; do
+        cold_caches
+        case $lever in
+        tunableop)
+            export PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1
+            export PYTORCH_TUNABLEOP_FILENAME=$OUT/gemm-levers-tunableop-results.csv
+            ;;
+        max-autotune) export TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 ;;
+        esac
+        bench "gemm-levers-$lever-llama-8b-bs256" 150 --model llama-8b --batch-sizes 256 \
+            "${STEP[@]}" --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+        unset PYTORCH_TUNABLEOP_ENABLED PYTORCH_TUNABLEOP_TUNING PYTORCH_TUNABLEOP_FILENAME \
+            TORCHINDUCTOR_MAX_AUTOTUNE_GEMM
+    done
 }
 
 part_profile() {
@@ -246,7 +271,9 @@ for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
     steps-llama-8b | steps-llama-1b | default-step | first-call | kernels | split-kv-launch | \
-        checks | profile | continuous | logits | trl | distributed) parts=("${part//-/_}") ;;
+        checks | profile | continuous | logits | trl | gemm-levers | distributed)
+        parts=("${part//-/_}")
+        ;;
     *)
         echo "unknown part $part" >&2
         exit 2

@@ -36,6 +36,10 @@ NORM_FORMS = (
     "backends/cuda/tests/test_epilogues.py::test_norm_and_sum_prologues_equal_transformers_norms"
 )
 
+HOOKED_COMPILE = (
+    "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
+)
+
 PLANTS = (
     Plant(
         "mask not cleared on reuse",
@@ -511,6 +515,20 @@ PLANTS = (
         "    return row if NORM_ONE_LOAD and row <= MAX_NORM_ROW else 0",
         "    return 0",
         ("backends/cuda/tests/test_kernels_compile.py",),
+    ),
+    Plant(
+        "a module's forward hook does not turn compiling off",
+        "graphcap/rollout/fingerprint.py",
+        'return next((path or "<root>" for path, _, hooks, _ in self.modules if hooks), None)',
+        "return None",
+        (HOOKED_COMPILE,),
+    ),
+    Plant(
+        "a global module hook does not turn compiling off",
+        "graphcap/rollout/fingerprint.py",
+        "        if any(self.global_hooks):\n",
+        "        if False:\n",
+        (HOOKED_COMPILE,),
     ),
 )
 

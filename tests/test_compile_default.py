@@ -30,8 +30,8 @@ class ClaimsOnlyDefault(CPUBackend):
     compiles_by_default = True
 
 
-def planned_compile(backend, **config) -> bool:
-    model = tiny_model("llama")
+def planned_compile(backend, model=None, **config) -> bool:
+    model = model or tiny_model("llama")
     cfg = RolloutConfig(enable_graph_capture=True, backend=backend, **config)
     params = SamplingParams(max_new_tokens=NEW, pad_token_id=0)
     plan = plan_call(
@@ -101,10 +101,10 @@ def test_an_empty_compile_cache_setting_is_refused():
 
 
 def test_a_host_state_change_discards_compiled_code_before_compiling_again(monkeypatch):
-    """dynamo does not guard on a module's forward hooks: a hook added after a compiled capture
-    must not be served by the code compiled before it, so the holder resets dynamo before it
-    compiles for a changed host state (``torch.compile`` is the identity here, so the CPU graph
-    captures the "compiled" step)."""
+    """dynamo does not guard on every host value the signature does: code compiled before a
+    change (here the MLP's activation module swapped) must not serve the step after it, so the
+    holder resets dynamo before it compiles for a changed host state (``torch.compile`` is the
+    identity here, so the CPU graph captures the "compiled" step)."""
     resets = []
     real_reset = torch.compiler.reset
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
@@ -119,15 +119,61 @@ def test_a_host_state_change_discards_compiled_code_before_compiling_again(monke
     assert first.stats.compiled and first.stats.path == "static_graph"
     engine.generate(ids, mask, sampling)  # the same host state: nothing to discard
     assert resets == []
-    handle = model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * 2)
+    mlp = model.model.layers[0].mlp
+    mlp.act_fn = torch.nn.Tanh().train(mlp.training)
+    changed = engine.generate(ids, mask, sampling)
+    eager = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
+    assert resets == [1] and changed.stats.recapture_reason[0].startswith("host_state")
+    assert changed.stats.compiled
+    assert torch.equal(changed.sequences, eager.sequences)
+    assert not torch.equal(changed.sequences, first.sequences)
+
+
+def _hook(kind: str, mlp: torch.nn.Module):
+    def scale(module, args, output):
+        return output * 2.5 if module is mlp else None
+
+    if kind == "forward_hook":
+        return mlp.register_forward_hook(scale)
+    if kind == "forward_pre_hook":
+        return mlp.register_forward_pre_hook(lambda module, args: (args[0] * 2.5,))
+    return torch.nn.modules.module.register_module_forward_hook(scale)
+
+
+@pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook", "global_hook"])
+def test_a_hooked_model_is_captured_uncompiled_with_the_reason(monkeypatch, kind):
+    """On the H200 compiled captures of a hooked model differed from eager (plan's
+    compile_refusal): a live forward hook, added before the first call or between calls, gets
+    an uncompiled capture that equals eager, and the stats say why."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(3)
+    engine = RolloutEngine(
+        model, RolloutConfig(enable_graph_capture=True, backend=CompilingBackend())
+    )
+    sampling = SamplingParams(max_new_tokens=NEW, **NO_EOS)
+    assert engine.generate(ids, mask, sampling).stats.compiled
+    handle = _hook(kind, model.model.layers[0].mlp)
     try:
         hooked = engine.generate(ids, mask, sampling)
         eager = run(model, ids, mask, False, max_new_tokens=NEW, **NO_EOS)
     finally:
         handle.remove()
-    assert resets == [1] and hooked.stats.recapture_reason[0].startswith("host_state")
+    where = "global module forward hooks" if kind == "global_hook" else "model.layers.0.mlp"
+    assert hooked.stats.path == "static_graph" and not hooked.stats.compiled
+    assert hooked.stats.recapture_reason[0].startswith("host_state")
+    assert f"forward hooks ({where})" in hooked.stats.fallback_reason
     assert torch.equal(hooked.sequences, eager.sequences)
-    assert not torch.equal(hooked.sequences, first.sequences)
+    again = engine.generate(ids, mask, sampling)  # the hook removed: compiled again
+    assert again.stats.compiled and again.stats.fallback_reason is None
+
+
+def test_an_inert_hook_does_not_turn_compiling_off():
+    """transformers' ``enable_input_require_grads`` hook (gradient checkpointing with PEFT)
+    issues no device work: the step still compiles."""
+    model = tiny_model("llama", fresh=True)
+    model.enable_input_require_grads()
+    assert planned_compile(CompilingBackend(), model=model)
 
 
 def test_tensor_parallel_steps_compile_only_when_asked():

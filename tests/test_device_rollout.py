@@ -280,7 +280,7 @@ def test_per_position_graphs_equal_eager(backend):
 
 
 # ---- stale host state (issue 10): the PEFT and hook cases on the device, in fp32 -------------
-def _recaptures_with_eager_tokens(model, backend, change) -> None:
+def _recaptures_with_eager_tokens(model, backend, change):
     """Capture, ``change`` host state, call again: a recapture whose tokens equal eager's."""
     ids, mask = (t.to(backend.device) for t in prompts(3))
     engine = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=backend))
@@ -292,6 +292,7 @@ def _recaptures_with_eager_tokens(model, backend, change) -> None:
     assert second.stats.captured and second.stats.recapture_reason[0].startswith("host_state")
     assert torch.equal(second.sequences, eager.sequences)
     engine.shutdown()
+    return second
 
 
 def _lora(backend) -> torch.nn.Module:
@@ -348,7 +349,9 @@ def test_hook_added_after_capture_recaptures(backend, kind):
         finally:
             handle.remove()
 
-    _recaptures_with_eager_tokens(model, backend, hooked)
+    second = _recaptures_with_eager_tokens(model, backend, hooked)
+    # compiled captures of hooked models differed from eager on the H200 (plan.compile_refusal)
+    assert not second.stats.compiled and "forward hooks" in second.stats.fallback_reason
 
 
 def test_recapture_peak_stays_below_two_generations_of_state(backend):

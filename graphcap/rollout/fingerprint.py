@@ -219,6 +219,13 @@ class HostState:
     #: Hook callables and packed-weight objects whose identities are compared (never compared).
     keep: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
+    def hooked_module(self) -> str | None:
+        """Where a live forward hook runs (a module path, or ``"global module forward hooks"``),
+        or ``None``: compiled captures are not taken of hooked models (plan.compile_refusal)."""
+        if any(self.global_hooks):
+            return "global module forward hooks"
+        return next((path or "<root>" for path, _, hooks, _ in self.modules if hooks), None)
+
     def differences(self, other: HostState, limit: int = 3) -> list[str]:
         """Up to ``limit`` readable changes, e.g. ``"model.layers.0.q_proj: forward hooks"``."""
         return list(_changes(self, other))[:limit]

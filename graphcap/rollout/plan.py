@@ -121,6 +121,23 @@ def capability_refusal(
     return None
 
 
+def compile_refusal(scan: ModelScan) -> str | None:
+    """Why this call's step is captured uncompiled although compiling was asked or declared,
+    or ``None``. A model with live forward hooks: on the H200, compiled captures of a model
+    whose MLP had a forward hook (or pre-hook, or a global one) differed from eager from the
+    first step while the uncompiled capture matched, with every graphcap compile option off
+    too, and the same model with the hook's scale folded into the weights matched compiled
+    (benchmarks/results/checks/hooked-compile-*.json)."""
+    hooked = scan.host_state.hooked_module()
+    if hooked is None:
+        return None
+    return (
+        f"forward hooks ({hooked}): compiled captures of hooked models are not token-exact "
+        "against eager (measured on the H200), so the step is captured uncompiled; remove the "
+        "hook before the rollout to get the compiled step"
+    )
+
+
 def request_refusal(params: SamplingParams) -> str | None:
     """Why this request has nothing a graph path can serve, or ``None``."""
     if params.max_new_tokens == 1:
@@ -227,6 +244,8 @@ def plan_call(
                 "compile=True found no decoder block to compile (no module holding an "
                 "attention with a layer_idx): the step is captured uncompiled"
             )
+        if compiled and (reason := compile_refusal(scan)) is not None:
+            compiled = False
         path = "continuous_graph" if continuous else "static_graph"
         if config.per_position_graphs:
             reason = pinned_refusal(params)
