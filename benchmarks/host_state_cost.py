@@ -14,8 +14,8 @@ import timeit
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from graphcap.rollout.fingerprint import host_state
-from graphcap.rollout.scan import scan_model
+from graphcap.rollout.plan.fingerprint import host_state
+from graphcap.rollout.plan.scan import scan_model
 from graphcap.tiny_models import tiny_model
 
 LLAMA_3_8B = {

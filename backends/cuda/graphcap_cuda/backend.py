@@ -58,7 +58,8 @@ class CUDABackend(GraphBackend):
     captures_compiled: ClassVar[bool] = True
     # The compiled step is the fast one (llama-8b batch 1 on an H200: 4.3 ms against 7.1 ms
     # uncompiled, docs/benchmarks.md), and its compiled code is kept between processes
-    # (graphcap.rollout.compile_cache), so default configurations compile; compile=False opts out.
+    # (graphcap.rollout.holder.compile_cache), so default configurations compile; compile=False
+    # opts out.
     compiles_by_default: ClassVar[bool] = True
 
     @classmethod

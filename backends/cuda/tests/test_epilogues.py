@@ -19,9 +19,9 @@ from graphcap_cuda.kernels import epilogues, gemv
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from graphcap.rollout import regions
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.scan import scan_model
+from graphcap.rollout.plan import regions
+from graphcap.rollout.plan.fusion import ProjectionFusion
+from graphcap.rollout.plan.scan import scan_model
 from graphcap.tiny_models import tiny_model
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"

@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 import torch
 
-from graphcap.rollout.cache import StaticKVCache, put_columns
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.swap import attributes_swapped, forwards_swapped
+from graphcap.rollout.cache.cache import StaticKVCache, put_columns
+from graphcap.rollout.cache.swap import attributes_swapped, forwards_swapped
+from graphcap.rollout.plan.fusion import ProjectionFusion
 
 #: Whether compiled captures compile the step's own work around the model too
 #: (:func:`compiled_bookkeeping`; benchmarks turn it off to time the step without it).
@@ -51,7 +51,7 @@ ROTARY = "apply_rotary_pos_emb"
 class Bookkeeping(Protocol):
     """What :func:`compiled_bookkeeping` compiles: a decode step's work before the model
     (``prepare``) and after it (``finish``). A protocol, so this module (which the plan reads)
-    needs nothing from graphcap.rollout.step, which reads the plan."""
+    needs nothing from graphcap.rollout.step.step, which reads the plan."""
 
     prepare: Callable[..., Any]
     finish: Callable[..., Any]

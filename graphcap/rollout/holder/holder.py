@@ -2,8 +2,8 @@
 
 One holder per engine. It drops what it holds when a call's signature differs (before the
 replacement is allocated), captures through the one capture routine
-(:func:`~graphcap.rollout.capture.capture_step`) with the process group's agreement, and keeps
-graphs off for the engine after a failed capture. The static path holds one graph (key
+(:func:`~graphcap.rollout.holder.capture.capture_step`) with the process group's agreement, and
+keeps graphs off for the engine after a failed capture. The static path holds one graph (key
 ``None``); per-position graphs are keyed by position and share one memory pool.
 """
 
@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 import torch
 
 from graphcap.backend import Backend
-from graphcap.rollout.agreement import PEER_RECAPTURE, RankAgreement
-from graphcap.rollout.cache import LayerSpec
-from graphcap.rollout.capture import capture_step, fallback_reason
-from graphcap.rollout.compile_cache import CompileCache, shape_key
+from graphcap.rollout.cache.cache import LayerSpec
 from graphcap.rollout.config import SamplingParams
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.regions import compiled_bookkeeping, compiled_regions, one_row_products
+from graphcap.rollout.holder.agreement import PEER_RECAPTURE, RankAgreement
+from graphcap.rollout.holder.capture import capture_step, fallback_reason
+from graphcap.rollout.holder.compile_cache import CompileCache, shape_key
+from graphcap.rollout.plan.fusion import ProjectionFusion
+from graphcap.rollout.plan.regions import compiled_bookkeeping, compiled_regions, one_row_products
+from graphcap.rollout.plan.signature import GraphSignature, attention_implementation
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.sampling import SamplerShape
-from graphcap.rollout.signature import GraphSignature, attention_implementation
-from graphcap.rollout.step import DecodeStep
+from graphcap.rollout.step.step import DecodeStep
 
 
 @dataclass
@@ -135,7 +135,7 @@ class GraphHolder:
 
         ``attention``: the implementation the captured step runs (the model's own is restored
         after capture, so eager steps never see it). ``compiled``: the warm-up and capture run
-        the model's blocks around attention compiled (:mod:`graphcap.rollout.regions`; the
+        the model's blocks around attention compiled (:mod:`graphcap.rollout.plan.regions`; the
         warm-up compiles them, with the compile cache's file for this shape loaded). Adds the
         warm-up's seconds and the compile cache's use to ``stats``.
         """
