@@ -14,8 +14,9 @@ import timeit
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from graphcap.rollout.fingerprint import host_state
-from graphcap.rollout.scan import scan_model
+from graphcap.rollout.plan.fingerprint import host_state
+from graphcap.rollout.plan.scan import scan_model
+from graphcap.tiny_models import tiny_model
 
 LLAMA_3_8B = {
     "hidden_size": 4096,
@@ -26,14 +27,6 @@ LLAMA_3_8B = {
     "vocab_size": 128256,
     "max_position_embeddings": 8192,
 }
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-}
 
 
 def best_ms(fn, number: int = 100) -> float:
@@ -41,9 +34,13 @@ def best_ms(fn, number: int = 100) -> float:
 
 
 def main() -> None:
-    for name, sizes in (("llama-3-8b (meta)", LLAMA_3_8B), ("tiny llama", TINY)):
+    builders = {
+        "llama-3-8b (meta)": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_3_8B)),
+        "tiny llama": tiny_model,
+    }
+    for name, build in builders.items():
         with torch.device("meta"):
-            model = LlamaForCausalLM(LlamaConfig(**sizes))
+            model = build()
         first, second = host_state(model), host_state(model)
         modules = sum(1 for _ in model.modules())
         take = best_ms(lambda m=model: host_state(m))

@@ -27,9 +27,9 @@ import torch
 from graphcap_cuda.attention import IMPLEMENTATIONS, SPLIT_KV, register_attention
 from graphcap_cuda.backend import CUDABackend
 
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.regions import compiled_regions, one_row_products
-from graphcap.rollout.scan import scan_model
+from graphcap.rollout.plan.fusion import ProjectionFusion
+from graphcap.rollout.plan.regions import compiled_regions, one_row_products
+from graphcap.rollout.plan.scan import scan_model
 
 #: (label, attention implementation): the model's own SDPA, then the plugin's.
 ATTENTIONS = (

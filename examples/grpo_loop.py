@@ -28,44 +28,25 @@ import time
 from collections.abc import Sequence
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from graphcap import get_backend
 from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutResult, SamplingParams
+from graphcap.tiny_models import prompts, tiny_model
 
 VOCAB, PAD, EOS, TARGET = 32, 0, 1, 7
 TEMPERATURE = 0.8
 CLIP = 0.2
 
 
-def build_policy(seed: int = 0) -> LlamaForCausalLM:
-    """A 2-layer Llama with random weights; a large init std keeps its samples varied."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval()
+def build_policy(seed: int = 0) -> torch.nn.Module:
+    """graphcap's tiny Llama (2 layers, random weights); a large init std keeps its samples
+    varied."""
+    return tiny_model("llama", vocab_size=VOCAB, seed=seed, max_position_embeddings=128)
 
 
 def make_prompts(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Left-padded prompts: row ``i`` has ``width - i % 3`` tokens."""
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (rows, width), generator=gen)
-    mask = torch.ones_like(ids)
-    for row in range(rows):
-        ids[row, : row % 3], mask[row, : row % 3] = PAD, 0
-    return ids.to(device), mask.to(device)
+    return prompts(rows, width, vocab_size=VOCAB, seed=1, device=device)
 
 
 def rewards_of(result: RolloutResult, width: int) -> torch.Tensor:

@@ -32,18 +32,11 @@ from transformers import PreTrainedTokenizerFast
 import graphcap
 from graphcap.bench.models import DTYPES, build_model
 from graphcap.rollout import accelerate_generate, restore_generate
+from graphcap.tiny_models import tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-TINY = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.3,
-)
+#: The tiny policy's config fields beyond graphcap.tiny_models' defaults.
+TINY = dict(vocab_size=64, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -59,11 +52,8 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 def policy(preset: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """A random-weight policy: the tiny Llama, or a ``graphcap bench`` preset's shape."""
     if preset == "tiny":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        config = LlamaConfig(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+        model = tiny_model("llama", seed=0, **TINY).train()  # the mode a trainer starts in
+        return model.to(device=device, dtype=dtype)
     model = build_model(preset, dtype=dtype, device=device, seed=0)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
     model.config.pad_token_id, model.config.eos_token_id = 0, 2

@@ -6,7 +6,7 @@ Face decoder models with the whole decode step captured as a device graph.
 
 from importlib import metadata
 
-from graphcap.backend import Availability, Backend, Capabilities
+from graphcap.backend import Availability, Backend, Capabilities, GraphBackend
 from graphcap.errors import (
     BackendSelectionError,
     GraphcapError,
@@ -27,6 +27,7 @@ __all__ = [
     "Backend",
     "BackendSelectionError",
     "Capabilities",
+    "GraphBackend",
     "GraphCaptureError",
     "GraphUnsupportedError",
     "GraphcapError",

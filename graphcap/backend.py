@@ -321,6 +321,52 @@ class Backend:
         return info
 
 
+class GraphBackend(Backend):
+    """A backend that captures through a *graph library*: torch's device-graph API.
+
+    Every capturing backend wrote the same graph hooks; they live here once. The library is an
+    object with the graph class (named by :attr:`graph_class`), ``graph(graph, pool=, stream=,
+    capture_error_mode=)``, ``is_current_stream_capturing()``, ``graph_pool_handle()``,
+    ``current_stream()`` and ``set_stream()``: by default the device module (the CUDA and NPU
+    ones have this form); the CPU reference graphs offer the same form. A subclass sets
+    ``graph_class`` and ``capture_hint`` and overrides :meth:`graph_library` only when its device
+    module is not where the graphs are.
+    """
+
+    captures_graphs: ClassVar[bool | None] = True
+    #: The graph class's name in the graph library, e.g. ``"CUDAGraph"``.
+    graph_class: ClassVar[str] = "Graph"
+    #: Appended to a failed capture's error: the usual causes on this device.
+    capture_hint: ClassVar[str] = ""
+
+    def graph_library(self) -> Any:
+        """The object holding the graph API; the device module unless overridden."""
+        return self.device_module
+
+    def create_graph(self) -> Any:
+        return getattr(self.graph_library(), self.graph_class)()
+
+    def capture_to_graph(
+        self,
+        graph: Any,
+        pool: Any | None = None,
+        stream: Any | None = None,
+        capture_error_mode: str | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        return device_graph_capture(
+            self.graph_library(), graph, pool, stream, capture_error_mode, self.capture_hint
+        )
+
+    def replay_graph(self, graph: Any) -> None:
+        graph.replay()
+
+    def is_current_stream_capturing(self) -> bool:
+        return bool(self.graph_library().is_current_stream_capturing())
+
+    def graph_pool_handle(self) -> Any | None:
+        return self.graph_library().graph_pool_handle()
+
+
 def device_graph_capture(
     device_module: Any,
     graph: Any,

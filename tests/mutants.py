@@ -43,14 +43,14 @@ HOOKED_COMPILE = (
 PLANTS = (
     Plant(
         "mask not cleared on reuse",
-        "graphcap/rollout/masks.py",
+        "graphcap/rollout/cache/masks.py",
         "            self.valid.zero_()\n",
         "            pass\n",
         ("tests/test_rollout_graph.py",),
     ),
     Plant(
         "prefill K/V copied to the first sample row only",
-        "graphcap/rollout/static.py",
+        "graphcap/rollout/runners/static.py",
         "step.cache.load_prefill(prefill.cache, source_rows=sources)",
         "step.cache.load_prefill(prefill.cache, source_rows=sources[:1].expand_as(sources))",
         (
@@ -59,14 +59,14 @@ PLANTS = (
     ),
     Plant(
         "position ids frozen by the graph",
-        "graphcap/rollout/step.py",
+        "graphcap/rollout/step/step.py",
         "        self.state.positions.add_(1)\n",
         "        self.state.positions.copy_(self.state.positions + 0)\n",
         ("tests/test_rollout_equivalence.py::test_greedy_graph_equals_eager_equals_generate",),
     ),
     Plant(
         "write column read as a host int",
-        "graphcap/rollout/step.py",
+        "graphcap/rollout/step/step.py",
         "        column = self.cache.write_pos[:, None]\n",
         "        column = torch.full_like(self.cache.write_pos, int(self.cache.write_pos[0]))"
         "[:, None]\n",
@@ -74,14 +74,14 @@ PLANTS = (
     ),
     Plant(
         "warm-up leaves its trace (no rollback before capture)",
-        "graphcap/rollout/capture.py",
+        "graphcap/rollout/holder/capture.py",
         '            timings["warmup_s"] = time.perf_counter() - start\n        rollback()\n',
         '            timings["warmup_s"] = time.perf_counter() - start\n',
         ("tests/test_rollout_equivalence.py",),
     ),
     Plant(
         "compile-cache file never loaded",
-        "graphcap/rollout/compile_cache.py",
+        "graphcap/rollout/holder/compile_cache.py",
         "        loaded = _load(path)\n",
         "        loaded = None\n",
         (
@@ -91,13 +91,14 @@ PLANTS = (
     Plant(
         "captured steps never compile by default",
         "graphcap/rollout/config.py",
-        "            return backend.capabilities.compile_by_default\n",
+        "            return self.process_group is None"
+        " and backend.capabilities.compile_by_default\n",
         "            return False\n",
         ("tests/test_compile_default.py",),
     ),
     Plant(
         "compiled code kept across a host-state change",
-        "graphcap/rollout/holder.py",
+        "graphcap/rollout/holder/holder.py",
         "                    torch.compiler.reset()\n",
         "                    pass\n",
         ("tests/test_compile_default.py",),
@@ -118,14 +119,14 @@ PLANTS = (
     ),
     Plant(
         "finished flag not read before the first step",
-        "graphcap/rollout/static.py",
+        "graphcap/rollout/runners/static.py",
         "    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):\n",
         "    if False:\n",
         ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
     ),
     Plant(
         "checkpointing hook kept in the host state",
-        "graphcap/rollout/fingerprint.py",
+        "graphcap/rollout/plan/fingerprint.py",
         "    live = {h: hook for h, hook in hooks.items() if hook_name(hook) not in INERT_HOOKS}\n",
         "    live = dict(hooks)\n",
         (
@@ -134,21 +135,21 @@ PLANTS = (
     ),
     Plant(
         "scores recorded before the repetition penalty",
-        "graphcap/rollout/step.py",
+        "graphcap/rollout/step/step.py",
         "            processed = torch.where(s.rows.sample[:, None], warped, scores)\n",
         "            processed = torch.where(s.rows.sample[:, None], warped, logits.float())\n",
         ("tests/test_rollout_scores.py::test_scores_match_generate_per_step",),
     ),
     Plant(
         "retired slot's mask row kept",
-        "graphcap/rollout/slots.py",
+        "graphcap/rollout/step/slots.py",
         "    step.masks.valid[rows] = False\n",
         "",
         ("tests/test_rollout_continuous.py",),
     ),
     Plant(
         "budget-finished slots wait for the refill check",
-        "graphcap/rollout/continuous.py",
+        "graphcap/rollout/runners/continuous.py",
         "            if check or self._due(table, queue, stats.steps):\n",
         "            if check:\n",
         (
@@ -157,7 +158,7 @@ PLANTS = (
     ),
     Plant(
         "queue taken in request order",
-        "graphcap/rollout/continuous.py",
+        "graphcap/rollout/runners/continuous.py",
         "key=lambda r: -self.limits[r]",
         "key=lambda r: 0",
         (
@@ -166,7 +167,7 @@ PLANTS = (
     ),
     Plant(
         "budget refills read the device flags",
-        "graphcap/rollout/continuous.py",
+        "graphcap/rollout/runners/continuous.py",
         "align, trim, read=check)",
         "align, trim, read=True)",
         (
@@ -175,7 +176,7 @@ PLANTS = (
     ),
     Plant(
         "slot retired one step before its budget is used",
-        "graphcap/rollout/continuous.py",
+        "graphcap/rollout/runners/continuous.py",
         "now + queue.limits[request] - 1",
         "now + queue.limits[request] - 2",
         (
@@ -184,28 +185,28 @@ PLANTS = (
     ),
     Plant(
         "one attention span for every per-position graph",
-        "graphcap/rollout/runners.py",
+        "graphcap/rollout/runners/runners.py",
         "step = self.eager.with_span((0, self.width + position + 1))",
         "step = self.eager.with_span((0, self.width + 1))",
         ("tests/test_rollout_per_position.py",),
     ),
     Plant(
         "strides left out of the signature",
-        "graphcap/rollout/scan.py",
+        "graphcap/rollout/plan/scan.py",
         "tuple(t.shape), tuple(t.stride()), t.dtype",
         "tuple(t.shape), (), t.dtype",
         ("tests/test_rollout_stale_state.py",),
     ),
     Plant(
         "model's own attention not restored after capture",
-        "graphcap/rollout/holder.py",
+        "graphcap/rollout/holder/holder.py",
         "        model.set_attn_implementation(own)\n",
         "        pass\n",
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
         "rng_in_graph=False ignored",
-        "graphcap/rollout/plan.py",
+        "graphcap/rollout/plan/plan.py",
         "    if params.do_sample and not caps.rng_in_graph:",
         "    if False:",
         ("tests/test_rollout_plan.py",),
@@ -233,7 +234,7 @@ PLANTS = (
     ),
     Plant(
         "refilled slot keeps the previous request's settings",
-        "graphcap/rollout/continuous.py",
+        "graphcap/rollout/runners/continuous.py",
         "        step.configure_rows(\n",
         "        (lambda *args: None)(\n",
         ("tests/test_rollout_penalty.py",),
@@ -249,70 +250,70 @@ PLANTS = (
     ),
     Plant(
         "joined projection's later layer returns its slice for any input",
-        "graphcap/rollout/fusion.py",
+        "graphcap/rollout/plan/fusion.py",
         "                if x is not self._input:\n",
         "                if x is None:\n",
         ("tests/test_rollout_fusion.py",),
     ),
     Plant(
         "replaced parameter storage never joined again",
-        "graphcap/rollout/fusion.py",
+        "graphcap/rollout/plan/fusion.py",
         "        moved = [group for group in self.groups if not group.joined()]\n",
         "        moved = [group for group in self.groups if group.weight.numel() == 0]\n",
         ("tests/test_rollout_fusion.py",),
     ),
     Plant(
         "non-resident parameters joined",
-        "graphcap/rollout/fusion.py",
+        "graphcap/rollout/plan/fusion.py",
         "        if scan.non_resident is not None:\n            return False\n",
         "",
         ("tests/test_rollout_fusion.py",),
     ),
     Plant(
         "compiled blocks stay compiled after capture",
-        "graphcap/rollout/swap.py",
+        "graphcap/rollout/cache/swap.py",
         "                delattr(obj, name)\n",
         "                pass\n",
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
         "compiled captures keep the eager K/V write",
-        "graphcap/rollout/regions.py",
+        "graphcap/rollout/plan/regions.py",
         " else cache.puts_through(compiled(put_columns))\n",
         " else contextlib.nullcontext()\n",
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
         "the decoder stack's final norm and rotary embedding not compiled",
-        "graphcap/rollout/regions.py",
+        "graphcap/rollout/plan/regions.py",
         "        for parent in stacks\n",
         "        for parent in []\n",
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
         "the attention compiled with its decoder layer",
-        "graphcap/rollout/regions.py",
+        "graphcap/rollout/plan/regions.py",
         '(a, "forward", torch.compiler.disable(a.forward))',
         '(a, "forward", a.forward)',
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
         "joined groups left out of the one-row product",
-        "graphcap/rollout/regions.py",
+        "graphcap/rollout/plan/regions.py",
         " else fusion.products_through(product)\n",
         " else contextlib.nullcontext()\n",
         ("tests/test_rollout_one_row.py",),
     ),
     Plant(
         "the one-row product used in uncompiled captures",
-        "graphcap/rollout/holder.py",
+        "graphcap/rollout/holder/holder.py",
         "        product = self.backend.one_row_product() if compiled else None\n",
         "        product = self.backend.one_row_product()\n",
         ("tests/test_rollout_one_row.py",),
     ),
     Plant(
         "compiled regions ignore the backend's inductor options",
-        "graphcap/rollout/regions.py",
+        "graphcap/rollout/plan/regions.py",
         "functools.partial(torch.compile, options=options or None)",
         "functools.partial(torch.compile, options=None)",
         ("tests/test_rollout_plan.py",),
@@ -333,7 +334,7 @@ PLANTS = (
     ),
     Plant(
         "plain captures run under the backend's compiled-capture settings",
-        "graphcap/rollout/holder.py",
+        "graphcap/rollout/holder/holder.py",
         "            if compiled:\n                state = ",
         "            stack.enter_context(self.backend.compiled_capture_context())\n"
         "            if compiled:\n                state = ",
@@ -355,7 +356,7 @@ PLANTS = (
     ),
     Plant(
         "functions held as module attributes left out of the host state",
-        "graphcap/rollout/fingerprint.py",
+        "graphcap/rollout/plan/fingerprint.py",
         "    if kind in _CALLABLES or issubclass(kind, type):\n",
         "    if False:\n",
         (
@@ -365,28 +366,28 @@ PLANTS = (
     ),
     Plant(
         "each module's class left out of the host state",
-        "graphcap/rollout/fingerprint.py",
+        "graphcap/rollout/plan/fingerprint.py",
         "        (path, type(module), _hooks(module, keep), _attributes(module, keep))\n",
         "        (path, torch.nn.Module, _hooks(module, keep), _attributes(module, keep))\n",
         ("tests/test_rollout_stale_state.py::test_submodule_swapped_for_another_class_recaptures",),
     ),
     Plant(
         "swapped attributes keep their swapped value after the block",
-        "graphcap/rollout/swap.py",
+        "graphcap/rollout/cache/swap.py",
         "            else:\n                setattr(obj, name, value)\n",
         "            else:\n                pass\n",
         ("tests/test_rollout_units.py", "tests/test_rollout_one_row.py"),
     ),
     Plant(
         "compiled captures leave the step's own work eager",
-        "graphcap/rollout/holder.py",
+        "graphcap/rollout/holder/holder.py",
         "                stack.enter_context(compiled_bookkeeping(step, options))\n",
         "",
         ("tests/test_rollout_plan.py",),
     ),
     Plant(
         "the compiled step's random draws left to inductor's generator",
-        "graphcap/rollout/regions.py",
+        "graphcap/rollout/plan/regions.py",
         'BOOKKEEPING_OPTIONS = {"fallback_random": True}',
         'BOOKKEEPING_OPTIONS = {"fallback_random": False}',
         ("tests/test_rollout_plan.py",),
@@ -407,7 +408,7 @@ PLANTS = (
     ),
     Plant(
         "several new K/V columns written to the first one",
-        "graphcap/rollout/cache.py",
+        "graphcap/rollout/cache/cache.py",
         "columns = columns + torch.arange(",
         "columns = columns + 0 * torch.arange(",
         ("tests/test_rollout_units.py",),
@@ -532,14 +533,14 @@ PLANTS = (
     ),
     Plant(
         "a module's forward hook does not turn compiling off",
-        "graphcap/rollout/fingerprint.py",
+        "graphcap/rollout/plan/fingerprint.py",
         'return next((path or "<root>" for path, _, hooks, _ in self.modules if hooks), None)',
         "return None",
         (HOOKED_COMPILE,),
     ),
     Plant(
         "a global module hook does not turn compiling off",
-        "graphcap/rollout/fingerprint.py",
+        "graphcap/rollout/plan/fingerprint.py",
         "        if any(self.global_hooks):\n",
         "        if False:\n",
         (HOOKED_COMPILE,),

@@ -1,8 +1,8 @@
-"""Tiny fp32 decoder models and prompts for the rollout tests.
+"""The rollout tests' helpers around graphcap's tiny models (:mod:`graphcap.tiny_models`).
 
-Random-init models tend to repeat one token, which hides frozen positions and stale masks. A
-large ``initializer_range`` and a tiny vocabulary give outputs that change token by token;
-:func:`distinct_tokens_per_row` lets tests assert that they do.
+Models are cached per configuration (tests that mutate one ask for a fresh copy);
+:func:`distinct_tokens_per_row` lets tests assert that outputs change token by token, which the
+tiny models' large init std is for.
 """
 
 from __future__ import annotations
@@ -10,120 +10,30 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import (
-    GemmaConfig,
-    GemmaForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    OPTConfig,
-    OPTForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
-VOCAB = 128
-PAD = 0
-EOS = 1
-HIDDEN = 64
-#: Init std per family: GPT-2 / OPT (learned positions, LayerNorm) need a larger one than the
-#: rotary families before greedy outputs stop repeating a single token.
-ROTARY_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma")
-INIT = {"gpt2": 1.0, "opt": 1.0} | dict.fromkeys(ROTARY_FAMILIES, 0.3)
+from graphcap import tiny_models
+from graphcap.tiny_models import EOS, PAD, VOCAB
+
 #: The families every-family tests run (phi3 and gemma are built for the tests that name them).
 FAMILIES = ("gpt2", "llama", "qwen2", "opt", "mistral")
-
-
-def _build(family: str, attn: str = "sdpa", **overrides: object) -> torch.nn.Module:
-    common = {
-        "vocab_size": VOCAB,
-        "pad_token_id": PAD,
-        "eos_token_id": EOS,
-        "bos_token_id": 2,
-        "attn_implementation": attn,
-    }
-    common.update(overrides)
-    if family == "gpt2":
-        config = GPT2Config(
-            n_embd=HIDDEN,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            initializer_range=INIT[family],
-            **common,
-        )
-        cls = GPT2LMHeadModel
-    elif family == "opt":
-        config = OPTConfig(
-            hidden_size=HIDDEN,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            ffn_dim=128,
-            max_position_embeddings=64,
-            word_embed_proj_dim=HIDDEN,
-            init_std=INIT[family],
-            **common,
-        )
-        cls = OPTForCausalLM
-    else:
-        config_cls, cls = {
-            "llama": (LlamaConfig, LlamaForCausalLM),
-            "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-            "mistral": (MistralConfig, MistralForCausalLM),
-            "phi3": (Phi3Config, Phi3ForCausalLM),
-            "gemma": (GemmaConfig, GemmaForCausalLM),
-        }[family]
-        kwargs = {
-            "hidden_size": HIDDEN,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 64,
-            "initializer_range": INIT[family],
-            "tie_word_embeddings": False,
-        }
-        if family == "mistral":
-            kwargs["sliding_window"] = None
-        if family == "gemma":  # its default head size (256) is wider than the model
-            kwargs["head_dim"] = HIDDEN // 4
-        kwargs.update(common)
-        config = config_cls(**kwargs)
-    torch.manual_seed(1234)
-    model = cls(config).eval()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = EOS
-    return model
+__all__ = ["EOS", "FAMILIES", "PAD", "VOCAB"]  # the ids and sizes tests compare against
 
 
 @functools.cache
 def _cached(family: str, attn: str, overrides: tuple) -> torch.nn.Module:
-    return _build(family, attn, **dict(overrides))
+    return tiny_models.tiny_model(family, attn, **dict(overrides))
 
 
 def tiny_model(family: str, attn: str = "sdpa", fresh: bool = False, **overrides: object):
     """A 2-layer, hidden-64, vocab-128 fp32 model; cached unless ``fresh`` (tests that mutate)."""
     if fresh:
-        return _build(family, attn, **overrides)
+        return tiny_models.tiny_model(family, attn, **overrides)
     return _cached(family, attn, tuple(sorted(overrides.items())))
 
 
 def prompts(batch: int, width: int = 6, seed: int = 0, padded: bool = True):
     """Left-padded prompts: row ``i`` has ``width - (i % 3)`` real tokens (ids 3..VOCAB-1)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, width), generator=gen)
-    mask = torch.ones_like(ids)
-    if padded:
-        for row in range(batch):
-            pad = row % 3
-            ids[row, :pad] = PAD
-            mask[row, :pad] = 0
-    return ids, mask
+    return tiny_models.prompts(batch, width, seed=seed, pad_cycle=3 if padded else 1)
 
 
 def distinct_tokens_per_row(result, min_distinct: int = 3) -> bool:

@@ -11,9 +11,9 @@ from rollout_models import tiny_model
 from transformers.utils import import_utils
 
 from graphcap.cpu import CPUBackend
-from graphcap.rollout import capture as capture_module
-from graphcap.rollout.capture import capture_step
-from graphcap.rollout.tracing import graph_step, in_graph_step, install_capture_detection
+from graphcap.rollout.holder import capture as capture_module
+from graphcap.rollout.holder.capture import capture_step
+from graphcap.rollout.holder.tracing import graph_step, in_graph_step, install_capture_detection
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

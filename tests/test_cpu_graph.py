@@ -13,6 +13,7 @@ import torch
 from graphcap.cpu import CPUBackend
 from graphcap.cpu.graph import CPUGraph, is_capturing
 from graphcap.errors import GraphcapError, GraphCaptureError
+from graphcap.tiny_models import tiny_model
 
 
 def capture(fn):
@@ -393,39 +394,10 @@ def test_backend_api_round_trip():
 
 
 # ---- transformers models ----------------------------------------------------------------------
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def _tiny_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config).eval()
-
-
-@pytest.mark.parametrize("make_model", [_tiny_llama, _tiny_gpt2], ids=["llama", "gpt2"])
-def test_transformers_forward_replays_new_inputs(make_model):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_transformers_forward_replays_new_inputs(family):
+    model = tiny_model(family)
     torch.manual_seed(0)
-    model = make_model()
     batch, length = 2, 8
     input_ids = torch.randint(0, 128, (batch, length))
     # A 4-D additive mask and explicit positions: transformers' own mask construction reads
@@ -449,8 +421,8 @@ def test_transformers_forward_replays_new_inputs(make_model):
 
 
 def test_transformers_own_mask_creation_is_a_host_sync():
+    model = tiny_model("llama")
     torch.manual_seed(0)
-    model = _tiny_llama()
     input_ids = torch.randint(0, 128, (1, 4))
     with pytest.raises(GraphCaptureError, match="_local_scalar_dense"):
         capture(lambda: model(input_ids, use_cache=False))
@@ -459,8 +431,8 @@ def test_transformers_own_mask_creation_is_a_host_sync():
 def test_static_cache_decode_step_replays_token_identical_to_eager():
     from transformers import StaticCache
 
+    model = tiny_model("llama")
     torch.manual_seed(0)
-    model = _tiny_llama()
     batch, cache_len, prompt_len, steps = 2, 16, 5, 6
     prompt = torch.randint(0, 128, (batch, prompt_len))
     slots = torch.arange(cache_len).view(1, 1, 1, cache_len)

@@ -19,7 +19,7 @@ from graphcap.errors import GenerateFallbackWarning
 from graphcap.rollout import AcceleratedGenerate, accelerate_generate, restore_generate
 from graphcap.rollout.config import GENERATE_DEFAULTS
 from graphcap.rollout.drop_in import PENALISES_PADDING
-from graphcap.rollout.fingerprint import INERT_HOOKS, hook_name, host_state
+from graphcap.rollout.plan.fingerprint import INERT_HOOKS, hook_name, host_state
 
 SETTINGS = {
     "greedy": {"max_new_tokens": 9},

@@ -24,7 +24,7 @@ from graphcap.rollout import (
     SamplingParams,
     load_weights_in_place,
 )
-from graphcap.rollout.agreement import RankAgreement
+from graphcap.rollout.holder.agreement import RankAgreement
 
 NEW = 10
 SLOTS = 3

@@ -7,7 +7,7 @@ import torch
 from rollout_models import FAMILIES, distinct_tokens_per_row, make_engine, prompts, run, tiny_model
 
 from graphcap.rollout import SamplingParams
-from graphcap.rollout.fusion import JoinedGroup, joinable_groups
+from graphcap.rollout.plan.fusion import JoinedGroup, joinable_groups
 
 NEW = 12
 NO_EOS = {"eos_token_id": [], "max_new_tokens": NEW}

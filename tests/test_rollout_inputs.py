@@ -18,9 +18,9 @@ from graphcap.rollout import (
     SamplingParams,
     load_weights_in_place,
 )
-from graphcap.rollout.inputs import request_bytes, vocab_size
+from graphcap.rollout.plan.inputs import request_bytes, vocab_size
+from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.sampling import sanitise
-from graphcap.rollout.scan import scan_model
 
 
 def _engine(model, **config) -> RolloutEngine:

@@ -14,9 +14,9 @@ from test_rollout_plan import NEW, NO_EOS, CompiledCaptureBackend
 
 from graphcap.errors import CaptureFallbackWarning
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.regions import one_row_products
-from graphcap.rollout.scan import scan_model
+from graphcap.rollout.plan.fusion import ProjectionFusion
+from graphcap.rollout.plan.regions import one_row_products
+from graphcap.rollout.plan.scan import scan_model
 
 
 def recording() -> tuple[object, list[int]]:

@@ -25,10 +25,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from graphcap.cpu import CPUBackend
 from graphcap.errors import CaptureFallbackWarning
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from graphcap.rollout import plan as plan_module
-from graphcap.rollout.cache import put_columns
-from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.regions import (
+from graphcap.rollout.cache.cache import put_columns
+from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.plan import plan as plan_module
+from graphcap.rollout.plan.regions import (
     BOOKKEEPING_OPTIONS,
     ROTARY,
     compile_regions,

@@ -44,7 +44,7 @@ from graphcap.cpu.torch_internals import (
 )
 from graphcap.errors import GraphcapError, GraphCaptureError
 
-__all__ = ["CPUGraph", "is_capturing"]
+__all__ = ["CPUGraph", "ReferenceGraphs", "is_capturing"]
 
 _tls = threading.local()
 
@@ -596,3 +596,36 @@ class CPUGraph:
         if self._state == "capturing":
             return "replay() of a graph while it is still capturing"
         return f"replay() of a graph whose capture failed ({self._failure}); reset() and recapture"
+
+
+class ReferenceGraphs:
+    """The CPU graphs in the form of a device module's graph API (the CUDA one's), so a
+    :class:`~graphcap.backend.GraphBackend` captures with them as with a device's. Pools and
+    streams have no meaning on the CPU: there is one stream (``None``) and no shared pool."""
+
+    CPUGraph = CPUGraph
+
+    @staticmethod
+    def graph(
+        graph: CPUGraph,
+        pool: Any | None = None,
+        stream: Any | None = None,
+        capture_error_mode: str | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        return graph.capture()
+
+    @staticmethod
+    def is_current_stream_capturing() -> bool:
+        return is_capturing()
+
+    @staticmethod
+    def graph_pool_handle() -> None:
+        return None
+
+    @staticmethod
+    def current_stream() -> None:
+        return None
+
+    @staticmethod
+    def set_stream(stream: Any) -> None:
+        """Nothing to switch: the CPU has one stream."""

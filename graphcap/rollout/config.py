@@ -521,12 +521,12 @@ class RolloutConfig:
     (refused with the reason where the backend cannot capture compiled code). Per-position
     graphs never compile; tensor-parallel steps (``process_group``) compile only when asked.
     ``compile_cache``: where compiled code is kept between processes
-    (:mod:`graphcap.rollout.compile_cache`): ``"auto"`` is ``$GRAPHCAP_COMPILE_CACHE`` or
+    (:mod:`graphcap.rollout.holder.compile_cache`): ``"auto"`` is ``$GRAPHCAP_COMPILE_CACHE`` or
     ``~/.cache/graphcap/compile``, a path that directory, ``None`` none beyond torch's own
     caches. Compiled captures run the blocks around attention (each decoder layer with its
     attention left out, the rotary function and embedding, the K/V cache writes) through
     ``torch.compile``, traced once per block class
-    (:func:`graphcap.rollout.regions.compiled_regions`); the compilation happens in the
+    (:func:`graphcap.rollout.plan.regions.compiled_regions`); the compilation happens in the
     warm-up before the first capture, so it is part of that call's ``warmup_s``,
     ``capture_s`` and ``first_call_s`` (``stats.compiled`` says so). The captured projections
     compute through the backend's one-row product where it offers one
@@ -536,7 +536,7 @@ class RolloutConfig:
     that declares ``captures_compiled``; elsewhere calls run eagerly with the reason.
     ``fuse_projections=True``: projections that read one input (q/k/v, gate/up) run as one
     product over their weights joined in one buffer, whose views the parameters become
-    (:mod:`graphcap.rollout.fusion`; ``stats.joined_projections`` counts the groups). In every
+    (:mod:`graphcap.rollout.plan.fusion`; ``stats.joined_projections`` counts the groups). In every
     step and the prefill, eager or captured; results equal the unjoined model's within float
     rounding.
     """

@@ -41,9 +41,9 @@ from graphcap.rollout.config import (
     unsupported_generation_fields,
 )
 from graphcap.rollout.engine import RolloutEngine
-from graphcap.rollout.plan import graph_refusal
+from graphcap.rollout.plan.plan import graph_refusal
+from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.results import RolloutStats
-from graphcap.rollout.scan import scan_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

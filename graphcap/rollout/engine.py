@@ -2,8 +2,9 @@
 
 The engine checks a call's inputs and dispatches it to the static path (eager, static graph,
 per-position graphs) or the continuous path; both plan the call (:mod:`~graphcap.rollout.plan`),
-prefill, take their buffers from the engine's one :class:`~graphcap.rollout.holder.GraphHolder`
-and run a runner (:mod:`~graphcap.rollout.runners`). docs/architecture.md draws the path.
+prefill, take their buffers from the engine's one
+:class:`~graphcap.rollout.holder.holder.GraphHolder` and run a runner
+(:mod:`~graphcap.rollout.runners`). docs/architecture.md draws the path.
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ from transformers import GenerationConfig
 
 from graphcap.backend import Backend
 from graphcap.registry import get_backend, register_attention_implementations
-from graphcap.rollout.agreement import RankAgreement
-from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.compile_cache import CompileCache, resolve_directory
+from graphcap.rollout.cache.cache import StaticKVCache
 from graphcap.rollout.config import RolloutConfig, SamplingParams
-from graphcap.rollout.continuous import ContinuousRollout
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.inputs import (
+from graphcap.rollout.holder.agreement import RankAgreement
+from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
+from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.plan.fusion import ProjectionFusion
+from graphcap.rollout.plan.inputs import (
     Call,
     apply_overrides,
     check_generator,
@@ -35,14 +35,15 @@ from graphcap.rollout.inputs import (
     resolve_sampling,
     row_settings,
 )
-from graphcap.rollout.plan import check_graph_attention
+from graphcap.rollout.plan.plan import check_graph_attention
+from graphcap.rollout.plan.scan import scan_model
+from graphcap.rollout.plan.signature import attention_implementation
 from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult
+from graphcap.rollout.runners.continuous import ContinuousRollout
+from graphcap.rollout.runners.static import StaticRollout
 from graphcap.rollout.sampling import generator_kept
-from graphcap.rollout.scan import scan_model
-from graphcap.rollout.signature import attention_implementation
-from graphcap.rollout.static import StaticRollout
-from graphcap.rollout.step import DecodeStep
+from graphcap.rollout.step.step import DecodeStep
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -140,7 +141,7 @@ class RolloutEngine:
                 result = self._path.run(call, start)
             woke, self._sleeping = self._sleeping, False
             stats = result.stats
-            stats.captures = self._holder.captures
+            stats.captures = self._holder.capture_count()
             stats.joined_projections = len(self._fusion.active) if self._fusion is not None else 0
             if woke and stats.captured:
                 stats.recapture_reason.insert(0, WOKE)
@@ -166,8 +167,8 @@ class RolloutEngine:
             raise ValueError(f"sleep level must be 1 or 2 (vLLM's levels), got {level!r}")
         with self._lock:
             self._check_open()
-            self._sleeping = self._sleeping or self._holder.held is not None
-            self._holder.drop()
+            freed = self._holder.drop()
+            self._sleeping = self._sleeping or freed
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """End a ``sleep`` explicitly (vLLM's name and signature); safe to call at any time.
@@ -196,14 +197,13 @@ class RolloutEngine:
     @property
     def captures(self) -> int:
         """Graphs this engine has captured so far (every call, every path)."""
-        return self._holder.captures
+        return self._holder.capture_count()
 
     @property
     def step(self) -> DecodeStep | None:
         """The decode step held (its cache, masks and state), ``None`` before the first call or
         after a drop; for inspection and tests."""
-        held = self._holder.held
-        return None if held is None else held.step
+        return self._holder.held_step()
 
     @property
     def cache(self) -> StaticKVCache | None:

@@ -23,7 +23,7 @@ class RolloutStats:
     ``attention``: the attention implementation the decode steps ran. ``compiled``: they ran
     the blocks around attention compiled (``RolloutConfig.compile``); ``compile_cache``: what
     the capture that compiled did with the compile cache (``"loaded"``, ``"new"``,
-    ``"unreadable"``, ``"off"``; :mod:`graphcap.rollout.compile_cache`), ``None`` when this
+    ``"unreadable"``, ``"off"``; :mod:`graphcap.rollout.holder.compile_cache`), ``None`` when this
     call compiled nothing. ``joined_projections``: groups of
     projections that ran as one product (``RolloutConfig(fuse_projections=True)``).
     """

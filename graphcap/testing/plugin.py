@@ -15,10 +15,15 @@ from typing import Any
 
 import pytest
 
-from graphcap.backend import Backend
 from graphcap.errors import BackendSelectionError
 from graphcap.registry import ENV_VAR, get_backend
-from graphcap.testing.report import CheckResult, build_record, render_table, write_json
+from graphcap.testing.report import (
+    CheckResult,
+    Selection,
+    build_record,
+    render_table,
+    write_json,
+)
 
 PLUGIN_NAME = "graphcap-conformance"
 CONFORMANCE_PACKAGE = "graphcap.testing.conformance"
@@ -64,16 +69,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(ConformanceSession(config), PLUGIN_NAME)
-
-
-@dataclass
-class Selection:
-    """The backend under test, or why there is none."""
-
-    requested: str | None
-    backend: Backend | None = None
-    skip_reason: str | None = None
-    error: BaseException | None = None
 
 
 @dataclass(eq=False)  # registered with pytest's pluggy, which hashes plugins by identity

@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
 
-if TYPE_CHECKING:
-    from graphcap.testing.plugin import Selection
+from graphcap.backend import Backend
 
 SCHEMA_VERSION = 2
 #: "no graphs": the check applies only to backends that capture, and this one (by its own,
@@ -27,6 +26,16 @@ SCHEMA_VERSION = 2
 OUTCOMES = ("passed", "failed", "error", "no graphs", "skipped")
 #: How the conformance fixtures start the skip reason of a graph check on an eager backend.
 NO_GRAPHS_PREFIX = "no graphs:"
+
+
+@dataclass
+class Selection:
+    """The backend under test, or why there is none."""
+
+    requested: str | None
+    backend: Backend | None = None
+    skip_reason: str | None = None
+    error: BaseException | None = None
 
 
 @dataclass

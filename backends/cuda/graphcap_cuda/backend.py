@@ -1,7 +1,8 @@
 """CUDA backend: the Backend contract on torch.cuda graphs.
 
-Only the four graph hooks and availability are CUDA-specific; streams, synchronize, RNG state and
-memory figures come from the base class (``torch.get_device_module("cuda")`` is ``torch.cuda``).
+Only availability and the speed hooks are CUDA-specific; the graph hooks (on ``torch.cuda``'s
+graph API), streams, synchronize, RNG state and memory figures come from the base classes
+(``torch.get_device_module("cuda")`` is ``torch.cuda``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from graphcap.backend import Availability, Backend, device_graph_capture
+from graphcap.backend import Availability, GraphBackend
 from graphcap_cuda.attention import DEFAULT_ATTENTION
 from graphcap_cuda.kernels import launch
 
@@ -37,11 +38,12 @@ HINT = (
 )
 
 
-class CUDABackend(Backend):
+class CUDABackend(GraphBackend):
     name: ClassVar[str] = "cuda"
     priority: ClassVar[int] = 100
     device_type: ClassVar[str] = "cuda"
-    captures_graphs: ClassVar[bool] = True
+    graph_class: ClassVar[str] = "CUDAGraph"
+    capture_hint: ClassVar[str] = HINT
     # torch registers the default CUDA generator with every graph it captures: capture does not
     # advance it and each replay draws fresh numbers from its current state.
     rng_in_graph: ClassVar[bool] = True
@@ -56,7 +58,8 @@ class CUDABackend(Backend):
     captures_compiled: ClassVar[bool] = True
     # The compiled step is the fast one (llama-8b batch 1 on an H200: 4.3 ms against 7.1 ms
     # uncompiled, docs/benchmarks.md), and its compiled code is kept between processes
-    # (graphcap.rollout.compile_cache), so default configurations compile; compile=False opts out.
+    # (graphcap.rollout.holder.compile_cache), so default configurations compile; compile=False
+    # opts out.
     compiles_by_default: ClassVar[bool] = True
 
     @classmethod
@@ -66,30 +69,9 @@ class CUDABackend(Backend):
         except Exception as exc:  # a broken driver must make us unavailable, not crash selection
             return Availability(False, f"probing CUDA raised {type(exc).__name__}: {exc}")
 
-    def create_graph(self) -> torch.cuda.CUDAGraph:
-        return torch.cuda.CUDAGraph()
-
-    def capture_to_graph(
-        self,
-        graph: torch.cuda.CUDAGraph,
-        pool: Any | None = None,
-        stream: torch.cuda.Stream | None = None,
-        capture_error_mode: str | None = None,
-    ) -> contextlib.AbstractContextManager[None]:
-        return device_graph_capture(torch.cuda, graph, pool, stream, capture_error_mode, HINT)
-
-    def replay_graph(self, graph: torch.cuda.CUDAGraph) -> None:
-        graph.replay()
-
-    def is_current_stream_capturing(self) -> bool:
-        return bool(torch.cuda.is_current_stream_capturing())
-
     def register_generator(self, graph: torch.cuda.CUDAGraph, generator: torch.Generator) -> None:
         # Without it, a draw from a user-supplied generator inside the capture raises.
         graph.register_generator_state(generator)
-
-    def graph_pool_handle(self) -> Any:
-        return torch.cuda.graph_pool_handle()
 
     def compile_options(self) -> dict[str, Any]:
         """Inductor's kernels launch dependent like the plugin's (graphcap_cuda.kernels.launch;

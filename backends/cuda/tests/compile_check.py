@@ -122,6 +122,7 @@ def _split_kv_cases() -> None:
 def main() -> None:
     launches: list = []
     launch.dependent = lambda device: True  # compile the dependent-launch code too
+    # private: the Triton kernels themselves, wrapped to record every launch's compile
     gemv._gemv = Recorder(gemv._gemv, launches)
     split_kv._split_kv_partial = Recorder(split_kv._split_kv_partial, launches)
     _gemv_cases()

@@ -11,7 +11,7 @@ from importlib import metadata
 
 import pytest
 import torch
-import torch._inductor.config
+import torch._inductor.config  # private: the option names compile_options() must match
 from graphcap_cuda import CUDABackend
 from graphcap_cuda.kernels import launch
 
@@ -41,7 +41,7 @@ def test_registry_discovers_the_backend() -> None:
 def test_compile_options_are_inductor_settings(monkeypatch) -> None:
     """The options compiled regions get are settings this torch's inductor knows (torch.compile
     refuses others), with dependent launches only while graphcap_cuda's kernels use them."""
-    known = torch._inductor.config.get_config_copy()
+    known = torch._inductor.config.get_config_copy()  # private: inductor lists options nowhere else
     options = CUDABackend().compile_options()
     assert options and all(name in known for name in options)
     assert options["triton.enable_pdl"] is True

@@ -16,13 +16,13 @@ pytest.importorskip("triton", reason="the kernel needs Triton (CUDA builds of to
 
 from graphcap_cuda import backend
 from graphcap_cuda.kernels import epilogues, gemv
-from rollout_models import tiny_model
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from graphcap.rollout import regions
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.scan import scan_model
+from graphcap.rollout.plan import regions
+from graphcap.rollout.plan.fusion import ProjectionFusion
+from graphcap.rollout.plan.scan import scan_model
+from graphcap.tiny_models import tiny_model
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -115,7 +115,7 @@ def test_bad_epilogue_operands_are_refused():
 def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
     """A transformers model's logits for one token through one-row products in compiled regions
     with a fresh pass, the pass's counts, and the eager logits."""
-    model = tiny_model(family, fresh=True).to(DEVICE)
+    model = tiny_model(family).to(DEVICE)
     fusion = ProjectionFusion(model) if fuse else None
     if fusion is not None:
         fusion.join(scan_model(model))
@@ -128,7 +128,7 @@ def _compiled_layers(family: str, fuse: bool) -> tuple[dict[str, int], torch.Ten
         options = {"post_grad_custom_post_pass": found, **UNCACHED}
         with joined, products, regions.compiled_regions(model, None, options):
             logits = model(ids).logits
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return found.fused, logits, eager
 
 
@@ -170,7 +170,7 @@ def test_pass_leaves_activations_the_kernel_does_not_compute(activation):
     found = epilogues.GemvEpilogues()
     compiled = torch.compile(mlp, options={"post_grad_custom_post_pass": found, **UNCACHED})
     out = compiled(x, wg, wu)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert found.fused == dict.fromkeys(("gate", "residual", "norm", "sum"), 0)
     torch.testing.assert_close(out, mlp(x, wg, wu), rtol=1e-5, atol=1e-5)
 
@@ -189,7 +189,7 @@ def test_pass_leaves_products_with_other_uses_and_broadcast_adds():
     found = epilogues.GemvEpilogues()
     compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
     out, _ = compiled(x, r, wg, wu, wd)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert found.fused == dict.fromkeys(("gate", "residual", "norm", "sum"), 0)
     torch.testing.assert_close(out, block(x, r, wg, wu, wd)[0], rtol=1e-5, atol=1e-5)
 
@@ -222,7 +222,7 @@ def test_pass_moves_rms_norms_and_nothing_else_into_the_product(norm, folds):
     found = epilogues.GemvEpilogues()
     compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
     out = compiled(x, w, up)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert (found.fused["norm"], found.fused["sum"]) == (folds, 0)
     torch.testing.assert_close(out, block(x, w, up), rtol=1e-5, atol=1e-5)
 
@@ -249,7 +249,7 @@ def test_pass_leaves_norms_and_sums_read_elsewhere():
         found = epilogues.GemvEpilogues()
         compiled = torch.compile(block, options={"post_grad_custom_post_pass": found, **UNCACHED})
         got = compiled(x, r, w, up, None)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         assert (found.fused["norm"], found.fused["sum"]) == want, block.__name__
         torch.testing.assert_close(got, block(x, r, w, up, None), rtol=1e-5, atol=1e-5)
 

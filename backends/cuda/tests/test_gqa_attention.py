@@ -7,13 +7,12 @@ import pytest
 import torch
 from graphcap_cuda import CUDABackend, plugin
 from graphcap_cuda.attention import GQA_SDPA, gqa_sdpa_forward, register_attention
-from rollout_models import PAD, VOCAB, prompts, tiny_model
-from transformers import Gemma2Config, Gemma2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.tiny_models import prompts, tiny_model
 
 register_attention()
 
@@ -92,33 +91,15 @@ def test_attention_sinks_are_refused_clearly():
 
 
 def _gemma2() -> torch.nn.Module:
-    config = Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=3,
-        attn_logit_softcapping=2.0,
-        final_logit_softcapping=None,
-        initializer_range=0.3,
-        pad_token_id=PAD,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(1234)
-    model = Gemma2ForCausalLM(config).eval()
-    model.generation_config.pad_token_id = PAD
-    return model
+    """Sliding-window layers and attention-logit soft-capping, which the GQA SDPA refuses."""
+    capping = {"attn_logit_softcapping": 2.0, "final_logit_softcapping": None}
+    return tiny_model("gemma2", "eager", sliding_window=3, tie_word_embeddings=True, **capping)
 
 
 MODELS = {
-    "llama": lambda: tiny_model("llama", fresh=True),
-    "qwen2": lambda: tiny_model("qwen2", fresh=True),
-    "mistral-window": lambda: tiny_model("mistral", fresh=True, sliding_window=3),
+    "llama": lambda: tiny_model("llama"),
+    "qwen2": lambda: tiny_model("qwen2"),
+    "mistral-window": lambda: tiny_model("mistral", sliding_window=3),
     "gemma2-softcap": _gemma2,
 }
 
@@ -132,7 +113,7 @@ def _logits(model, attention: str, ids, mask) -> torch.Tensor:
 @pytest.mark.parametrize("family", list(MODELS))
 def test_model_logits_equal_its_own_attention(family):
     model = MODELS[family]()
-    own = model.config._attn_implementation
+    own = model.config._attn_implementation  # private: transformers has no public getter
     ids, mask = prompts(3, width=8)
     expected = _logits(model, own, ids, mask)
     got = _logits(model, GQA_SDPA, ids, mask)

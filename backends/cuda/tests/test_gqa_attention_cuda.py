@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from graphcap_cuda.attention import GQA_SDPA, register_attention
-from rollout_models import prompts, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.tiny_models import prompts, tiny_model
 
 pytestmark = [
     pytest.mark.device,
@@ -21,7 +21,7 @@ register_attention()
 
 
 def _logits(model, attention: str, ids, mask) -> torch.Tensor:
-    own = model.config._attn_implementation
+    own = model.config._attn_implementation  # private: transformers has no public getter
     model.set_attn_implementation(attention)
     try:
         with torch.no_grad():
@@ -33,7 +33,7 @@ def _logits(model, attention: str, ids, mask) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_fp32_logits_and_captured_tokens_equal_sdpa(family):
     window = {"sliding_window": 3} if family == "mistral" else {}
-    model = tiny_model(family, fresh=True, **window).cuda()
+    model = tiny_model(family, **window).cuda()
     ids, mask = (t.cuda() for t in prompts(4, width=8))
     real = mask.bool()
     torch.testing.assert_close(
@@ -61,8 +61,8 @@ def test_bf16_logits_within_rounding_of_sdpa():
         vocab_size=1024,
         initializer_range=0.05,
         pad_token_id=0,
+        attn_implementation="sdpa",
     )
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     ids, mask = (t.cuda() for t in prompts(8, width=64))

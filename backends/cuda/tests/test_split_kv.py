@@ -177,7 +177,7 @@ def test_captured_steps_with_the_kernel_are_token_equal_to_eager(family):
 def test_continuous_slots_with_the_kernel_are_token_equal_to_eager():
     """Refilled slots hold a new request's prompt in a row whose older columns are closed: the
     kernel must attend to only what the slot's mask opens."""
-    from rollout_models import prompts
+    from graphcap.tiny_models import prompts
 
     model = MODELS["mistral-window"]()
     ids, mask = prompts(6, width=7)

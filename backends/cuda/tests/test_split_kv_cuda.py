@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from graphcap_cuda.attention import SPLIT_KV, register_attention
-from rollout_models import prompts
 from test_gqa_attention import MODELS
 
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.tiny_models import prompts
 
 pytestmark = [
     pytest.mark.device,

@@ -8,7 +8,6 @@ with the probe's reason instead of failing somewhere deep inside torch.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import os
@@ -17,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from graphcap.backend import Availability, Backend, MaskForm, device_graph_capture
+from graphcap.backend import Availability, GraphBackend, MaskForm
 from graphcap.errors import BackendSelectionError
 from graphcap_npu.attention import FA3_BSH, IMPLEMENTATIONS
 from graphcap_npu.probe import (
@@ -87,12 +86,13 @@ def npu_module() -> Any:
     return torch.npu
 
 
-class NPUBackend(Backend):
+class NPUBackend(GraphBackend):
     name: ClassVar[str] = "npu"
     # Same tier as cuda: an accelerator is preferred over the CPU reference backend.
     priority: ClassVar[int] = 100
     device_type: ClassVar[str] = "npu"
-    captures_graphs: ClassVar[bool] = True
+    graph_class: ClassVar[str] = "NPUGraph"
+    capture_hint: ClassVar[str] = HINT
     # torch_npu keeps graph-safe generator state (registered with a graph when an RNG op first
     # runs during capture, as CUDA does), so sampling can live inside the graph. Declared from
     # torch_npu's source; the conformance suite checks it on hardware.
@@ -129,29 +129,11 @@ class NPUBackend(Backend):
         except Exception as exc:  # a broken install must make us unavailable, not crash selection
             return Availability(False, f"probing torch_npu raised {type(exc).__name__}: {exc}")
 
-    # ---- graph hooks ----------------------------------------------------------------------
-    def create_graph(self) -> Any:
-        return npu_module().NPUGraph()
-
-    def capture_to_graph(
-        self,
-        graph: Any,
-        pool: Any | None = None,
-        stream: Any | None = None,
-        capture_error_mode: str | None = None,
-    ) -> contextlib.AbstractContextManager[None]:
-        return device_graph_capture(npu_module(), graph, pool, stream, capture_error_mode, HINT)
-
-    def replay_graph(self, graph: Any) -> None:
-        graph.replay()
-
+    # ---- graph hooks (the rest come from GraphBackend, on torch.npu) ----------------------
     def is_current_stream_capturing(self) -> bool:
         if "torch_npu" not in sys.modules:
             return False  # torch_npu never loaded in this process: nothing can be capturing
-        return bool(npu_module().is_current_stream_capturing())
-
-    def graph_pool_handle(self) -> Any:
-        return npu_module().graph_pool_handle()
+        return super().is_current_stream_capturing()
 
     # ---- device plumbing ------------------------------------------------------------------
     @property

@@ -1,8 +1,8 @@
 """Replaying as the rollout engine does: the graph ``times`` times, then one synchronise.
 
 Captures in the checks go through the engine's own routine,
-:func:`graphcap.rollout.capture.capture_step` (warm-up on the backend's capture stream where it
-needs one, the explicit ``stream=``, rollback of every buffer and generator).
+:func:`graphcap.rollout.holder.capture.capture_step` (warm-up on the backend's capture stream where
+it needs one, the explicit ``stream=``, rollback of every buffer and generator).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 from graphcap.backend import Backend
 from graphcap.registry import attention_implementations, register_attention_implementations
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from graphcap.rollout.capture import capture_step
+from graphcap.rollout.holder.capture import capture_step
 from graphcap.testing import models
 from graphcap.testing.conformance.replay import replay
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graphcap.backend import Backend
-from graphcap.rollout.capture import capture_step
+from graphcap.rollout.holder.capture import capture_step
 from graphcap.testing.conformance.replay import replay
 
 HOST_SYNCS: dict[str, Callable[[torch.Tensor], object]] = {

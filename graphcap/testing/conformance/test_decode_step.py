@@ -1,4 +1,4 @@
-"""The engine's own decode step (:class:`graphcap.rollout.step.DecodeStep`) captured and replayed.
+"""The engine's own decode step (:class:`graphcap.rollout.step.step.DecodeStep`) captured, replayed.
 
 Built as the rollout engine builds it (``StaticKVCache``, ``MaskBuffers.for_model`` in the
 backend's ``mask_form``, ``DecodeState.allocate``) over tiny GPT-2 and Llama models with
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from graphcap.backend import Backend
-from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.capture import capture_step
+from graphcap.rollout.cache.cache import StaticKVCache
+from graphcap.rollout.cache.masks import MaskBuffers, layer_windows
 from graphcap.rollout.config import SamplingParams
-from graphcap.rollout.masks import MaskBuffers, layer_windows
+from graphcap.rollout.holder.capture import capture_step
 from graphcap.rollout.sampling import RowPlan, SamplerShape
-from graphcap.rollout.step import DecodeState, DecodeStep
+from graphcap.rollout.step.step import DecodeState, DecodeStep
 from graphcap.testing import models
 from graphcap.testing.conformance.replay import replay
 

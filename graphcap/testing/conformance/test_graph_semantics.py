@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from graphcap.backend import Backend
-from graphcap.rollout.capture import capture_step
+from graphcap.rollout.holder.capture import capture_step
 from graphcap.testing.conformance.replay import replay
 
 #: Enough replays to catch a graph that stops (or changes) after a few dozen: the engine replays

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from graphcap.backend import Backend
-from graphcap.rollout.capture import capture_step
+from graphcap.rollout.holder.capture import capture_step
 from graphcap.testing.conformance.replay import replay
 
 VOCAB = 32

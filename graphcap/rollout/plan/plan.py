@@ -20,17 +20,17 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from graphcap.backend import Backend
 from graphcap.errors import GraphUnsupportedModelError
+from graphcap.rollout.cache.masks import layer_windows, unsupported_layer_types
 from graphcap.rollout.config import RolloutConfig, SamplingParams
-from graphcap.rollout.masks import layer_windows, unsupported_layer_types
-from graphcap.rollout.regions import compile_regions
-from graphcap.rollout.sampling import SamplerShape
-from graphcap.rollout.scan import ModelScan
-from graphcap.rollout.signature import (
+from graphcap.rollout.plan.regions import compile_regions
+from graphcap.rollout.plan.scan import ModelScan
+from graphcap.rollout.plan.signature import (
     GraphSignature,
     attention_implementation,
     autocast_state,
     signature_of,
 )
+from graphcap.rollout.sampling import SamplerShape
 
 #: Attention implementations whose kernels read host values per call (varlen lengths, block
 #: tables) or build masks with host logic; a graph would freeze them.
@@ -187,7 +187,7 @@ class Plan:
     call does not take the path the config asked for (eager instead of a graph, or the static
     graph instead of per-position graphs, or uncompiled steps); ``None`` when it does.
     ``compiled``: captured steps run the blocks around attention compiled
-    (:mod:`graphcap.rollout.regions`).
+    (:mod:`graphcap.rollout.plan.regions`).
     """
 
     path: str
@@ -218,7 +218,7 @@ def plan_call(
 ) -> Plan:
     """The plan of one call (pure: reads the model and settings, changes nothing).
 
-    ``scan``: the call's one pass over the model (:func:`~graphcap.rollout.scan.scan_model`).
+    ``scan``: the call's one pass over the model (:func:`~graphcap.rollout.plan.scan.scan_model`).
     ``sampler``: the sampler shape the step needs (the holder's, widened by this call);
     ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
     """

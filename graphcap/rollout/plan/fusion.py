@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from graphcap.rollout.scan import ModelScan, is_dtensor
-from graphcap.rollout.swap import attributes_swapped, forwards_swapped
+from graphcap.rollout.cache.swap import attributes_swapped, forwards_swapped
+from graphcap.rollout.plan.scan import ModelScan, is_dtensor
 
 #: Projections that transformers' decoder models apply to the same input, by attribute name
 #: (models that already fuse them, like GPT-2's ``c_attn``, need nothing).

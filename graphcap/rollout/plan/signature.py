@@ -5,7 +5,7 @@ itself or a member of this signature. Two calls with equal signatures may replay
 any difference means recapture. Tensor *contents* are not members, so in-place weight updates
 keep the graph (replay reads the new values); addresses, shapes, strides, dtypes and devices are.
 The Python-level state forward reads (hooks, primitive module attributes, adapter state, packed
-weights) is the ``host_state`` member (see :mod:`graphcap.rollout.fingerprint`).
+weights) is the ``host_state`` member (see :mod:`graphcap.rollout.plan.fingerprint`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcap.rollout.fingerprint import HostState
+from graphcap.rollout.plan.fingerprint import HostState
+from graphcap.rollout.plan.scan import ModelScan, TensorFacts
 from graphcap.rollout.sampling import SamplerShape
-from graphcap.rollout.scan import ModelScan, TensorFacts
 
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None, bool]:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from transformers.cache_utils import Cache
 
-from graphcap.rollout.cache import LayerSpec, SpanView, StaticKVCache
-from graphcap.rollout.masks import MaskBuffers
+from graphcap.rollout.cache.cache import LayerSpec, SpanView, StaticKVCache
+from graphcap.rollout.cache.masks import MaskBuffers
 from graphcap.rollout.prefill import accepts_logits_to_keep, cache_keyword
 from graphcap.rollout.sampling import (
     RowPlan,
@@ -36,7 +36,7 @@ from graphcap.rollout.sampling import (
 
 if TYPE_CHECKING:
     from graphcap.rollout.config import SamplingParams
-    from graphcap.rollout.plan import Plan
+    from graphcap.rollout.plan.plan import Plan
 
 MaskInput: TypeAlias = "torch.Tensor | dict[str, torch.Tensor]"
 

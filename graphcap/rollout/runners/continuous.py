@@ -22,14 +22,14 @@ import torch
 
 from graphcap.errors import DecodeStalledError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
-from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.inputs import Call, check_request
-from graphcap.rollout.plan import plan_call
+from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.plan.inputs import Call, check_request
+from graphcap.rollout.plan.plan import plan_call
 from graphcap.rollout.prefill import Prefill, run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
-from graphcap.rollout.runners import Runner, start_runner
+from graphcap.rollout.runners.runners import Runner, start_runner
 from graphcap.rollout.sampling import RowPlan
-from graphcap.rollout.slots import ContinuousStep, SlotTable, clear_slots, shift_row
+from graphcap.rollout.step.slots import ContinuousStep, SlotTable, clear_slots, shift_row
 
 
 @dataclass

@@ -26,16 +26,13 @@ import functools
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from graphcap.rollout.cache import StaticKVCache, put_columns
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.swap import attributes_swapped, forwards_swapped
-
-if TYPE_CHECKING:
-    from graphcap.rollout.step import DecodeStep
+from graphcap.rollout.cache.cache import StaticKVCache, put_columns
+from graphcap.rollout.cache.swap import attributes_swapped, forwards_swapped
+from graphcap.rollout.plan.fusion import ProjectionFusion
 
 #: Whether compiled captures compile the step's own work around the model too
 #: (:func:`compiled_bookkeeping`; benchmarks turn it off to time the step without it).
@@ -49,6 +46,15 @@ BOOKKEEPING_OPTIONS = {"fallback_random": True}
 #: The rotary-embedding function transformers' modeling files define and their attention calls
 #: (about ten small kernels for q and k per layer when eager).
 ROTARY = "apply_rotary_pos_emb"
+
+
+class Bookkeeping(Protocol):
+    """What :func:`compiled_bookkeeping` compiles: a decode step's work before the model
+    (``prepare``) and after it (``finish``). A protocol, so this module (which the plan reads)
+    needs nothing from graphcap.rollout.step.step, which reads the plan."""
+
+    prepare: Callable[..., Any]
+    finish: Callable[..., Any]
 
 
 def _is_attention(module: torch.nn.Module) -> bool:
@@ -151,7 +157,9 @@ def compiled_regions(
 
 
 @contextlib.contextmanager
-def compiled_bookkeeping(step: DecodeStep, options: dict[str, Any] | None = None) -> Iterator[None]:
+def compiled_bookkeeping(
+    step: Bookkeeping, options: dict[str, Any] | None = None
+) -> Iterator[None]:
     """Within the block, the step's own work around the model runs through ``torch.compile``
     with inductor ``options`` and :data:`BOOKKEEPING_OPTIONS`: ``step.prepare`` (the masks) and
     ``step.finish`` (the write positions, the logits processors, the choice of the next token

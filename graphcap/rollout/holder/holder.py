@@ -2,8 +2,8 @@
 
 One holder per engine. It drops what it holds when a call's signature differs (before the
 replacement is allocated), captures through the one capture routine
-(:func:`~graphcap.rollout.capture.capture_step`) with the process group's agreement, and keeps
-graphs off for the engine after a failed capture. The static path holds one graph (key
+(:func:`~graphcap.rollout.holder.capture.capture_step`) with the process group's agreement, and
+keeps graphs off for the engine after a failed capture. The static path holds one graph (key
 ``None``); per-position graphs are keyed by position and share one memory pool.
 """
 
@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 import torch
 
 from graphcap.backend import Backend
-from graphcap.rollout.agreement import PEER_RECAPTURE, RankAgreement
-from graphcap.rollout.cache import LayerSpec
-from graphcap.rollout.capture import capture_step, fallback_reason
-from graphcap.rollout.compile_cache import CompileCache, shape_key
+from graphcap.rollout.cache.cache import LayerSpec
 from graphcap.rollout.config import SamplingParams
-from graphcap.rollout.fusion import ProjectionFusion
-from graphcap.rollout.regions import compiled_bookkeeping, compiled_regions, one_row_products
+from graphcap.rollout.holder.agreement import PEER_RECAPTURE, RankAgreement
+from graphcap.rollout.holder.capture import capture_step, fallback_reason
+from graphcap.rollout.holder.compile_cache import CompileCache, shape_key
+from graphcap.rollout.plan.fusion import ProjectionFusion
+from graphcap.rollout.plan.regions import compiled_bookkeeping, compiled_regions, one_row_products
+from graphcap.rollout.plan.signature import GraphSignature, attention_implementation
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.sampling import SamplerShape
-from graphcap.rollout.signature import GraphSignature, attention_implementation
-from graphcap.rollout.step import DecodeStep
+from graphcap.rollout.step.step import DecodeStep
 
 
 @dataclass
@@ -40,7 +40,8 @@ class Held:
 
 
 class GraphHolder:
-    """Hold, drop and capture; ``captures`` counts every graph this engine captured."""
+    """Hold, drop and capture. The engine asks it questions (:meth:`held_step`,
+    :meth:`capture_count`) and tells it to :meth:`drop`; what it holds stays its own."""
 
     def __init__(
         self,
@@ -56,8 +57,8 @@ class GraphHolder:
         #: the engine's joined projections, which compiled captures route through the backend's
         #: one-row product with the model's other projections
         self.fusion = fusion
-        self.held: Held | None = None
-        self.captures = 0
+        self._held: Held | None = None
+        self._captures = 0
         #: why graphs are off for this engine (a failed capture here or on another rank)
         self.disabled_reason: str | None = None
         #: the sampler's graph shape: it only grows, so alternating greedy and sampled calls
@@ -65,6 +66,14 @@ class GraphHolder:
         self.sampler = SamplerShape()
         #: the model's host state when this engine last compiled (see :meth:`_compiled`)
         self.compiled_state: object | None = None
+
+    def held_step(self) -> DecodeStep | None:
+        """The decode step held (its cache, masks and state), ``None`` when nothing is."""
+        return None if self._held is None else self._held.step
+
+    def capture_count(self) -> int:
+        """Every graph this holder has captured, on every path and call."""
+        return self._captures
 
     def sampler_for(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The sampler shape serving this call (its per-row settings ``rows``) and every
@@ -74,9 +83,9 @@ class GraphHolder:
 
     def release_stale(self, signature: GraphSignature) -> list[str]:
         """Drop what was held for another signature; the names of the members that changed."""
-        if self.held is None or self.held.signature == signature:
+        if self._held is None or self._held.signature == signature:
             return []
-        changed = self.held.signature.differences(signature)
+        changed = self._held.signature.differences(signature)
         self.drop()
         return changed
 
@@ -88,18 +97,18 @@ class GraphHolder:
     ) -> DecodeStep:
         """The held step for ``signature``, or a new one from ``build`` (sized from ``specs``,
         the K/V shapes the prefill produced)."""
-        if self.held is not None and self.held.step.cache.layer_specs() != specs:
+        if self._held is not None and self._held.step.cache.layer_specs() != specs:
             self.drop()
-        if self.held is None:
-            self.held = Held(signature, build())
-        return self.held.step
+        if self._held is None:
+            self._held = Held(signature, build())
+        return self._held.step
 
     def graph(self, key: int | None = None) -> object | None:
-        return None if self.held is None else self.held.graphs.get(key)
+        return None if self._held is None else self._held.graphs.get(key)
 
     @property
     def graph_count(self) -> int:
-        return 0 if self.held is None else len(self.held.graphs)
+        return 0 if self._held is None else len(self._held.graphs)
 
     def agree(self, use_graph: bool, capture: bool, stats: RolloutStats) -> bool:
         """The process group's graph decision for this call (local without a group): whether
@@ -126,14 +135,14 @@ class GraphHolder:
 
         ``attention``: the implementation the captured step runs (the model's own is restored
         after capture, so eager steps never see it). ``compiled``: the warm-up and capture run
-        the model's blocks around attention compiled (:mod:`graphcap.rollout.regions`; the
+        the model's blocks around attention compiled (:mod:`graphcap.rollout.plan.regions`; the
         warm-up compiles them, with the compile cache's file for this shape loaded). Adds the
         warm-up's seconds and the compile cache's use to ``stats``.
         """
-        assert self.held is not None, "step_for() comes first"
+        assert self._held is not None, "step_for() comes first"
         pool = None
         if key is not None:  # a set of graphs shares one pool
-            pool = self.held.pool = self.held.pool or self.backend.graph_pool_handle()
+            pool = self._held.pool = self._held.pool or self.backend.graph_pool_handle()
         timings: dict[str, float] = {}
         try:
             with _attention(step.model, attention), self._compiled(step, compiled, stats):
@@ -152,13 +161,13 @@ class GraphHolder:
             self.drop_graphs()
             return None
         stats.warmup_s += timings["warmup_s"]
-        self.captures += 1
+        self._captures += 1
         peer_failure = self.agreement.peer_capture_failure(captured=True)
         if peer_failure is not None:
             self.disabled_reason = peer_failure
             self.drop_graphs()
             return None
-        self.held.graphs[key] = graph
+        self._held.graphs[key] = graph
         return graph
 
     @contextlib.contextmanager
@@ -169,7 +178,7 @@ class GraphHolder:
         product = self.backend.one_row_product() if compiled else None
         with contextlib.ExitStack() as stack:
             if compiled:
-                state = self.held.signature.host_state
+                state = self._held.signature.host_state
                 if self.compiled_state is not None and self.compiled_state != state:
                     # dynamo does not guard on every host value the signature does (a module's
                     # forward hooks): code compiled before the change must not be captured
@@ -202,18 +211,20 @@ class GraphHolder:
 
     def drop_graphs(self) -> None:
         """Forget the graphs (and their pool); the buffers stay."""
-        if self.held is not None and self.held.graphs:
-            self.held.graphs.clear()
-            self.held.pool = None
+        if self._held is not None and self._held.graphs:
+            self._held.graphs.clear()
+            self._held.pool = None
             self.backend.empty_cache()
 
-    def drop(self) -> None:
-        """Release the graphs and every buffer of the held signature."""
-        held, self.held = self.held, None
+    def drop(self) -> bool:
+        """Release the graphs and every buffer of the held signature; whether anything was
+        held."""
+        held, self._held = self._held, None
         if held is not None:
             held.graphs.clear()
             held.step.cache.release()
             self.backend.empty_cache()
+        return held is not None
 
 
 @contextlib.contextmanager

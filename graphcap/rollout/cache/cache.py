@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from graphcap.rollout.swap import attributes_swapped
+from graphcap.rollout.cache.swap import attributes_swapped
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 
 from graphcap.backend import Backend
 from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedError
-from graphcap.rollout.tracing import graph_step, install_capture_detection
+from graphcap.rollout.holder.tracing import graph_step, install_capture_detection
 
 
 @dataclass
@@ -51,8 +51,8 @@ def capture_step(
 
     Every tensor in ``mutable``, the backend's RNG state and ``generator`` are left as they were,
     also when capture fails (the exception propagates after the rollback). The warm-up and the
-    capture run as a graph step (:mod:`graphcap.rollout.tracing`): transformers then takes its
-    graph-safe paths on every backend, as it does under a CUDA capture.
+    capture run as a graph step (:mod:`graphcap.rollout.holder.tracing`): transformers then takes
+    its graph-safe paths on every backend, as it does under a CUDA capture.
     """
     install_capture_detection()
     snapshot = Snapshot.take(mutable)

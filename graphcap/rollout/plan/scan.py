@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from graphcap.rollout.fingerprint import HostState, host_state
+from graphcap.rollout.plan.fingerprint import HostState, host_state
 
 try:
     from torch.distributed.tensor import DTensor

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from graphcap.rollout.config import SamplingParams
-from graphcap.rollout.step import DecodeState, DecodeStep
+from graphcap.rollout.step.step import DecodeState, DecodeStep
 
 
 def allocate_state(

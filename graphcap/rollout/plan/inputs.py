@@ -23,8 +23,8 @@ from graphcap.rollout.config import (
     override,
     unsupported_generation_fields,
 )
+from graphcap.rollout.plan.scan import ModelScan
 from graphcap.rollout.sampling import per_prompt_params
-from graphcap.rollout.scan import ModelScan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

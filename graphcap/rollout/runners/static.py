@@ -7,16 +7,16 @@ import time
 
 import torch
 
-from graphcap.rollout.agreement import RankAgreement
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
-from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.inputs import Call, check_request
-from graphcap.rollout.plan import plan_call
+from graphcap.rollout.holder.agreement import RankAgreement
+from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.plan.inputs import Call, check_request
+from graphcap.rollout.plan.plan import plan_call
 from graphcap.rollout.prefill import run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
-from graphcap.rollout.runners import Runner, start_runner
+from graphcap.rollout.runners.runners import Runner, start_runner
 from graphcap.rollout.sampling import RowPlan
-from graphcap.rollout.step import DecodeState, DecodeStep
+from graphcap.rollout.step.step import DecodeState, DecodeStep
 
 
 class StaticRollout:

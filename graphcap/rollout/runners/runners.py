@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.plan import Plan
+from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.plan.plan import Plan
 from graphcap.rollout.results import RolloutStats
-from graphcap.rollout.step import DecodeStep
+from graphcap.rollout.step.step import DecodeStep
 
 
 class Runner(Protocol):
