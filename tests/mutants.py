@@ -519,14 +519,14 @@ PLANTS = (
     ),
     Plant(
         "stop sequences match prompt tokens",
-        "graphcap/rollout/step.py",
+        "graphcap/rollout/step/step.py",
         "        ours = self.response.gather(1, index) & inside\n",
         "        ours = inside\n",
         ("tests/test_rollout_vllm.py",),
     ),
     Plant(
         "a stop sequence ends a row before min_new_tokens",
-        "graphcap/rollout/step.py",
+        "graphcap/rollout/step/step.py",
         "        hit = hits.any(-1) & allowed\n",
         "        hit = hits.any(-1)\n",
         ("tests/test_rollout_vllm.py",),
