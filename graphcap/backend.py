@@ -353,9 +353,16 @@ class GraphBackend(Backend):
         stream: Any | None = None,
         capture_error_mode: str | None = None,
     ) -> contextlib.AbstractContextManager[None]:
-        return device_graph_capture(
-            self.graph_library(), graph, pool, stream, capture_error_mode, self.capture_hint
-        )
+        """The graph library's ``graph(...)`` made safe to fail: arguments by keyword (the NPU
+        module orders them differently from the CUDA one after ``stream``), the error mode
+        (default "global") checked now, not at ``__enter__``."""
+        mode = capture_error_mode or "global"
+        if mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)} "
+                f"(or None for 'global'), not {capture_error_mode!r}"
+            )
+        return _guarded_capture(self.graph_library(), graph, pool, stream, mode, self.capture_hint)
 
     def replay_graph(self, graph: Any) -> None:
         graph.replay()
@@ -367,35 +374,13 @@ class GraphBackend(Backend):
         return self.graph_library().graph_pool_handle()
 
 
-def device_graph_capture(
-    device_module: Any,
-    graph: Any,
-    pool: Any | None,
-    stream: Any | None,
-    capture_error_mode: str | None,
-    hint: str,
-) -> contextlib.AbstractContextManager[None]:
-    """``device_module.graph(...)`` (the CUDA / NPU device modules' form) made safe to fail.
-
-    Arguments go by keyword (the NPU module orders them differently from the CUDA one after
-    ``stream``); the error mode defaults to "global" and is checked now, not at ``__enter__``.
-    When a capture fails, torch raises from ``capture_end`` before leaving its capture stream;
-    the caller's stream is restored so an eager fallback does not run on the side stream, and
-    the error becomes a :class:`GraphCaptureError` carrying ``hint`` (the usual causes).
-    """
-    mode = capture_error_mode or "global"
-    if mode not in CAPTURE_ERROR_MODES:
-        raise ValueError(
-            f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)} "
-            f"(or None for 'global'), not {capture_error_mode!r}"
-        )
-    return _guarded_capture(device_module, graph, pool, stream, mode, hint)
-
-
 @contextlib.contextmanager
 def _guarded_capture(
     device_module: Any, graph: Any, pool: Any | None, stream: Any | None, mode: str, hint: str
 ) -> Iterator[None]:
+    """When a capture fails, torch raises from ``capture_end`` before leaving its capture
+    stream: the caller's stream is restored so an eager fallback does not run on the side
+    stream, and the error becomes a :class:`GraphCaptureError` carrying ``hint``."""
     previous = device_module.current_stream()
     try:
         with device_module.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):

@@ -94,3 +94,13 @@ def assert_rows_equal_alone(model, ids, mask, result, limits, sampling=lambda ro
         )
         assert torch.equal(result.sequences[row, : width + limit], alone.sequences[0]), row
         assert result.finish_reasons[row] == alone.finish_reasons[0], row
+
+
+def teacher_forced_logits(model, sequences, mask, new: int) -> torch.Tensor:
+    """(B, new, V) logits that predicted each response token, from one full forward."""
+    width = sequences.shape[1] - new
+    full = torch.cat([mask, torch.ones_like(sequences[:, width:])], dim=1)
+    positions = (full.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=full, position_ids=positions).logits
+    return logits[:, width - 1 : -1].float()

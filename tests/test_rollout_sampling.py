@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_models import prompts, tiny_model
+from rollout_models import prompts, teacher_forced_logits, tiny_model
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -41,16 +41,6 @@ def engine_on(model, backend=None, graph: bool = True, **config) -> RolloutEngin
 def mixed_params(**common) -> list[SamplingParams]:
     base = {"max_new_tokens": NEW, **NO_EOS, **common}
     return [SamplingParams(**{**base, **row}) for row in MIXED]
-
-
-def teacher_forced_logits(model, sequences, mask, new: int) -> torch.Tensor:
-    """(B, new, V) logits that predicted each response token, from one full forward."""
-    width = sequences.shape[1] - new
-    full = torch.cat([mask, torch.ones_like(sequences[:, width:])], dim=1)
-    positions = (full.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=sequences, attention_mask=full, position_ids=positions).logits
-    return logits[:, width - 1 : -1].float()
 
 
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

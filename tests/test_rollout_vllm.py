@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_models import EOS, PAD, VOCAB, generate_padded, make_engine, prompts, tiny_model
+from rollout_models import (
+    EOS,
+    PAD,
+    VOCAB,
+    generate_padded,
+    make_engine,
+    prompts,
+    teacher_forced_logits,
+    tiny_model,
+)
 from transformers import GenerationConfig
 
 from graphcap.rollout import SamplingParams
@@ -348,16 +357,6 @@ def test_stop_sequences_on_the_continuous_path_graph_equals_eager_and_static():
 
 
 # ---- presence / frequency penalties -------------------------------------------------------------
-def teacher_forced_logits(model, sequences, mask, new: int) -> torch.Tensor:
-    """(B, new, V) logits that predicted each response token, from one full forward."""
-    width = sequences.shape[1] - new
-    full = torch.cat([mask, torch.ones_like(sequences[:, width:])], dim=1)
-    positions = (full.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=sequences, attention_mask=full, position_ids=positions).logits
-    return logits[:, width - 1 : -1].float()
-
-
 PENALISED = [
     {"presence_penalty": 1.5},
     {"frequency_penalty": 2.0},
