@@ -83,3 +83,13 @@ def reads_kv_blocks(function: F) -> F:
 def is_block_aware(function: object) -> bool:
     """Whether ``function`` was marked with :func:`reads_kv_blocks`."""
     return bool(getattr(function, "reads_kv_blocks", False))
+
+
+def gather(pool: torch.Tensor, view: BlockView) -> torch.Tensor:
+    """Row-contiguous K or V, ``(batch, kv_heads, max_len, head_dim)``, read from ``pool``
+    through ``view.table``: what an attention function that is not block-aware is handed (a
+    copy of every row's logical columns, one gather; null blocks read as zeros)."""
+    batch, blocks = view.table.shape
+    picked = pool.index_select(0, view.table.reshape(-1).to(torch.long))
+    picked = picked.view(batch, blocks, *pool.shape[1:]).transpose(1, 2)
+    return picked.reshape(batch, pool.shape[1], blocks * view.block_size, pool.shape[-1])
