@@ -76,8 +76,9 @@ def both(model, call, seed: int = 0):
 
 
 def assert_same_output(expected, got) -> None:
-    """The same type, shapes and tokens; per-step scores and logits equal within float
-    rounding (the graph's attention runs over a padded cache), -inf where generate's are."""
+    """The same type, shapes and tokens; per-step scores and logits equal within fp32
+    rounding (the graph's attention sums over a padded cache in another order: differences of
+    2e-5 were seen on OPT), -inf where generate's are."""
     assert type(got) is type(expected)
     if isinstance(expected, torch.Tensor):
         assert got.dtype == expected.dtype and torch.equal(got, expected), (got, expected)
@@ -95,7 +96,7 @@ def assert_same_output(expected, got) -> None:
             assert a.shape == b.shape and a.dtype == b.dtype, (name, step)
             assert torch.equal(torch.isinf(a), torch.isinf(b)), (name, step)
             finite = torch.isfinite(b)
-            torch.testing.assert_close(a[finite], b[finite], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a[finite], b[finite], rtol=1e-4, atol=1e-4)
 
 
 #: Every setting on Llama; on the other families the ones that exercise different code.
