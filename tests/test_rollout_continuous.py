@@ -278,6 +278,25 @@ def test_benchmark_script_tiny_workloads_agree():
         assert static["requests_equal_to_continuous"] == shape["requests"]
 
 
+def test_benchmark_script_block_table_workload():
+    """Static cache against block table, graph tokens against eager ones; an engine without
+    ``RolloutConfig.kv_block_size`` gets the workload reported unavailable."""
+    bench = benchmark_script()
+    backend = CPUBackend()
+    model = bench.build_model("tiny-gpt2", backend)
+    shape = {**bench.TINY, "block_repeats": 1, "block_slots": (4,)}
+    with torch.no_grad():
+        out = bench.block_table(model, backend, shape, 4)
+    if "kv_block_size" not in RolloutConfig.__dataclass_fields__:
+        assert out == {"skipped": bench.NO_BLOCKS}
+        return
+    runs = out["slots=4"]
+    for run in runs.values():
+        assert run["path"] == "continuous_graph" and run["token_equal_to_eager"]
+        assert run["tokens"] == sum(out["budgets"]) and run["cache_bytes"] > 0
+    assert runs["block_table"]["token_equal_to_static_graph"]  # fp32 on CPU
+
+
 def test_capture_failure_finishes_eagerly_with_equal_tokens():
     model = tiny_model("llama", fresh=True)
     backend = CPUBackend()
