@@ -115,6 +115,9 @@ def test_idle_slots_hold_no_blocks_and_read_one_column():
     assert torch.equal(result.sequences, static.generate(ids, mask, params).sequences)
     # two busy rows of 6 + 8 columns in 4-blocks; the two idle slots hold none
     assert result.stats.kv_blocks_held == 2 * 4
+    cache = engine.step.cache  # every slot retired: all blocks free, rows on the sink block
+    assert cache.blocks_held == 0 and (cache.table[:, 0] == SINK_BLOCK).all()
+    assert not cache.table[:, 1:].any() and (cache.lengths == 1).all()
 
 
 def _cache(batch=3, max_len=8, block=2):
