@@ -14,6 +14,17 @@ Two workloads on a random-init GPT-2 medium shape (fp16 on an accelerator), gree
    its tokens/s is reported both for the requested tokens (the budgets' sum, what the
    continuous path generates) and for every token it generated.
 
+3. block_table: the same 64 staggered requests through 16 slots and through 64, on the
+   continuous graph path, with today's static cache (``kv_block_size=None``) against the block
+   KV table (``kv_block_size``, ``--kv-block-size``, 16 by default): the cache's bytes
+   (``engine.cache.nbytes()``: the static buffers, or the block pools as grown), the device's
+   peak allocation over the call (``None`` on a CPU), the median decode step time and tokens/s
+   with their spread over the steady calls, and whether the graph tokens equal the eager
+   loop's on the same layout (and the block table's the static cache's: information only in
+   half precision, where the two kernels' chunkings differ). Without
+   ``RolloutConfig.kv_block_size`` (an engine before the block table) it reports
+   "kv_block_size not available"; ``--require-blocks`` then exits 1.
+
 Every continuous graph result is compared with the eager loop's tokens (`token_equal_to_eager`:
 bit-equal where both run the same attention; in half precision with the backend's graph
 attention, information only); the static path's agreement (requests whose budgeted tokens
@@ -22,6 +33,7 @@ flip near-tied tokens.
 
     python benchmarks/continuous.py OUT.json            # accelerator from get_backend()
     python benchmarks/continuous.py OUT.json --tiny     # CPU-sized smoke run
+    python benchmarks/continuous.py OUT.json --require-blocks   # fail without the block table
 
 Designed to finish in well under 3 minutes on an H200.
 """
@@ -42,7 +54,7 @@ from transformers import GPT2LMHeadModel
 
 import graphcap
 from graphcap.bench.models import preset_config
-from graphcap.bench.modes import timed_call
+from graphcap.bench.modes import spread, timed_call
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 FULL = {
@@ -55,6 +67,8 @@ FULL = {
     "slots": 16,
     "budget": (8, 64),
     "intervals": (16, 4),
+    "block_slots": (16, 64),
+    "block_repeats": 5,
 }
 TINY = {
     "preset": "tiny-gpt2",
@@ -66,6 +80,8 @@ TINY = {
     "slots": 4,
     "budget": (2, 12),
     "intervals": (4, 2),
+    "block_slots": (4, 12),
+    "block_repeats": 2,
 }
 
 
@@ -91,12 +107,16 @@ def engine(
     graph: bool,
     slots: int | None,
     interval: int = 16,
+    **layout: int | None,
 ) -> RolloutEngine:
+    """``layout``: ``kv_block_size=...`` where the block table workload sets it (otherwise the
+    engine's default layout, which engines before the block table have no field for)."""
     config = RolloutConfig(
         enable_graph_capture=graph,
         backend=backend,
         continuous_batch_size=slots,
         eos_check_interval=interval,
+        **layout,
     )
     return RolloutEngine(model, config)
 
@@ -231,10 +251,92 @@ def static_reference(
     return out
 
 
+#: What the block table workload reports on an engine without ``RolloutConfig.kv_block_size``.
+NO_BLOCKS = "kv_block_size not available"
+
+
+def block_table(
+    model: torch.nn.Module, backend: graphcap.Backend, shape: dict, block_size: int
+) -> dict[str, Any]:
+    """The staggered requests through each slot count, static cache against block table."""
+    if "kv_block_size" not in RolloutConfig.__dataclass_fields__:
+        return {"skipped": NO_BLOCKS}
+    ids, budgets = workload(shape, model.config.vocab_size)
+    ids = ids.to(backend.device)
+    params = SamplingParams(max_new_tokens=shape["budget"][1], eos_token_id=[], pad_token_id=0)
+    out: dict[str, Any] = {"budgets": budgets, "kv_block_size": block_size}
+    for slots in shape["block_slots"]:
+        runs: dict[str, Any] = {}
+        for name, size in (("static_cache", None), ("block_table", block_size)):
+            runs[name] = layout_run(model, backend, shape, ids, budgets, params, slots, size)
+        static, blocks = runs["static_cache"], runs["block_table"]
+        blocks["cache_bytes_vs_static"] = blocks["cache_bytes"] / static["cache_bytes"]
+        blocks["token_equal_to_static_graph"] = bool(
+            torch.equal(blocks.pop("sequences"), static.pop("sequences"))
+        )
+        out[f"slots={slots}"] = runs
+    return out
+
+
+def layout_run(
+    model: torch.nn.Module,
+    backend: graphcap.Backend,
+    shape: dict,
+    ids: torch.Tensor,
+    budgets: list[int],
+    params: SamplingParams,
+    slots: int,
+    block_size: int | None,
+) -> dict[str, Any]:
+    """One cache layout on the continuous graph path (steady calls after a capturing one),
+    checked against the eager loop on the same layout."""
+
+    def call(eng: RolloutEngine) -> Any:
+        return eng.generate(ids, sampling=params, request_max_new_tokens=budgets)
+
+    eager = engine(model, backend, False, slots, kv_block_size=block_size)
+    reference = call(eager).sequences.cpu()
+    eager.shutdown()
+    eng = engine(model, backend, True, slots, kv_block_size=block_size)
+    first_s, first = timed_call(lambda: call(eng), backend.synchronize)
+    backend.reset_peak_memory_stats()
+    steady = [
+        timed_call(lambda: call(eng), backend.synchronize) for _ in range(shape["block_repeats"])
+    ]
+    peak = backend.max_memory_allocated()
+    result = steady[-1][1]
+    tokens = int(result.response_lengths.sum())
+    step_s = spread(r.stats.decode_s / r.stats.steps for _, r in steady if r.stats.steps)
+    tokens_per_s = spread(tokens / seconds for seconds, _ in steady)
+    out = {
+        "path": result.stats.path,
+        "first_call_s": first_s,
+        "captured_on_first_call": first.stats.captured,
+        "captures": result.stats.captures,
+        "cache_bytes": eng.cache.nbytes() if eng.cache is not None else None,
+        "peak_allocated_bytes": peak,
+        "step_s_median_min_max": step_s,
+        "tokens": tokens,
+        "tokens_per_s_median_min_max": tokens_per_s,
+        "token_equal_to_eager": bool(torch.equal(result.sequences.cpu(), reference)),
+        "sequences": result.sequences.cpu(),
+    }
+    eng.shutdown()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="where to write the JSON results")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized smoke run")
+    parser.add_argument(
+        "--kv-block-size", type=int, default=16, help="block size of the block table workload"
+    )
+    parser.add_argument(
+        "--require-blocks",
+        action="store_true",
+        help=f'exit 1 when the engine has no block table ("{NO_BLOCKS}")',
+    )
     args = parser.parse_args()
     shape = TINY if args.tiny else FULL
     backend = graphcap.get_backend()
@@ -251,11 +353,14 @@ def main() -> None:
             "shape": dict(shape),
             "latency_batch1": latency(model, backend, shape),
             "staggered": staggered(model, backend, shape),
+            "block_table": block_table(model, backend, shape, args.kv_block_size),
         }
     results["elapsed_s"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
+    if args.require_blocks and results["block_table"].get("skipped") == NO_BLOCKS:
+        raise SystemExit(f"--require-blocks: {NO_BLOCKS} (RolloutConfig has no such field)")
 
 
 if __name__ == "__main__":

@@ -220,8 +220,8 @@ part_profile() {
 
 part_continuous() {
     cold_caches
-    run continuous-gpt2-medium 300 "$py" benchmarks/continuous.py \
-        "$OUT/continuous-gpt2-medium.json"
+    run continuous-gpt2-medium 420 "$py" benchmarks/continuous.py \
+        "$OUT/continuous-gpt2-medium.json" --require-blocks
 }
 
 part_logits() {

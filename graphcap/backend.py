@@ -48,6 +48,11 @@ class Capabilities:
     ``RolloutConfig(compile=True)`` may capture a compiled decode forward.
     ``compile_by_default``: compiling the captured step pays on this backend (measured), so
     ``RolloutConfig(compile=None)``, the default, compiles; needs ``captures_compiled``.
+    ``kv_block_size``: the engine keeps K/V in a block table of this block size
+    (:mod:`graphcap.kv_blocks`) where ``RolloutConfig.kv_block_size`` is ``"auto"``; ``None``
+    keeps the static cache. ``graph_kv_lengths_on_host``: captured block-aware attention takes
+    per-row KV lengths as host values frozen into the graph, so the engine hands the lengths of
+    every replay to :meth:`Backend.update_graph_kv_lengths` first.
     """
 
     graph_capture: bool
@@ -58,6 +63,8 @@ class Capabilities:
     graph_attention: str | None = None
     captures_compiled: bool = False
     compile_by_default: bool = False
+    kv_block_size: int | None = None
+    graph_kv_lengths_on_host: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +99,12 @@ class Backend:
     #: Whether default configurations compile captured steps here (see Capabilities): declare
     #: it only where a benchmark showed the compiled step faster and its cached restart cheap.
     compiles_by_default: ClassVar[bool] = False
+    #: Block size of the block KV table the engine uses here by default (see Capabilities);
+    #: ``None``: the static cache.
+    kv_block_size: ClassVar[int | None] = None
+    #: Whether captured block-aware attention reads per-row KV lengths as host values frozen
+    #: into the graph (see Capabilities and :meth:`update_graph_kv_lengths`).
+    graph_kv_lengths_on_host: ClassVar[bool] = False
     #: Distribution that provided the backend; filled in by the registry.
     distribution: str = ""
     distribution_version: str = ""
@@ -141,6 +154,16 @@ class Backend:
     def is_current_stream_capturing(self) -> bool:
         """True only while a capture is in progress on the current stream."""
         return False
+
+    def update_graph_kv_lengths(self, graph: Any, lengths: list[int]) -> None:
+        """Set the per-row KV lengths (host ints) the next replay of ``graph`` reads, through
+        the device's graph-update API. The engine calls it before every replay of a captured
+        block-table step, where ``graph_kv_lengths_on_host`` is declared; ``lengths`` equal
+        the device ``BlockView.lengths`` of that replay."""
+        raise GraphUnsupportedError(
+            f"backend {self.name!r} does not declare graph_kv_lengths_on_host, so it has no "
+            "update_graph_kv_lengths; declare both or neither"
+        )
 
     def register_generator(self, graph: Any, generator: torch.Generator) -> None:
         """Make draws from an explicit ``generator`` inside ``graph`` graph-safe, before its
@@ -201,6 +224,8 @@ class Backend:
             graph_attention=self.graph_attention if capture else None,
             captures_compiled=capture and self.captures_compiled,
             compile_by_default=capture and self.captures_compiled and self.compiles_by_default,
+            kv_block_size=self.kv_block_size,
+            graph_kv_lengths_on_host=capture and self.graph_kv_lengths_on_host,
         )
 
     # ---- device plumbing (defaults on torch.get_device_module / torch.accelerator) --------

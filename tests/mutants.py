@@ -36,6 +36,8 @@ NORM_FORMS = (
     "backends/cuda/tests/test_epilogues.py::test_norm_and_sum_prologues_equal_transformers_norms"
 )
 
+KV_BLOCKS = "tests/test_kv_blocks.py"
+
 HOOKED_COMPILE = (
     "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
 )
@@ -544,6 +546,27 @@ PLANTS = (
         "        if any(self.global_hooks):\n",
         "        if False:\n",
         (HOOKED_COMPILE,),
+    ),
+    Plant(
+        "the block table is not grown between steps",
+        "graphcap/rollout/runners/runners.py",
+        "        grow_blocks(self.holder, self.step, columns, self.ahead, self.stats)\n",
+        "        pass\n",
+        (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
+    ),
+    Plant(
+        "freed blocks are handed out again unzeroed",
+        "graphcap/rollout/cache/blocks.py",
+        "            layer.keys[picked] = 0\n            layer.values[picked] = 0\n",
+        "            pass\n",
+        (KV_BLOCKS + "::test_freed_blocks_are_handed_out_again_zeroed",),
+    ),
+    Plant(
+        "the step does not update the block table's lengths",
+        "graphcap/rollout/step/step.py",
+        "            self.cache.set_lengths(self.furthest())\n",
+        "            pass\n",
+        (KV_BLOCKS + "::test_auto_follows_the_backend_and_block_aware_attention_reads_pools",),
     ),
 )
 

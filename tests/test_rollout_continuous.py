@@ -106,7 +106,8 @@ def test_staggered_queue_graph_equals_eager_equals_alone_and_generate(family):
 def test_retired_slots_are_cleared_and_idle_rows_stay_in_bounds():
     model = tiny_model("gpt2")  # learned positions: an idle row's position must not run away
     ids, mask = prompts(REQUESTS, seed=2)
-    engine = engine_for(model, graph=True, interval=3)
+    # the static cache's sink column (tests/test_kv_blocks.py has the block table's sink block)
+    engine = engine_for(model, graph=True, interval=3, kv_block_size=None)
     result = engine.generate(
         ids,
         mask,
@@ -276,6 +277,25 @@ def test_benchmark_script_tiny_workloads_agree():
         assert static["path"] == "static_graph" and static["captured_on_first_call"]
         # fp32 on CPU: the static path's budgeted tokens are the continuous path's
         assert static["requests_equal_to_continuous"] == shape["requests"]
+
+
+def test_benchmark_script_block_table_workload():
+    """Static cache against block table, graph tokens against eager ones; an engine without
+    ``RolloutConfig.kv_block_size`` gets the workload reported unavailable."""
+    bench = benchmark_script()
+    backend = CPUBackend()
+    model = bench.build_model("tiny-gpt2", backend)
+    shape = {**bench.TINY, "block_repeats": 1, "block_slots": (4,)}
+    with torch.no_grad():
+        out = bench.block_table(model, backend, shape, 4)
+    if "kv_block_size" not in RolloutConfig.__dataclass_fields__:
+        assert out == {"skipped": bench.NO_BLOCKS}
+        return
+    runs = out["slots=4"]
+    for run in runs.values():
+        assert run["path"] == "continuous_graph" and run["token_equal_to_eager"]
+        assert run["tokens"] == sum(out["budgets"]) and run["cache_bytes"] > 0
+    assert runs["block_table"]["token_equal_to_static_graph"]  # fp32 on CPU
 
 
 def test_capture_failure_finishes_eagerly_with_equal_tokens():

@@ -21,6 +21,8 @@ class CPUBackend(GraphBackend):
     #: A collective is an aten operation like any other: recorded, and issued again on replay
     #: (each rank replays its own graph, so the collectives pair up as in eager steps).
     collectives_in_graph: ClassVar[bool] = True
+    #: The block table runs on the reference backend, so every graph-path test exercises it.
+    kv_block_size: ClassVar[int | None] = 16
     graph_class: ClassVar[str] = "CPUGraph"
     capture_hint: ClassVar[str] = (
         "The code under capture raised it; run the same code eagerly to see where."

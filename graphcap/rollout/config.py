@@ -13,7 +13,7 @@ import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -537,6 +537,12 @@ class RolloutConfig:
     ``fuse_projections=True``: projections that read one input (q/k/v, gate/up) run as one
     product over their weights joined in one buffer, whose views the parameters become
     (:mod:`graphcap.rollout.plan.fusion`; ``stats.joined_projections`` counts the groups). In every
+    ``kv_block_size``: where decode steps keep K/V. ``"auto"`` (the default) follows the
+    backend (``Capabilities.kv_block_size``: a block table of that block size, or the static
+    cache), ``None`` always the static cache, an int a block table of that many columns per
+    block (docs/continuous.md, "The block table"). Eager layouts that move cache columns
+    (``align_decode_fronts``, ``trim_cache``) and per-position graphs keep the static cache
+    (``stats.kv_layout`` says which ran).
     step and the prefill, eager or captured; results equal the unjoined model's within float
     rounding.
     """
@@ -557,9 +563,11 @@ class RolloutConfig:
     fuse_projections: bool = False
     enable_cuda_graph: bool | None = field(default=None, repr=False)
     max_request_bytes: int | None = None
+    kv_block_size: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        self._check_kv_block_size()
         _check_backend(self.backend)
         if self.enable_cuda_graph is not None:
             warnings.warn(
@@ -617,6 +625,16 @@ class RolloutConfig:
         if self.compile is None:
             return self.process_group is None and backend.capabilities.compile_by_default
         return self.compile
+
+    def _check_kv_block_size(self) -> None:
+        value = self.kv_block_size
+        if value is None or value == "auto":
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"RolloutConfig.kv_block_size must be a positive int (columns per block), "
+                f'"auto" (the backend\'s block size) or None (the static cache), got {value!r}'
+            )
 
     def _check_per_position(self) -> None:
         if not self.per_position_graphs:

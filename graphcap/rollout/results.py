@@ -26,6 +26,10 @@ class RolloutStats:
     ``"unreadable"``, ``"off"``; :mod:`graphcap.rollout.holder.compile_cache`), ``None`` when this
     call compiled nothing. ``joined_projections``: groups of
     projections that ran as one product (``RolloutConfig(fuse_projections=True)``).
+    ``kv_layout``: ``"static"`` (one K/V buffer per row) or ``"blocks"`` (the block table,
+    ``RolloutConfig.kv_block_size``); ``kv_blocks_held``: the most blocks rows held at once in
+    the call; ``kv_pool_growths``: times the block pools grew (each drops the graph reading
+    them), over the cache's life; ``kv_cache_bytes``: the K/V buffers' size at the call's end.
     """
 
     path: str
@@ -51,6 +55,10 @@ class RolloutStats:
     compiled: bool = False
     compile_cache: str | None = None
     joined_projections: int = 0
+    kv_layout: str = "static"
+    kv_blocks_held: int = 0
+    kv_pool_growths: int = 0
+    kv_cache_bytes: int = 0
 
 
 @dataclass

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphcap import kv_blocks
+
 #: Names under which the CUDA plugin offers the functions (``graphcap_attention_implementations``).
 GQA_SDPA = "graphcap_gqa_sdpa"
 SPLIT_KV = "graphcap_split_kv"
@@ -88,6 +90,7 @@ def gqa_sdpa_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+@kv_blocks.reads_kv_blocks
 def split_kv_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -104,7 +107,13 @@ def split_kv_forward(
     with the engine's (batch, 1, 1, L) mask runs the split-KV Triton kernel
     (:mod:`graphcap_cuda.kernels.split_kv`), which reads only the cache blocks the mask opens;
     anything else (prefill, no mask, per-head masks, sinks, position bias, dropout) is
-    :func:`gqa_sdpa_forward`'s."""
+    :func:`gqa_sdpa_forward`'s.
+
+    Block-aware (:mod:`graphcap.kv_blocks`): while a block view is current, ``key`` / ``value``
+    are the layer's pools; a decode step reads them through the table
+    (``split_kv_decode_paged``), anything else gets them gathered into contiguous K/V first.
+    """
+    view = kv_blocks.current()
     decode = (
         query.shape[2] == 1
         and attention_mask is not None
@@ -116,6 +125,8 @@ def split_kv_forward(
         and query.shape[1] % key.shape[1] == 0
     )
     if not decode:
+        if view is not None:  # not a shape the paged kernel serves: contiguous K/V for SDPA
+            key, value = kv_blocks.gather(key, view), kv_blocks.gather(value, view)
         return gqa_sdpa_forward(
             module,
             query,
@@ -128,18 +139,17 @@ def split_kv_forward(
             softcap,
             **kwargs,
         )
-    from graphcap_cuda.kernels.split_kv import split_kv_decode
+    from graphcap_cuda.kernels.split_kv import split_kv_decode, split_kv_decode_paged
 
-    mask = attention_mask[:, 0, 0, : key.shape[2]]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = split_kv_decode(
-        _unit_stride(query[:, :, 0]),
-        _unit_stride(key),
-        _unit_stride(value),
-        _unit_stride(mask),
-        scale,
-        softcap or 0.0,
-    )
+    tensors = (_unit_stride(query[:, :, 0]), _unit_stride(key), _unit_stride(value))
+    if view is None:
+        mask = _unit_stride(attention_mask[:, 0, 0, : key.shape[2]])
+        out = split_kv_decode(*tensors, mask, scale, softcap or 0.0)
+    else:
+        mask = _unit_stride(attention_mask[:, 0, 0, : view.max_len])
+        table, lengths = view.table, view.lengths
+        out = split_kv_decode_paged(*tensors, mask, table, lengths, scale, softcap or 0.0)
     return out.unsqueeze(1), None
 
 

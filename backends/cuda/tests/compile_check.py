@@ -117,6 +117,25 @@ def _split_kv_cases() -> None:
             ):
                 for softcap in (0.0, 30.0):
                     split_kv.split_kv_decode(q, k, v, mask, head_dim**-0.5, softcap)
+                for block_size in (16, 5):  # a block size that divides no tile too
+                    _paged_case(q, kv_heads, length, head_dim, block_size, mask)
+
+
+def _paged_case(
+    q: torch.Tensor,
+    kv_heads: int,
+    length: int,
+    head_dim: int,
+    block_size: int,
+    mask: torch.Tensor,
+) -> None:
+    """The paged launch over pools behind a block table of ``length`` logical columns."""
+    rows, per_row = q.shape[0], -(-length // block_size)
+    pools = (torch.randn(1 + rows * per_row, kv_heads, block_size, head_dim).to(q.dtype),) * 2
+    table = torch.arange(1, 1 + rows * per_row, dtype=torch.int32).view(rows, per_row)
+    lengths = torch.full((rows,), length, dtype=torch.int32)
+    wide = torch.nn.functional.pad(mask, (0, per_row * block_size - length))
+    split_kv.split_kv_decode_paged(q, *pools, wide, table, lengths, head_dim**-0.5, 0.0)
 
 
 def main() -> None:

@@ -32,6 +32,8 @@ def test_every_launch_compiles_for_hopper_and_fits_its_shared_memory():
     normed = [r["constexprs"] for r in records if r["constexprs"].get("NORM")]
     assert {c["NORM_ROW"] > 0 for c in normed} == {True, False}  # one load and block by block
     assert all(r["constexprs"]["PDL"] for r in records)  # the dependent-launch code too
+    paged = {r["constexprs"]["PAGED"] for r in records if r["kernel"] == "_split_kv_partial"}
+    assert paged == {True, False}  # contiguous K/V and pools read through a block table
     failed = [r for r in records if "error" in r]
     assert not failed, json.dumps(failed[:2], indent=1)
     assert max(r["shared"] for r in records) <= SHARED_LIMIT

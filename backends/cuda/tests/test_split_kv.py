@@ -20,11 +20,17 @@ pytest.importorskip(
 )
 
 from graphcap_cuda import CUDABackend, plugin
-from graphcap_cuda.attention import SPLIT_KV, register_attention, softcapped_attention
+from graphcap_cuda.attention import (
+    SPLIT_KV,
+    register_attention,
+    softcapped_attention,
+    split_kv_forward,
+)
 from graphcap_cuda.kernels import launch, split_kv
-from graphcap_cuda.kernels.split_kv import split_kv_decode
+from graphcap_cuda.kernels.split_kv import split_kv_decode, split_kv_decode_paged
 from test_gqa_attention import MODELS, check_captured_steps_equal_eager
 
+from graphcap import kv_blocks
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
@@ -202,3 +208,164 @@ def test_plugin_offers_both_attentions_to_the_cuda_backend_only():
         "graphcap_gqa_sdpa",
         SPLIT_KV,
     }
+
+
+def _paged(k, v, valid, block_size, lengths, seed):
+    """``k`` / ``v`` (B, Hkv, L, D) laid out in pools of ``block_size`` blocks behind a table of
+    permuted block ids. Block 0 is null (zeros) and wholly closed blocks within a row's length
+    point there; entries wholly past a row's length point at a stale block of NaN, like every
+    block never assigned (a kernel that read one returns NaN). Returns the pools and the view."""
+    rows, kv_heads, length, dim = k.shape
+    per_row = length // block_size
+    gen = torch.Generator().manual_seed(seed)
+    total = 1 + rows * per_row + 3  # the null block, every row's blocks, three never assigned
+    shuffled = 1 + torch.randperm(total - 1, generator=gen)
+    table = shuffled[: rows * per_row].view(rows, per_row)
+    first = torch.arange(per_row)[None] * block_size  # each entry's first column
+    closed = ~valid.cpu().view(rows, per_row, block_size).any(-1)
+    table = torch.where(closed, kv_blocks.NULL_BLOCK, table)
+    table = torch.where(first >= lengths.cpu()[:, None], shuffled[-1], table)
+    pools = []
+    for tensor in (k, v):
+        pool = torch.full((total, kv_heads, block_size, dim), float("nan"), dtype=k.dtype)
+        blocks = tensor.cpu().view(rows, kv_heads, per_row, block_size, dim).transpose(1, 2)
+        live = table != shuffled[-1]
+        pool[table[live]] = blocks[live]
+        pool[kv_blocks.NULL_BLOCK] = 0
+        pools.append(pool.to(DEVICE))
+    view = kv_blocks.BlockView(
+        table.to(DEVICE, torch.int32), lengths.to(DEVICE, torch.int32), block_size
+    )
+    return pools, view
+
+
+@pytest.mark.parametrize(
+    "rows,heads,kv_heads,blocks,block_size,dim",
+    [
+        (3, 8, 2, 20, 16, 16),  # GQA
+        (2, 4, 4, 9, 16, 80),  # MHA, head_dim not a power of two
+        (4, 6, 1, 13, 5, 32),  # a block size that divides no tile
+        (2, 8, 2, 3, 128, 16),  # blocks as wide as a tile
+        (2, 4, 2, 2, 256, 16),  # blocks wider than a tile
+    ],
+)
+@pytest.mark.parametrize("programs_per_sm", CHUNKINGS)
+def test_paged_kernel_equals_the_contiguous_kernel_and_sdpa(
+    rows, heads, kv_heads, blocks, block_size, dim, programs_per_sm, monkeypatch
+):
+    """Ragged lengths below the row length, columns the mask closes, null blocks and permuted
+    block ids: the paged kernel returns what the contiguous kernel and SDPA return on K/V
+    gathered through the table, and reads no block it should not (unused ones hold NaN)."""
+    monkeypatch.setattr(split_kv, "PROGRAMS_PER_SM", programs_per_sm)
+    length = blocks * block_size
+    for dtype, tol in ((torch.float32, 2e-6), (torch.float16, 2e-3)):
+        q, k, v, valid = _case(rows, heads, kv_heads, length, dim, dtype, seed=length + dim)
+        valid[:, -1] = False  # _case opens the last column of every row: lengths end earlier
+        lengths = torch.randint(1, length, (rows,), generator=torch.Generator().manual_seed(dim))
+        lengths[0] = length  # one row reads its full logical length
+        lengths = lengths.to(DEVICE)
+        valid[torch.arange(rows), lengths - 1] = True  # the column each row writes this step
+        valid[-1, : 2 * block_size] = False  # whole closed blocks at the front: null entries
+        (k_pool, v_pool), view = _paged(k, v, valid, block_size, lengths, dim)
+        past = torch.arange(length, device=DEVICE)[None] >= lengths[:, None]
+        needed = valid & ~past
+        # the mask stays open past a row's length: lengths alone bound the columns read
+        paged = split_kv_decode_paged(
+            q, k_pool, v_pool, valid | past, view.table, view.lengths, 0.3, 0.0
+        )
+        k_seen, v_seen = kv_blocks.gather(k_pool, view), kv_blocks.gather(v_pool, view)
+        contiguous = split_kv_decode(q, k_seen, v_seen, needed, 0.3, 0.0)  # reads no NaN
+        closed = ~needed[:, None, :, None]
+        k_seen, v_seen = k_seen.masked_fill(closed, 0), v_seen.masked_fill(closed, 0)
+        reference = _reference(q, k_seen, v_seen, needed, 0.3)
+        torch.testing.assert_close(paged.double(), reference, rtol=tol, atol=tol)
+        torch.testing.assert_close(paged, contiguous, rtol=tol, atol=tol)
+
+
+def test_paged_rows_with_nothing_to_attend_get_zeros():
+    """An idle row (length 1 on a closed column) and a row past whose length nothing is open."""
+    q, k, v, valid = _case(3, 4, 2, 64, 16, torch.float32, seed=9)
+    lengths = torch.tensor([64, 1, 40], device=DEVICE)
+    valid[1] = False
+    (k_pool, v_pool), view = _paged(k, v, valid, 16, lengths, 9)
+    valid[2, :40] = False
+    out = split_kv_decode_paged(q, k_pool, v_pool, valid, view.table, view.lengths, 0.3, 0.0)
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+    torch.testing.assert_close(out[0].double(), _reference(q, k, v, valid, 0.3)[0])
+
+
+def _pools_of(view, k, v):
+    """Pools holding exactly ``k`` / ``v`` behind ``view.table`` (for the attention function)."""
+    rows, kv_heads, length, dim = k.shape
+    size = view.block_size
+    pools = []
+    for tensor in (k, v):
+        pool = torch.zeros(1 + view.table.numel(), kv_heads, size, dim, dtype=tensor.dtype)
+        blocks = tensor.view(rows, kv_heads, length // size, size, dim).transpose(1, 2)
+        pool[view.table.long()] = blocks
+        pools.append(pool.to(DEVICE))
+    return pools
+
+
+def test_the_attention_function_reads_the_table_in_decode_and_gathers_otherwise(monkeypatch):
+    """With a block view current, a decode call runs the paged op on the pools; a multi-token
+    call gets the pools gathered (SDPA's result); with none current the contiguous op runs."""
+    q, k, v, valid = _case(2, 8, 2, 64, 16, torch.float32, seed=13)
+    table = (1 + torch.randperm(8)).view(2, 4).to(DEVICE, torch.int32)
+    view = kv_blocks.BlockView(table, torch.tensor([64, 64], dtype=torch.int32), 16)
+    k_pool, v_pool = _pools_of(view, k, v)
+    module = torch.nn.Module().eval()
+    mask = valid[:, None, None]
+    calls: list[str] = []
+    for name in ("split_kv_decode", "split_kv_decode_paged"):
+        op = getattr(split_kv, name)
+        monkeypatch.setattr(
+            split_kv, name, lambda *a, op=op, name=name: calls.append(name) or op(*a)
+        )
+    assert kv_blocks.is_block_aware(split_kv_forward)
+    expected = _reference(q, k, v, valid, 0.25)
+    with kv_blocks.reading_blocks(view):
+        out, _ = split_kv_forward(module, q[:, :, None], k_pool, v_pool, mask, scaling=0.25)
+        prefill_q = torch.cat([q[:, :, None], q[:, :, None]], dim=2)
+        two, _ = split_kv_forward(
+            module, prefill_q, k_pool, v_pool, mask.expand(-1, -1, 2, -1), scaling=0.25
+        )
+    plain, _ = split_kv_forward(module, q[:, :, None], k, v, mask, scaling=0.25)
+    assert calls == ["split_kv_decode_paged", "split_kv_decode"]
+    for result in (out[:, 0], two[:, 0], two[:, 1], plain[:, 0]):
+        torch.testing.assert_close(result.double(), expected, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU models need the interpreter (GPU: *_cuda.py)")
+@pytest.mark.skipif(
+    "kv_block_size" not in RolloutConfig.__dataclass_fields__,
+    reason="RolloutConfig.kv_block_size comes with the engine's block table (issue 34, core)",
+)
+def test_continuous_slots_on_a_block_table_run_the_paged_kernel(monkeypatch):
+    """RolloutConfig(kv_block_size=16) on the continuous graph path: every captured decode
+    forward runs the paged op, and the tokens equal the eager loop's on the static cache."""
+    from graphcap.tiny_models import prompts
+
+    model = MODELS["mistral-window"]()
+    ids, mask = prompts(6, width=7)
+    params = SamplingParams(max_new_tokens=9, eos_token_id=[])
+    budgets = [9, 3, 6, 2, 8, 5]
+    paged = split_kv.split_kv_decode_paged
+    calls: list[int] = []
+    monkeypatch.setattr(split_kv, "split_kv_decode_paged", lambda *a: calls.append(1) or paged(*a))
+
+    def run(backend, graph, block_size):
+        config = RolloutConfig(
+            enable_graph_capture=graph,
+            backend=backend,
+            continuous_batch_size=2,
+            kv_block_size=block_size,
+        )
+        engine = RolloutEngine(model, config)
+        return engine.generate(ids, mask, params, request_max_new_tokens=budgets)
+
+    backend = type("SplitKVBackend", (CPUBackend,), {"graph_attention": SPLIT_KV})()
+    result = run(backend, True, 16)
+    assert result.stats.path == "continuous_graph", result.stats.fallback_reason
+    assert result.stats.attention == SPLIT_KV and calls
+    assert torch.equal(result.sequences, run(CPUBackend(), False, None).sequences)

@@ -44,6 +44,34 @@ def test_bf16_kernel_within_rounding_of_float64(rows, written):
         assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("rows,written,block_size", [(1, 70, 16), (64, 300, 16), (256, 640, 32)])
+def test_bf16_paged_kernel_equals_the_contiguous_kernel(rows, written, block_size):
+    """The paged kernel over pools behind a permuted block table (ragged lengths, the mask open
+    past them) returns the contiguous kernel's result on the same K/V to bf16 rounding."""
+    from graphcap_cuda.kernels.split_kv import split_kv_decode, split_kv_decode_paged
+
+    from graphcap import kv_blocks
+
+    q = torch.randn(rows, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, rows, 8, 640, 128, device="cuda", dtype=torch.bfloat16)
+    per_row = 640 // block_size
+    table = (1 + torch.randperm(rows * per_row, device="cuda")).view(rows, per_row).int()
+    lengths = torch.randint(1, written + 1, (rows,), device="cuda", dtype=torch.int32)
+    lengths[0] = written
+    view = kv_blocks.BlockView(table, lengths, block_size)
+    pools = []
+    for tensor in (k, v):
+        pool = torch.zeros(1 + rows * per_row, 8, block_size, 128, device="cuda", dtype=q.dtype)
+        pool[table.long()] = tensor.view(rows, 8, per_row, block_size, 128).transpose(1, 2)
+        pools.append(pool)
+    valid = torch.rand(rows, 640, device="cuda") > 0.1
+    valid[:, 0] = True
+    needed = valid & (torch.arange(640, device="cuda")[None] < lengths[:, None].long())
+    paged = split_kv_decode_paged(q, *pools, valid, view.table, view.lengths, 128**-0.5, 0.0)
+    contiguous = split_kv_decode(q, k, v, needed, 128**-0.5, 0.0)
+    torch.testing.assert_close(paged, contiguous, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("family", list(MODELS))
 def test_fp32_captured_tokens_equal_eager(family):
     model = MODELS[family]().cuda()

@@ -20,6 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from graphcap.backend import Backend
 from graphcap.errors import GraphUnsupportedModelError
+from graphcap.rollout.cache.blocks import rounded_length
 from graphcap.rollout.cache.masks import layer_windows, unsupported_layer_types
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.plan.regions import compile_regions
@@ -178,6 +179,22 @@ def selected_attention(model: torch.nn.Module, backend: Backend, config: Rollout
     return choice or attention_implementation(model)
 
 
+def kv_layout(config: RolloutConfig, backend: Backend, path: str) -> int | None:
+    """The block size of the call's block KV table, or ``None`` for the static cache.
+
+    ``RolloutConfig.kv_block_size`` ``"auto"`` follows the backend's declaration. The eager
+    layouts that move cache columns (``align_decode_fronts``, ``trim_cache``) and per-position
+    graphs (which attend over a host-given column span) keep the static cache: both read
+    contiguous columns of a row, which the table does not keep.
+    """
+    size = config.kv_block_size
+    if size == "auto":
+        size = backend.capabilities.kv_block_size
+    if config.align_decode_fronts or config.trim_cache or path == "per_position_graph":
+        return None
+    return size
+
+
 @dataclass(frozen=True)
 class Plan:
     """How one call runs.
@@ -251,10 +268,11 @@ def plan_call(
             reason = pinned_refusal(params)
             path = "static_graph" if reason else "per_position_graph"
     windows = layer_windows(model.config)
+    block_size = kv_layout(config, backend, path)
     signature = signature_of(
         scan,
         batch_size=batch_size,
-        total_len=total_len,
+        total_len=total_len if block_size is None else rounded_length(total_len, block_size),
         device=backend.device,
         sampler=sampler,
         pad_id=int(params.pad_token_id),
@@ -265,5 +283,6 @@ def plan_call(
         prompt_width=None if path in ("eager", "static_graph") else prompt_width,
         decode_steps=params.max_new_tokens - 1 if path == "per_position_graph" else None,
         compiled=compiled,
+        kv_block_size=block_size,
     )
     return Plan(path, reason, signature, windows, attention, compiled)

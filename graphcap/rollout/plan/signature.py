@@ -58,6 +58,9 @@ class GraphSignature:
     decode_steps: int | None = None
     #: captured steps run the torch.compile'd forward
     compiled: bool = False
+    #: K/V in a block table of this block size (``None``: the static cache); the pool's own
+    #: size changes within a call and is checked by the holder against each graph
+    kv_block_size: int | None = None
 
     def differences(self, other: GraphSignature) -> list[str]:
         """Names of the members that differ (for stats and logs); ``host_state`` also says
@@ -87,6 +90,7 @@ def signature_of(
     prompt_width: int | None = None,
     decode_steps: int | None = None,
     compiled: bool = False,
+    kv_block_size: int | None = None,
 ) -> GraphSignature:
     """The signature a decode step for this request would have."""
     return GraphSignature(
@@ -109,4 +113,5 @@ def signature_of(
         prompt_width=prompt_width,
         decode_steps=decode_steps,
         compiled=compiled,
+        kv_block_size=kv_block_size,
     )

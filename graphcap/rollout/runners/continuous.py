@@ -21,13 +21,20 @@ from dataclasses import dataclass
 import torch
 
 from graphcap.errors import DecodeStalledError
+from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.holder.holder import GraphHolder
 from graphcap.rollout.plan.inputs import Call, check_request
 from graphcap.rollout.plan.plan import plan_call
 from graphcap.rollout.prefill import Prefill, run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
-from graphcap.rollout.runners.runners import Runner, start_runner
+from graphcap.rollout.runners.runners import (
+    BlockRunner,
+    Runner,
+    grow_blocks,
+    record_kv,
+    start_runner,
+)
 from graphcap.rollout.sampling import RowPlan
 from graphcap.rollout.step.slots import ContinuousStep, SlotTable, clear_slots, shift_row
 
@@ -102,8 +109,10 @@ class ContinuousRollout:
             disabled_reason=holder.disabled_reason,
             scan=call.scan,
         )
+        total = plan.signature.total_len  # whole blocks on a block table
         stats = RolloutStats(path="continuous_eager")
         stats.batch_size, stats.total_len = slots, total
+        self._stats = stats
         stats.fallback_reason = plan.reason
         stats.recapture_reason = holder.release_stale(plan.signature)
 
@@ -130,7 +139,9 @@ class ContinuousRollout:
         step.state.set_stop_sequences(
             params.stop_sequences or (), params.include_stop_str_in_output
         )
-        clear_slots(step, torch.arange(slots, device=device))
+        if isinstance(step.cache, BlockKVCache):
+            step.cache.reset()
+        clear_slots(step, range(slots))
         self._fill(step, table, queue, first, 0, prefill)
         outputs = (out_seq, out_resp, out_logp, out_hit)
         if table.due_by(0):  # budget-1 requests are done at their first token
@@ -138,10 +149,14 @@ class ContinuousRollout:
         stats.prefill_s = time.perf_counter() - start
 
         runner: Runner = step
+        interval = config.eos_check_interval
         if config.enable_graph_capture and max_new > 1:
             runner = start_runner(holder, plan, step, stats, max_new - 1)
+        if isinstance(step.cache, BlockKVCache):
+            runner = BlockRunner(
+                holder, step, plan, stats, runner, lambda _: _columns(table), interval
+            )
         t_decode = time.perf_counter()
-        interval = config.eos_check_interval
         narrow = runner is step and (align or trim)
         attended = 0
         # every request finishes within its limit and is seen within one interval after
@@ -166,6 +181,7 @@ class ContinuousRollout:
                 self._service(step, table, queue, outputs, stats.steps, align, trim, read=check)
         holder.backend.synchronize()
         stats.decode_s = time.perf_counter() - t_decode
+        record_kv(stats, step)
         step.span = None
         stats.slots_refilled = table.refilled
         stats.moved_columns = table.moved_columns
@@ -198,6 +214,10 @@ class ContinuousRollout:
         )
         width = queue.ids.shape[1]
         s = step.state
+        if isinstance(step.cache, BlockKVCache):
+            columns = [width if slot in free else None for slot in range(len(table.request))]
+            grow_blocks(self.holder, step, columns, self.config.eos_check_interval, self._stats)
+            step.reach[rows] = width
         step.cache.load_prefill(prefill.cache, rows=rows, source_rows=sources)
         step.masks.reset(queue.mask[prompts], rows=rows)
         s.sequences[rows, :width] = queue.ids[prompts]
@@ -294,7 +314,7 @@ class ContinuousRollout:
                 out_hit[request] = s.stop_hit[slot]
             table.request[slot] = -1
             table.start[slot] = 0
-        clear_slots(step, torch.tensor(done, dtype=torch.long, device=out_seq.device))
+        clear_slots(step, done)
 
     @staticmethod
     def _span(table: SlotTable, queue: _Queue, total: int) -> tuple[int, int]:
@@ -393,6 +413,11 @@ def _limits(
             f"{params.max_new_tokens}] (max_new_tokens sizes the cache), got {bad[:5]}"
         )
     return [v for v in values for _ in range(repeats)]
+
+
+def _columns(table: SlotTable) -> list[int | None]:
+    """Each slot's write column of the next step (host bookkeeping), ``None`` for free slots."""
+    return [c if r >= 0 else None for r, c in zip(table.request, table.column, strict=True)]
 
 
 def _shift(step: ContinuousStep, table: SlotTable, slot: int, by: int) -> None:

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.holder import GraphHolder
@@ -14,7 +15,13 @@ from graphcap.rollout.plan.inputs import Call, check_request
 from graphcap.rollout.plan.plan import plan_call
 from graphcap.rollout.prefill import run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
-from graphcap.rollout.runners.runners import Runner, start_runner
+from graphcap.rollout.runners.runners import (
+    BlockRunner,
+    Runner,
+    grow_blocks,
+    record_kv,
+    start_runner,
+)
 from graphcap.rollout.sampling import RowPlan
 from graphcap.rollout.step.step import DecodeState, DecodeStep
 
@@ -77,7 +84,10 @@ class StaticRollout:
                 self.model, prefill.specs, plan, logits.shape[-1], params, generator
             ),
         )
+        interval = self.config.eos_check_interval
         step.cache.reset()
+        # every row writes column width + i at decode step i (host arithmetic, no device read)
+        grow_blocks(self.holder, step, [width] * padded_batch, interval, stats)
         step.cache.load_prefill(prefill.cache, source_rows=sources)
         step.masks.reset(attention_mask.index_select(0, sources))
         step.state.reset(
@@ -92,11 +102,20 @@ class StaticRollout:
         runner: Runner = step
         if self.config.enable_graph_capture and steps > 0:
             runner = start_runner(self.holder, plan, step, stats, steps)
+        if isinstance(step.cache, BlockKVCache):
+            runner = BlockRunner(
+                self.holder,
+                step,
+                plan,
+                stats,
+                runner,
+                lambda i: [width + i] * padded_batch,
+                interval,
+            )
         t_decode = time.perf_counter()
-        stats.steps = decode(
-            runner, steps, step.state, self.config.eos_check_interval, self.holder.agreement
-        )
+        stats.steps = decode(runner, steps, step.state, interval, self.holder.agreement)
         self.holder.backend.synchronize()
+        record_kv(stats, step)
         stats.decode_s = time.perf_counter() - t_decode
         if plan.path == "per_position_graph":  # its captures happen inside the decode loop
             stats.decode_s -= stats.capture_s

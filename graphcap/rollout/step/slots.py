@@ -6,7 +6,8 @@ occupies columns ``[start, start + W)`` and its tokens follow. The last column o
 a *sink*: an empty or finished slot's write position points there, so the step (which always
 runs over every slot) writes its K/V, pad token and mask bit into a column no request reads,
 and never past the buffer end; its position id stops advancing, so learned position tables are
-never indexed out of range.
+never indexed out of range. On a block table the sink is column 0 of the shared sink block
+(:mod:`graphcap.rollout.cache.blocks`): an idle row then reads one column, not a whole row.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.step.step import DecodeState, DecodeStep
 
@@ -50,18 +52,35 @@ class ContinuousStep(DecodeStep):
         device = self.state.finished.device
         slots = self.state.finished.shape[0]
         self.limits = torch.zeros(slots, dtype=torch.long, device=device)
-        self.sink = torch.full((), self.cache.max_len - 1, dtype=torch.long, device=device)
+        blocks = isinstance(self.cache, BlockKVCache)
+        sink = 0 if blocks else self.cache.max_len - 1
+        self.sink = torch.full((), sink, dtype=torch.long, device=device)
+        #: block table only: the column the host's ``SlotTable.column`` holds for each busy slot
+        #: (it runs on past EOS, capped like the host's), 0 for idle ones; the kernel's lengths
+        #: follow it, so a backend taking lengths as host values gets them without a device read
+        self.reach = torch.zeros(slots, dtype=torch.long, device=device) if blocks else None
 
     allocate_state = staticmethod(allocate_state)
 
     def mutable_tensors(self) -> list[torch.Tensor]:
-        return [*super().mutable_tensors(), self.limits]
+        reach = [self.reach] if self.reach is not None else []
+        return [*super().mutable_tensors(), self.limits, *reach]
+
+    def furthest(self) -> torch.Tensor:
+        """Idle and finished rows sit at the sink, so a row's furthest open column is its
+        reach (block table), or the buffer end (the static cache's sink column)."""
+        if self.reach is None:
+            return super().furthest()
+        return self.reach
 
     def advance(self) -> None:
         s = self.state
         wp = self.cache.write_pos
         wp.copy_(torch.where(s.finished, self.sink, wp + 1))
         s.positions.add_((~s.finished).to(torch.long).view(-1, 1))
+        if self.reach is not None:
+            cap = s.sequences.shape[1] - 2  # the host's cap on SlotTable.column
+            self.reach.copy_(torch.where(self.reach > 0, (self.reach + 1).clamp(max=cap), 0))
 
     def commit(self, logits: torch.Tensor) -> None:
         super().commit(logits)
@@ -126,16 +145,22 @@ class SlotTable:
         return [i for i, r in enumerate(self.request) if r < 0]
 
 
-def clear_slots(step: ContinuousStep, rows: torch.Tensor) -> None:
-    """Forget everything slots ``rows`` held: K/V, valid mask columns, outputs, counters.
+def clear_slots(step: ContinuousStep, slots: Sequence[int]) -> None:
+    """Forget everything ``slots`` held: K/V, valid mask columns, outputs, counters.
 
     Stale K/V must not survive: a masked column still enters ``q @ k`` before the mask is added,
-    so a NaN or inf left in it would poison the next occupant's attention.
+    so a NaN or inf left in it would poison the next occupant's attention (a block table zeroes
+    freed blocks as it hands them out again).
     """
     s, cache = step.state, step.cache
-    for layer in cache.layers:
-        layer.keys[rows] = 0
-        layer.values[rows] = 0
+    rows = torch.tensor(list(slots), dtype=torch.long).to(s.finished.device)
+    if isinstance(cache, BlockKVCache):
+        cache.free_rows(slots)
+        step.reach[rows] = 0
+    else:
+        for layer in cache.layers:
+            layer.keys[rows] = 0
+            layer.values[rows] = 0
     step.masks.valid[rows] = False
     s.sequences[rows] = s.pad
     s.response[rows] = False

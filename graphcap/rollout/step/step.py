@@ -13,6 +13,7 @@ its K/V there and advances ``write_pos``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
@@ -20,8 +21,10 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 from transformers.cache_utils import Cache
 
+from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.cache.cache import LayerSpec, SpanView, StaticKVCache
 from graphcap.rollout.cache.masks import MaskBuffers
+from graphcap.rollout.plan.signature import attention_implementation
 from graphcap.rollout.prefill import accepts_logits_to_keep, cache_keyword
 from graphcap.rollout.sampling import (
     RowPlan,
@@ -218,7 +221,7 @@ class DecodeStep:
     def __init__(
         self,
         model: torch.nn.Module,
-        cache: StaticKVCache,
+        cache: StaticKVCache | BlockKVCache,
         masks: MaskBuffers,
         state: DecodeState,
         sampler: SamplerShape,
@@ -248,7 +251,11 @@ class DecodeStep:
         shapes the prefill produced)."""
         sig = plan.signature
         device, batch, total = sig.device, sig.batch_size, sig.total_len
-        cache = StaticKVCache(specs, batch, total)
+        cache: StaticKVCache | BlockKVCache
+        if sig.kv_block_size is None:
+            cache = StaticKVCache(specs, batch, total)
+        else:
+            cache = BlockKVCache(specs, batch, total, sig.kv_block_size)
         masks = MaskBuffers.for_model(
             model.config, batch, total, sig.dtype, device, plan.windows, sig.mask_form
         )
@@ -281,6 +288,7 @@ class DecodeStep:
             *self.masks.outputs.values(),
             *([s.stop_hit] if s.stop_hit is not None else []),
             *([s.top_values, s.top_ids] if s.top_values is not None else []),
+            *([self.cache.lengths] if isinstance(self.cache, BlockKVCache) else []),
         ]
 
     def commit(self, logits: torch.Tensor) -> None:
@@ -332,21 +340,33 @@ class DecodeStep:
         """One decode step: forward the latest token, then choose and record the next one."""
         s = self.state
         mask, cache = self._view(self.prepare())
-        out = self.model(
-            input_ids=s.tokens,
-            attention_mask=mask,
-            position_ids=s.positions,
-            use_cache=True,
-            **{self._cache_keyword: cache},
-            **self._extra,
-        )
+        reading = contextlib.nullcontext()
+        if isinstance(cache, BlockKVCache):  # the attention a capture swaps in decides
+            reading = cache.reading(attention_implementation(self.model))
+        with reading:
+            out = self.model(
+                input_ids=s.tokens,
+                attention_mask=mask,
+                position_ids=s.positions,
+                use_cache=True,
+                **{self._cache_keyword: cache},
+                **self._extra,
+            )
         self.finish(out.logits[:, -1, :])
 
     def prepare(self) -> MaskInput:
-        """Mark the column each row writes this step valid; render the masks the model reads."""
+        """Mark the column each row writes this step valid; render the masks the model reads;
+        on a block table, set the columns each row's kernel reads (``lengths``)."""
         column = self.cache.write_pos
         self.masks.attend(column)
+        if isinstance(self.cache, BlockKVCache):
+            self.cache.set_lengths(self.furthest())
         return self.masks.render(column)
+
+    def furthest(self) -> torch.Tensor:
+        """The furthest column each row's mask may open this step (device): its write column,
+        since every row moves on in lock-step on this path."""
+        return self.cache.write_pos
 
     def finish(self, logits: torch.Tensor) -> None:
         """Move every row on, then choose and record the next token from ``logits``."""

@@ -18,9 +18,17 @@ and one graph node. Accumulation is fp32; fp32 inputs use IEEE (not TF32) produc
 results match SDPA to rounding. A row with no column to attend gets zeros (SDPA would average
 V; such rows are idle slots, never read).
 
-The launcher is a torch custom op (``graphcap_cuda::split_kv_decode``) so that graph recorders
-that work on operators (graphcap's CPU reference graph) and ``torch.compile`` see one opaque
-operation. With ``TRITON_INTERPRET=1`` set before import it runs on CPU tensors (tests).
+On a block KV table (:mod:`graphcap.kv_blocks`, ``graphcap_cuda::split_kv_decode_paged``) the
+same kernel reads K/V from the layer's pools: each column it loads is found through the row's
+table entry (one int32 load a column, shared by K and V), so any block size works and a tile
+may span blocks; the scan and the walk stop at the row's length (``lengths``, on the device
+like the table), so blocks past it are never read, whatever the mask says. Chunking follows the
+logical row length, as on the static cache.
+
+The launchers are torch custom ops (``graphcap_cuda::split_kv_decode`` and ``..._paged``) so
+that graph recorders that work on operators (graphcap's CPU reference graph) and
+``torch.compile`` see one opaque operation. With ``TRITON_INTERPRET=1`` set before import they
+run on CPU tensors (tests).
 """
 
 from __future__ import annotations
@@ -94,6 +102,8 @@ def _split_kv_partial(
     max_ptr,
     sum_ptr,
     count_ptr,
+    table_ptr,
+    lengths_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -103,6 +113,7 @@ def _split_kv_partial(
     stride_vh,
     stride_vn,
     stride_mb,
+    stride_tb,
     stride_ob,
     stride_oh,
     kv_heads,
@@ -121,6 +132,8 @@ def _split_kv_partial(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SCAN_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # launched dependent (kernels.launch): everything read may be the last kernel's
@@ -138,6 +151,8 @@ def _split_kv_partial(
     mask_row = mask_ptr + row * stride_mb
     start = split * chunk
     stop = tl.minimum(start + chunk, length)
+    if PAGED:  # the row holds K/V in [0, lengths[row]) only: columns past it are not scanned
+        stop = tl.maximum(start, tl.minimum(stop, tl.load(lengths_ptr + row)))
     # The open span [lo, hi) of this chunk, from the mask alone (2 bytes a column): K/V outside
     # it are never read, and the loop below has no branch, so Triton can pipeline its loads.
     lo = stop
@@ -152,8 +167,12 @@ def _split_kv_partial(
         mask=g_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    k_base = k_ptr + row * stride_kb + head * stride_kh
-    v_base = v_ptr + row * stride_vb + head * stride_vh
+    if PAGED:  # stride_kb / stride_vb step over pool blocks; the table picks the block
+        k_base = k_ptr + head * stride_kh
+        v_base = v_ptr + head * stride_vh
+    else:
+        k_base = k_ptr + row * stride_kb + head * stride_kh
+        v_base = v_ptr + row * stride_vb + head * stride_vh
     best = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -162,8 +181,16 @@ def _split_kv_partial(
         inside = cols < hi
         allowed, bias = _open_columns(mask_row, cols, inside, blocked, MASK_BOOL)
         kv_mask = allowed[:, None] & d_ok[None, :]  # closed columns inside the span: not read
-        k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+        if PAGED:  # column c: offset c % KV_BLOCK of block table[row, c // KV_BLOCK]
+            block = tl.load(table_ptr + row * stride_tb + cols // KV_BLOCK, mask=allowed, other=0)
+            block = block.to(tl.int64)
+            k_cols = block * stride_kb + (cols % KV_BLOCK) * stride_kn
+            v_cols = block * stride_vb + (cols % KV_BLOCK) * stride_vn
+        else:
+            k_cols = cols * stride_kn
+            v_cols = cols * stride_vn
+        k = tl.load(k_base + k_cols[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + v_cols[:, None] + d[None, :], mask=kv_mask, other=0.0)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         if SOFTCAP:  # tanh(x / c) * c, with tanh(y) = 1 - 2 / (exp(2y) + 1)
             scores = softcap - 2.0 * softcap / (tl.exp(2.0 * scores / softcap) + 1.0)
@@ -315,8 +342,52 @@ def split_kv_decode(
     """One decode token per row: query (B, H, D), key/value (B, Hkv, L, D) with unit stride in
     the last dimension, mask (B, L) bool (True attends) or additive (entries at or below the
     dtype's minimum are skipped). ``softcap`` 0 means none. Returns (B, H, D) in query's dtype."""
+    return _launch(query, key, value, mask, scale, softcap, None)
+
+
+@split_kv_decode.register_fake
+def _(query, key, value, mask, scale, softcap):
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op("graphcap_cuda::split_kv_decode_paged", mutates_args=())
+def split_kv_decode_paged(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """:func:`split_kv_decode` over a block table (:mod:`graphcap.kv_blocks`): key/value are
+    pools (num_blocks, Hkv, block_size, D), table (B, blocks_per_row) int32 block ids, lengths
+    (B,) int32, mask (B, blocks_per_row * block_size) over logical columns. Row ``b`` reads
+    columns ``[0, lengths[b])`` its mask opens, each through the table on the device (any block
+    size: columns are addressed one by one, so a tile may span blocks)."""
+    return _launch(query, key, value, mask, scale, softcap, (table, lengths))
+
+
+@split_kv_decode_paged.register_fake
+def _(query, key, value, mask, table, lengths, scale, softcap):
+    return torch.empty_like(query)
+
+
+def _launch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """One launch of the partial kernel over contiguous K/V (``blocks`` None) or pools read
+    through ``blocks`` = (table, lengths); the launch shape follows the logical row length."""
     rows, heads, head_dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
+    length = key.shape[2] if blocks is None else blocks[0].shape[1] * key.shape[2]
     groups = heads // kv_heads
     block_g = max(16, triton.next_power_of_2(groups))
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -337,6 +408,7 @@ def split_kv_decode(
         )
     )
     counts = out if direct else arrival_counts(query.device, rows * kv_heads)
+    table, lengths = (out, out) if blocks is None else blocks  # unread when not paged
     mask_bool = mask.dtype == torch.bool
     pdl = launch.dependent(query.device)
     blocked = float("-inf") if mask_bool else torch.finfo(mask.dtype).min
@@ -350,6 +422,8 @@ def split_kv_decode(
         best,
         total,
         counts,
+        table,
+        lengths,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -359,6 +433,7 @@ def split_kv_decode(
         value.stride(1),
         value.stride(2),
         mask.stride(0),
+        0 if blocks is None else table.stride(0),
         out.stride(0),
         out.stride(1),
         kv_heads,
@@ -377,14 +452,11 @@ def split_kv_decode(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         SCAN_N=scan_n,
+        PAGED=blocks is not None,
+        KV_BLOCK=1 if blocks is None else key.shape[2],
         PDL=pdl,
         num_warps=NUM_WARPS,
         launch_pdl=pdl,
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
     return out
-
-
-@split_kv_decode.register_fake
-def _(query, key, value, mask, scale, softcap):
-    return torch.empty_like(query)
