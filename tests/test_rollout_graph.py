@@ -305,7 +305,8 @@ def test_recaptures_reuse_one_capture_stream():
 
     model = tiny_model("llama")
     ids, mask = prompts(3)
-    engine = make_engine(model, backend=CountingBackend())
+    # the static cache: its total_len is in the signature, so each length recaptures
+    engine = make_engine(model, backend=CountingBackend(), kv_block_size=None)
     captures = [
         engine.generate(ids, mask, SamplingParams(max_new_tokens=n, **NO_EOS)).stats.captures
         for n in (4, 5, 6)

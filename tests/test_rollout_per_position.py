@@ -151,7 +151,9 @@ def test_each_position_attends_over_written_columns_only():
     width, total, layers = ids.shape[1], ids.shape[1] + NEW, model.config.num_hidden_layers
 
     KEY_LENGTHS.clear()
-    static = run(model, ids, mask, True, **PINNED)
+    static_engine = make_engine(model, kv_block_size=None)  # the static cache, not the table
+    static = static_engine.generate(ids, mask, SamplingParams(**PINNED))
+    static_engine.shutdown()
     assert set(KEY_LENGTHS[layers:]) == {total}  # after the prefill: the whole buffer
 
     engine = per_position_engine(model)

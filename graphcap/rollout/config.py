@@ -55,6 +55,9 @@ VLLM_ALIASES: dict[str, str] = {
 }
 #: The most alternatives per token ``top_logprobs`` returns (vLLM's default ``max_logprobs``).
 MAX_TOP_LOGPROBS: int = 20
+#: The largest ``RolloutConfig.kv_block_size``: a larger block only wastes memory per row.
+MAX_KV_BLOCK_SIZE = 4096
+
 #: What to do instead of a refused vLLM name, where there is something better than "remove it".
 VLLM_INSTEAD: dict[str, str] = {
     "stop": (
@@ -634,6 +637,12 @@ class RolloutConfig:
             raise ValueError(
                 f"RolloutConfig.kv_block_size must be a positive int (columns per block), "
                 f'"auto" (the backend\'s block size) or None (the static cache), got {value!r}'
+            )
+        if value > MAX_KV_BLOCK_SIZE:
+            raise ValueError(
+                f"RolloutConfig.kv_block_size {value} is over {MAX_KV_BLOCK_SIZE} columns: every "
+                f"row holds at least one block, so a block that large only wastes memory; use "
+                f"16-512 (or None for the static cache)"
             )
 
     def _check_per_position(self) -> None:

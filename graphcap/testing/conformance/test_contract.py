@@ -51,8 +51,17 @@ def test_create_graph_consistent_with_capabilities(gc_backend: Backend) -> None:
                 f"graph_attention {value!r} is not among the attention implementations the "
                 f"plugin offers ({sorted(offered)})"
             )
+        elif flag.name == "kv_block_size":
+            assert value is None or (type(value) is int and value > 0), (
+                f"kv_block_size must be None (static cache) or a positive int, not {value!r}"
+            )
         else:
             assert isinstance(value, bool), f"capability {flag.name} must be a bool, not {value!r}"
+    if capabilities.graph_kv_lengths_on_host:
+        assert capabilities.kv_block_size is not None, (
+            "graph_kv_lengths_on_host declared without kv_block_size: host lengths serve only "
+            "block-table steps"
+        )
 
 
 def test_declared_graph_capture_matches_behaviour(gc_backend: Backend) -> None:
