@@ -150,12 +150,25 @@ def test_the_pool_grows_when_the_free_list_runs_dry_after_dropping_the_graph():
     assert cache.layers[0].keys is not old and cache.blocks_held == 12
 
 
+def test_growth_stops_at_every_rows_whole_table():
+    """Doubling would overshoot the static cache's size (seen on the H200: 1.36x its bytes at 16
+    slots); the pool never holds more than every row's whole table plus the reserved blocks."""
+    cache = _cache(batch=4, max_len=16, block=2)  # 4 rows of 8 entries
+    cache.assign([1, 1, 1, 1], ahead=0)  # 8 blocks: 6 -> 12
+    cache.assign([15, 15, 15, 15], ahead=0)  # all 32: doubling would give 24, then 48
+    assert cache.blocks_held == 32 and cache.num_blocks == 32 + 2
+    static = 2 * 2 * 4 * 2 * 16 * 4 * 4  # layers, K and V, rows, heads, columns, dim, bytes
+    assert cache.nbytes() < 1.1 * static
+
+
 def test_bad_block_sizes_are_refused():
     for bad in (0, -4, "blocks", 2.5, True):
         with pytest.raises(ValueError, match="kv_block_size"):
             RolloutConfig(kv_block_size=bad)
     with pytest.raises(ValueError, match="whole number"):
         _cache(max_len=7)
+    with pytest.raises(ValueError, match="kv_block_size 5000 is over 4096"):
+        RolloutConfig(kv_block_size=5000)
 
 
 class HostLengths(CPUBackend):
