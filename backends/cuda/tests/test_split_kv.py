@@ -300,10 +300,12 @@ def _pools_of(view, k, v):
     size = view.block_size
     pools = []
     for tensor in (k, v):
-        pool = torch.zeros(1 + view.table.numel(), kv_heads, size, dim, dtype=tensor.dtype)
+        pool = torch.zeros(
+            1 + view.table.numel(), kv_heads, size, dim, dtype=tensor.dtype, device=tensor.device
+        )  # on the table's device: indexing a host pool with a CUDA table fails (seen on the H200)
         blocks = tensor.view(rows, kv_heads, length // size, size, dim).transpose(1, 2)
         pool[view.table.long()] = blocks
-        pools.append(pool.to(DEVICE))
+        pools.append(pool)
     return pools
 
 
