@@ -363,6 +363,9 @@ class GraphBackend(Backend):
     graph_class: ClassVar[str] = "Graph"
     #: Appended to a failed capture's error: the usual causes on this device.
     capture_hint: ClassVar[str] = ""
+    #: Further keyword arguments of the library's ``graph(...)`` this device's captures need
+    #: (the NPU backend's ``auto_dispatch_capture``, which makes a graph updatable).
+    graph_options: ClassVar[dict[str, Any]] = {}
 
     def graph_library(self) -> Any:
         """The object holding the graph API; the device module unless overridden."""
@@ -387,7 +390,9 @@ class GraphBackend(Backend):
                 f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)} "
                 f"(or None for 'global'), not {capture_error_mode!r}"
             )
-        return _guarded_capture(self.graph_library(), graph, pool, stream, mode, self.capture_hint)
+        return _guarded_capture(
+            self.graph_library(), graph, pool, stream, mode, self.capture_hint, self.graph_options
+        )
 
     def replay_graph(self, graph: Any) -> None:
         graph.replay()
@@ -401,14 +406,22 @@ class GraphBackend(Backend):
 
 @contextlib.contextmanager
 def _guarded_capture(
-    device_module: Any, graph: Any, pool: Any | None, stream: Any | None, mode: str, hint: str
+    device_module: Any,
+    graph: Any,
+    pool: Any | None,
+    stream: Any | None,
+    mode: str,
+    hint: str,
+    options: dict[str, Any],
 ) -> Iterator[None]:
     """When a capture fails, torch raises from ``capture_end`` before leaving its capture
     stream: the caller's stream is restored so an eager fallback does not run on the side
     stream, and the error becomes a :class:`GraphCaptureError` carrying ``hint``."""
     previous = device_module.current_stream()
     try:
-        with device_module.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
+        with device_module.graph(
+            graph, pool=pool, stream=stream, capture_error_mode=mode, **options
+        ):
             yield
     except GraphcapError:
         raise  # already says what went wrong
