@@ -12,6 +12,17 @@ NPU rollout work captured on hardware) and in BNSD (the layout transformers hand
 functions, which torch_npu documents ACL-graph support for; no copy of q/k/v). The TND (varlen)
 layout is never used: its sequence lengths are host values that a capture would freeze.
 
+``graphcap_npu_blocks`` (the backend's default) reads the engine's block KV table
+(:mod:`graphcap.kv_blocks`): a half-precision decode step runs
+``npu_fused_infer_attention_score``'s page attention over the layer's pools, with the block
+table and per-row ``actual_seq_lengths_kv``, so it reads only the blocks a row holds and copies
+no cache. Those lengths are host ints: eager steps read them off the device, a capture records
+placeholders (every row's whole table) and the engine sets the real ones before each replay
+(``NPUBackend.update_graph_kv_lengths``, torch_npu's ``NPUGraph.update``). What page attention
+cannot serve (fp32, which that kernel does not take; a block size that is not a multiple of 16;
+per-head masks) gets the pools gathered into contiguous K/V for v3 in BNSD; without a block
+table (prefill, ``kv_block_size=None``) it is v3 in BNSD.
+
 Masks: transformers gives SDPA's conventions (bool True = attend, or an additive float mask with
 0 = attend); both kernels want bool/uint8 where True = masked out. Everything here is device work
 with host values fixed by shapes, so it can be captured and replayed.
@@ -35,7 +46,9 @@ from typing import Any, Literal
 
 import torch
 
-Kernel = Literal["fusion_v3", "infer_score"]
+from graphcap import kv_blocks
+
+Kernel = Literal["fusion_v3", "infer_score", "paged"]
 Layout = Literal["BSH", "BNSD"]
 
 #: v3 in BSH: the default graph attention of the NPU backend.
@@ -46,8 +59,12 @@ FA3_BNSD = "graphcap_npu_fa3_bnsd"
 FIAS_BSH = "graphcap_npu_fias"
 #: npu_fused_infer_attention_score in BNSD (half precision only).
 FIAS_BNSD = "graphcap_npu_fias_bnsd"
-#: The default name (kept for callers of the first release).
+#: Page attention over the block KV table (half precision), else v3 in BNSD: the default.
+BLOCKS = "graphcap_npu_blocks"
+#: The name ``register_attention()`` registers without an argument (the first release's).
 ATTENTION_NAME = FA3_BSH
+#: Page attention's block size: a multiple of 16 for fp16/bf16 (torch_npu recommends 128).
+PAGE_ALIGNMENT = 16
 #: ``inner_precise`` value that makes the kernels compute fully masked ("invalid") rows properly.
 INNER_PRECISE_INVALID_ROWS = 2
 _MAX_QUERY_HEADS = 256
@@ -67,10 +84,12 @@ class Implementation:
         return {
             "fusion_v3": "npu_fusion_attention_v3",
             "infer_score": "npu_fused_infer_attention_score",
+            "paged": "npu_fused_infer_attention_score",
         }[self.kernel]
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes it runs (the paged one: every dtype, fp32 through v3 on gathered K/V)."""
         if self.kernel == "infer_score":
             return (torch.float16, torch.bfloat16)
         return (torch.float16, torch.bfloat16, torch.float32)
@@ -83,6 +102,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
         Implementation(FA3_BNSD, "fusion_v3", "BNSD"),
         Implementation(FIAS_BSH, "infer_score", "BSH"),
         Implementation(FIAS_BNSD, "infer_score", "BNSD"),
+        Implementation(BLOCKS, "paged", "BNSD"),
     )
 }
 
@@ -114,8 +134,99 @@ def _forward_for(name: str) -> AttentionFunction:
     return forward
 
 
+@kv_blocks.reads_kv_blocks
+def block_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Page attention over the block table where it applies, else v3 in BNSD (module docstring):
+    q (batch, heads, seq, head_dim) and, under a block view, the layer's pools
+    (num_blocks, kv_heads, block_size, head_dim) in; (batch, seq, heads, head_dim) out."""
+    view = kv_blocks.current()
+    if view is not None and _pages(view, query, attention_mask, dropout, kwargs):
+        return _attend_paged(query, key, value, attention_mask, scaling, view)
+    if view is not None:
+        key, value = kv_blocks.gather(key, view), kv_blocks.gather(value, view)
+    impl = IMPLEMENTATIONS[FA3_BNSD]
+    return _attend(impl, module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _pages(
+    view: kv_blocks.BlockView,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> bool:
+    """Whether page attention serves this call: a one-token query in half precision, one mask
+    for every head, a block size the kernel takes, nothing it does not model."""
+    return (
+        query.shape[2] == 1
+        and query.dtype in IMPLEMENTATIONS[FIAS_BNSD].dtypes
+        and view.block_size % PAGE_ALIGNMENT == 0
+        and (attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] == 1)
+        and not dropout
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+    )
+
+
+def _attend_paged(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    view: kv_blocks.BlockView,
+) -> tuple[torch.Tensor, None]:
+    """``npu_fused_infer_attention_score`` with ``block_table`` over pools (num_blocks, KV_N,
+    block_size, D): torch_npu's faster page-attention cache layout, graphcap's pool layout."""
+    batch, q_heads, _, head_dim = query.shape
+    if q_heads % key.shape[1] or key.shape[-1] != head_dim or key.shape != value.shape:
+        raise ValueError(
+            f"page attention needs pools (num_blocks, kv_heads, block_size, {head_dim}) of one "
+            f"shape with kv_heads dividing {q_heads}; got {tuple(key.shape)}, "
+            f"{tuple(value.shape)}"
+        )
+    masked_out = None
+    if attention_mask is not None:
+        masked_out = to_masked_out(attention_mask, batch, q_heads, 1, view.max_len)
+        masked_out = _one_mask_for_all_heads(masked_out, batch, 1, view.max_len)
+    module_npu = _torch_npu(IMPLEMENTATIONS[BLOCKS])
+    if module_npu.npu.is_current_stream_capturing():
+        # placeholders (a row's whole table, which the mask keeps correct); the engine sets the
+        # real lengths before every replay, through the graph-update API
+        lengths = [view.max_len] * batch
+    else:
+        lengths = view.lengths.tolist()  # a host read: eager steps only
+    out, _ = module_npu.npu_fused_infer_attention_score(
+        query.contiguous(),
+        key,
+        value,
+        atten_mask=masked_out,
+        actual_seq_lengths_kv=lengths,
+        block_table=view.table,
+        block_size=view.block_size,
+        num_heads=q_heads,
+        num_key_value_heads=key.shape[1],
+        input_layout="BNSD",
+        scale=scaling if scaling is not None else 1.0 / math.sqrt(head_dim),
+        inner_precise=0,  # a decode row always attends to the column it has just written
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 #: The registered functions, by name.
-FORWARDS: dict[str, AttentionFunction] = {name: _forward_for(name) for name in IMPLEMENTATIONS}
+FORWARDS: dict[str, AttentionFunction] = {
+    name: _forward_for(name) for name in IMPLEMENTATIONS if name != BLOCKS
+}
+FORWARDS[BLOCKS] = block_attention_forward
 fusion_attention_forward = FORWARDS[FA3_BSH]
 fusion_attention_bnsd_forward = FORWARDS[FA3_BNSD]
 infer_attention_forward = FORWARDS[FIAS_BSH]

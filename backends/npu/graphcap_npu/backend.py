@@ -18,7 +18,7 @@ import torch
 
 from graphcap.backend import Availability, GraphBackend, MaskForm
 from graphcap.errors import BackendSelectionError
-from graphcap_npu.attention import FA3_BSH, IMPLEMENTATIONS
+from graphcap_npu.attention import BLOCKS, IMPLEMENTATIONS
 from graphcap_npu.probe import (
     INSTALL_HINT,
     VISIBLE_DEVICES_VAR,
@@ -104,16 +104,24 @@ class NPUBackend(GraphBackend):
     # npu_fusion_attention_v3 takes a boolean mask; a float mask sends torch_npu's SDPA to a slow
     # unfused path.
     attention_mask_form: ClassVar[MaskForm] = "bool"
-    # The fused kernel in the layout the original NPU rollout work captured on hardware (BSH);
-    # an instance may choose another (``attention=`` or GRAPHCAP_NPU_ATTENTION).
-    graph_attention: ClassVar[str | None] = FA3_BSH
+    # Page attention over the block table (npu_fused_infer_attention_score, BNSD query, no cache
+    # copy), v3 in BNSD where it does not apply (graphcap_npu.attention); an instance may
+    # choose another (``attention=`` or GRAPHCAP_NPU_ATTENTION).
+    graph_attention: ClassVar[str | None] = BLOCKS
+    # Blocks of 128 columns: the page-attention block size torch_npu recommends (fp16/bf16 take
+    # any multiple of 16).
+    kv_block_size: ClassVar[int | None] = 128
+    # npu_fused_infer_attention_score takes actual_seq_lengths_kv as host ints; a capture with
+    # auto_dispatch_capture records the call so NPUGraph.update can set them before a replay.
+    graph_kv_lengths_on_host: ClassVar[bool] = True
+    graph_options: ClassVar[dict[str, Any]] = {"auto_dispatch_capture": True}
 
     def __init__(self, index: int | None = None, attention: str | None = None) -> None:
         """``attention``: the graphcap_npu implementation captured decode steps run (one of
         :data:`graphcap_npu.attention.IMPLEMENTATIONS`); default: the ``GRAPHCAP_NPU_ATTENTION``
-        environment variable, else ``graphcap_npu_fa3`` (npu_fusion_attention_v3, BSH)."""
+        environment variable, else ``graphcap_npu_blocks``."""
         super().__init__(index)
-        choice = attention or os.environ.get(ATTENTION_VAR) or FA3_BSH
+        choice = attention or os.environ.get(ATTENTION_VAR) or BLOCKS
         if choice not in IMPLEMENTATIONS:
             where = "attention" if attention else ATTENTION_VAR
             raise ValueError(
@@ -134,6 +142,11 @@ class NPUBackend(GraphBackend):
         if "torch_npu" not in sys.modules:
             return False  # torch_npu never loaded in this process: nothing can be capturing
         return super().is_current_stream_capturing()
+
+    def update_graph_kv_lengths(self, graph: Any, lengths: list[int]) -> None:
+        """One update for every recorded infer-attention call (torch_npu broadcasts a one-item
+        list over the graph's dispatch records; a graph without any takes it as a no-op)."""
+        graph.update(cpu_update_input=[{"actual_seq_lengths_kv": list(lengths)}])
 
     # ---- device plumbing ------------------------------------------------------------------
     @property

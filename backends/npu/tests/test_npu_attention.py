@@ -306,3 +306,48 @@ def test_infer_kernel_refuses_fp32_and_per_head_masks(fake_npu) -> None:
     with pytest.raises(ValueError, match="one mask for all heads"):
         FORWARDS[FIAS_BSH](_Attn(), q.bfloat16(), k.bfloat16(), v.bfloat16(), per_head)
     assert fake_torch_npu.INFER_CALLS == []
+
+
+def _paged_call(**changes):
+    """A page-attention call the double accepts, with ``changes`` applied."""
+    q = torch.randn(2, 4, 1, 16, dtype=torch.bfloat16)
+    pool = torch.randn(5, 2, 16, 16, dtype=torch.bfloat16)
+    kwargs = {
+        "atten_mask": torch.zeros(2, 1, 1, 32, dtype=torch.bool),
+        "actual_seq_lengths_kv": [20, 7],
+        "block_table": torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+        "block_size": 16,
+        "num_heads": 4,
+        "num_key_value_heads": 2,
+        "input_layout": "BNSD",
+        "scale": 0.25,
+    }
+    kwargs.update(changes)
+    key = kwargs.pop("key", pool)
+    return fake_torch_npu.npu_fused_infer_attention_score(q, key, key.clone(), **kwargs)
+
+
+def test_the_double_serves_a_documented_page_attention_call() -> None:
+    out, _ = _paged_call()
+    assert out.shape == (2, 4, 1, 16) and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize(
+    ("changes", "refusal"),
+    [
+        ({"block_table": torch.tensor([[1, 2], [3, 0]])}, "int32"),  # int64
+        ({"block_table": torch.tensor([1, 2, 3, 0], dtype=torch.int32)}, "int32"),  # 1-D
+        ({"block_table": torch.tensor([[1], [3]], dtype=torch.int32)}, "entries"),
+        ({"block_size": 8, "key": torch.randn(5, 2, 8, 16, dtype=torch.bfloat16)}, "of 16"),
+        ({"actual_seq_lengths_kv": None}, "needs actual_seq_lengths_kv"),
+        ({"actual_seq_lengths_kv": torch.tensor([20, 7])}, "list of ints"),
+        ({"actual_seq_lengths_kv": [20, 7.0]}, "Python ints"),
+        ({"actual_seq_lengths_kv": []}, "for a batch of 2"),
+        ({"input_layout": "BSH"}, "BNSD or TND query"),
+        ({"key": torch.randn(2, 2, 16, 16, dtype=torch.bfloat16)}, "fewer than the lengths"),
+        ({"atten_mask": torch.zeros(2, 1, 1, 16, dtype=torch.bool)}, "fewer than the block"),
+    ],
+)
+def test_the_double_refuses_what_torch_npu_documents_against(changes, refusal) -> None:
+    with pytest.raises((RuntimeError, TypeError), match=refusal):
+        _paged_call(**changes)

@@ -9,7 +9,7 @@ import fake_torch_npu
 import pytest
 import torch
 from fake_torch_npu import without_real_torch_npu
-from graphcap_npu import ATTENTION_VAR, FA3_BNSD, FA3_BSH, FIAS_BNSD, NPUBackend, plugin
+from graphcap_npu import ATTENTION_VAR, BLOCKS, FA3_BNSD, FA3_BSH, FIAS_BNSD, NPUBackend, plugin
 from graphcap_npu import backend as npu_backend
 from graphcap_npu.attention import FORWARDS
 from graphcap_npu.probe import ProbeResult
@@ -126,23 +126,23 @@ def test_attention_offered_only_to_the_npu_backend(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv(ATTENTION_VAR, raising=False)
     assert plugin.graphcap_attention_implementations(CPUBackend()) == {}
     offered = plugin.graphcap_attention_implementations(NPUBackend())
-    assert offered == {FA3_BSH: FORWARDS[FA3_BSH], FA3_BNSD: FORWARDS[FA3_BNSD]}
+    assert offered == {name: FORWARDS[name] for name in (BLOCKS, FA3_BSH, FA3_BNSD)}
     # The half-precision inference kernel is offered when the backend was told to use it.
     chosen = plugin.graphcap_attention_implementations(NPUBackend(attention=FIAS_BNSD))
     assert chosen == {**offered, FIAS_BNSD: FORWARDS[FIAS_BNSD]}
     assert plugin.graphcap_backends() == [NPUBackend]
 
 
-def test_graph_attention_defaults_to_bsh_and_is_selectable(
+def test_graph_attention_defaults_to_paged_and_is_selectable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(ATTENTION_VAR, raising=False)
-    assert NPUBackend().graph_attention == FA3_BSH
+    assert NPUBackend().graph_attention == BLOCKS
     assert NPUBackend(attention=FA3_BNSD).graph_attention == FA3_BNSD
     monkeypatch.setenv(ATTENTION_VAR, FA3_BNSD)
     assert NPUBackend().graph_attention == FA3_BNSD
     assert NPUBackend(attention=FA3_BSH).graph_attention == FA3_BSH  # the argument wins
-    assert NPUBackend.graph_attention == FA3_BSH  # the class default is untouched
+    assert NPUBackend.graph_attention == BLOCKS  # the class default is untouched
     monkeypatch.setenv(ATTENTION_VAR, "sdpa")
     with pytest.raises(ValueError, match=f"{ATTENTION_VAR}='sdpa' is not a graphcap_npu"):
         NPUBackend()
@@ -172,7 +172,9 @@ def test_capabilities(fake_npu) -> None:
     assert caps.capture_needs_side_stream is True
     assert caps.rng_in_graph is True
     assert caps.collectives_in_graph is False
-    assert caps.graph_attention == FA3_BSH
+    assert caps.graph_attention == BLOCKS
+    assert caps.kv_block_size == 128  # torch_npu's recommended page-attention block
+    assert caps.graph_kv_lengths_on_host is True
 
 
 def test_create_graph_is_a_real_npu_graph(fake_npu) -> None:
@@ -196,7 +198,7 @@ def test_capture_passes_keywords_in_torch_npu_order(fake_npu) -> None:
     assert call["pool"] == ("pool", "handle")
     assert call["stream"] is side
     assert call["capture_error_mode"] == "relaxed"
-    assert call["auto_dispatch_capture"] is False
+    assert call["auto_dispatch_capture"] is True  # what makes NPUGraph.update() legal
     assert graph.events == [
         ("capture_begin", {"pool": ("pool", "handle"), "mode": "relaxed"}),
         ("capture_end", {}),
@@ -242,6 +244,35 @@ def test_graphcap_errors_inside_capture_pass_through(fake_npu) -> None:
         raise GraphCaptureError("layer 3 appeared")
     assert backend.current_stream() is fake_npu.default
     assert graph.events[-1] == ("capture_end", {})
+
+
+def test_kv_lengths_reach_the_recorded_kernel_through_graph_update(fake_npu) -> None:
+    """Captured with auto_dispatch_capture, the graph's recorded infer-attention call reads the
+    lengths update_graph_kv_lengths gives before each replay (one dict broadcast to it)."""
+    backend = NPUBackend()
+    graph = backend.create_graph()
+    q = torch.randn(2, 2, 1, 16, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 2, 2, 8, 16, dtype=torch.bfloat16)
+    out = {}
+
+    def attend(lengths):
+        return fake_torch_npu.npu_fused_infer_attention_score(
+            q, k, v, num_heads=2, input_layout="BNSD", scale=0.25, actual_seq_lengths_kv=lengths
+        )[0]
+
+    with backend.capture_to_graph(graph, stream=backend.new_stream()):
+        out["y"] = attend([8, 8])  # placeholders, as the paged attention records them
+    assert graph.dispatch_records == [[8, 8]]
+    for lengths in ([3, 8], [1, 5]):
+        backend.update_graph_kv_lengths(graph, lengths)
+        backend.replay_graph(graph)
+        torch.testing.assert_close(out["y"], attend(lengths), rtol=0, atol=0)
+    assert graph.updates[-1] == [{"actual_seq_lengths_kv": [1, 5]}]
+    plain = fake_npu.NPUGraph()
+    with fake_npu.graph(plain, stream=backend.new_stream()):
+        attend([8, 8])
+    with pytest.raises(RuntimeError, match="auto_dispatch_capture=True"):
+        backend.update_graph_kv_lengths(plain, [3, 8])
 
 
 def test_replay_replays(fake_npu) -> None:
