@@ -241,3 +241,27 @@ def test_eager_layout_modes_keep_the_static_cache():
     result = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, eos_token_id=[]))
     assert result.stats.kv_layout == "static"
     assert (result.sequences[:, ids.shape[1] :] != PAD).any()
+
+
+@kv_blocks.reads_kv_blocks
+def table_ignoring_attention(module, query, key, value, attention_mask, **kwargs):
+    """Planted bug: reads the pools as if row b held blocks b * n + 1 ... (ignores the table)."""
+    view = kv_blocks.current()
+    batch, blocks = view.table.shape
+    ordered = torch.arange(1, 1 + batch * blocks, device=view.table.device, dtype=torch.int32)
+    wrong = kv_blocks.BlockView(ordered.view(batch, blocks), view.lengths, view.block_size)
+    keys, values = kv_blocks.gather(key, wrong), kv_blocks.gather(value, wrong)
+    return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
+
+
+AttentionInterface.register("graphcap_test_table_ignoring", table_ignoring_attention)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_check_passes_block_attention_and_catches_planted_bugs(dtype):
+    from graphcap.testing.conformance.test_half_precision import check_attention
+
+    check_attention(CPUBackend(), "graphcap_test_blocks", dtype)
+    check_attention(HostLengths(), "graphcap_test_recording", dtype)
+    with pytest.raises(AssertionError, match="eager: relative error"):
+        check_attention(CPUBackend(), "graphcap_test_table_ignoring", dtype)

@@ -29,6 +29,7 @@ from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.testing import models
 from graphcap.testing.conformance import test_half_precision as half_precision
+from graphcap.testing.conformance import test_kv_blocks as kv_checks
 
 pytestmark = fake_torch_npu.without_real_torch_npu
 
@@ -262,3 +263,30 @@ def test_half_precision_conformance_check_passes_every_npu_attention(
             [384, 253, 5],
             [129, 384, 1],
         ]
+
+
+def test_block_table_conformance_checks_pass_on_the_double(fake_npu, monkeypatch) -> None:
+    """The conformance suite's block-table checks, run on NPUBackend over the double (fp32:
+    the block attention reads gathered K/V with v3; the host lengths still reach every replay)."""
+    monkeypatch.delenv(ATTENTION_VAR, raising=False)
+    backend = HostNPUBackend()
+    kv_checks.test_host_lengths_reach_the_backend_before_every_replay(backend, monkeypatch)
+    kv_checks.test_block_table_graph_equals_eager_with_growth_and_refills(backend, "llama")
+
+
+def test_half_precision_check_catches_lengths_left_stale(fake_npu, monkeypatch) -> None:
+    """Planted bug: only the first update reaches the graph. The second replay's longer row is
+    then cut at the first's length, and the conformance check says which replay went wrong."""
+    register_attention(BLOCKS)
+    backend = HostNPUBackend()
+    update = backend.update_graph_kv_lengths
+    done: list[list[int]] = []
+
+    def first_only(graph, lengths):
+        if not done:
+            update(graph, lengths)
+        done.append(lengths)
+
+    monkeypatch.setattr(backend, "update_graph_kv_lengths", first_only)
+    with pytest.raises(AssertionError, match=r"replayed with lengths \[129, 384, 1\]"):
+        half_precision.check_attention(backend, BLOCKS, torch.bfloat16)

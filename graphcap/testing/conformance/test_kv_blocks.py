@@ -14,6 +14,7 @@ import torch
 
 from graphcap.backend import Backend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.rollout.cache.blocks import reads_blocks
 from graphcap.testing import models
 
 NEW_TOKENS, SLOTS = 8, 2
@@ -74,3 +75,33 @@ def test_block_table_graph_equals_eager_with_growth_and_refills(
     assert torch.equal(declared.sequences.cpu(), reference.sequences.cpu()), (
         f"block size {gc_block_backend.capabilities.kv_block_size}: tokens differ from eager"
     )
+
+
+def test_host_lengths_reach_the_backend_before_every_replay(
+    gc_block_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a backend that declares ``graph_kv_lengths_on_host`` with a block-aware graph
+    attention, every replay follows one ``update_graph_kv_lengths`` call carrying each slot's
+    written columns (idle slots 1), first the prompt's width plus one."""
+    backend = gc_block_backend
+    if not backend.capabilities.graph_kv_lengths_on_host:
+        pytest.skip(f"backend {backend.name!r} reads KV lengths on the device")
+    seen: list[list[int]] = []
+    update = backend.update_graph_kv_lengths
+
+    def recording(graph: object, lengths: list[int]) -> None:
+        seen.append(list(lengths))
+        update(graph, lengths)
+
+    monkeypatch.setattr(backend, "update_graph_kv_lengths", recording)
+    model = models.build("llama", backend.device)
+    result = _continuous(backend, model, graph=True)
+    stats = result.stats
+    assert stats.path == "continuous_graph", stats.fallback_reason
+    if not reads_blocks(stats.attention):
+        pytest.skip(f"graph attention {stats.attention!r} is not block-aware: no host lengths")
+    assert len(seen) == stats.replays > 0, f"{len(seen)} updates for {stats.replays} replays"
+    width = models.prompts(len(LIMITS), backend.device)[0].shape[1]
+    assert seen[0] == [width + 1] * SLOTS
+    longest = width + NEW_TOKENS
+    assert all(len(row) == SLOTS and all(1 <= n <= longest for n in row) for row in seen), seen
