@@ -332,6 +332,7 @@ def test_cpu_passes_with_table_and_json(
         "capabilities::test_one_row_product_matches_linear",
         "capabilities::test_offered_attention_matches_sdpa[gpt2]",
         "capabilities::test_offered_attention_matches_sdpa[llama]",
+        "kv_blocks::test_host_lengths_reach_the_backend_before_every_replay",
     }
     assert all(skipped.values())
     for check in results:  # the table lists every check

@@ -1,7 +1,7 @@
 """Attention in fp16 and bf16: fused kernels that take no fp32 are certified here.
 
 The engine checks elsewhere run the conformance models in fp32, which some fused kernels
-(torch_npu's ``npu_fused_infer_attention_score``) refuse. Here every attention the plugin offers,
+(Ascend's fused inference attention, for one) refuse. Here every attention the plugin offers,
 the backend's graph attention and SDPA (the baseline every backend has, so the check runs
 everywhere) attend one decode step in each half precision: eagerly, then captured and replayed
 with new queries, masks (in the backend's ``mask_form``) and lengths, each time within
