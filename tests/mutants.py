@@ -18,9 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The tests import the tree's graphcap and graphcap_cuda, not the installed copies (the plugin
-#: is installed without -e), so plants in either are seen.
-SOURCES = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends" / "cuda")])}
+#: The tests import the tree's graphcap, graphcap_cuda and graphcap_npu, not the installed copies
+#: (the plugins are installed without -e), so plants in any of them are seen.
+SOURCES = os.environ | {
+    "PYTHONPATH": os.pathsep.join(
+        str(ROOT / part) for part in ("", "backends/cuda", "backends/npu")
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ NORM_FORMS = (
 )
 
 KV_BLOCKS = "tests/test_kv_blocks.py"
+NPU_ENGINE = "backends/npu/tests/test_npu_engine.py"
 
 HOOKED_COMPILE = (
     "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
@@ -567,6 +572,50 @@ PLANTS = (
         "            self.cache.set_lengths(self.furthest())\n",
         "            pass\n",
         (KV_BLOCKS + "::test_auto_follows_the_backend_and_block_aware_attention_reads_pools",),
+    ),
+    Plant(
+        "block pools keep doubling past every row's whole table",
+        "graphcap/rollout/cache/blocks.py",
+        "self.batch_size * self.table.shape[1] + _RESERVED)\n",
+        "10**9)\n",
+        (KV_BLOCKS + "::test_growth_stops_at_every_rows_whole_table",),
+    ),
+    Plant(
+        "NPU graphs captured without auto_dispatch_capture (not updatable)",
+        "backends/npu/graphcap_npu/backend.py",
+        '    graph_options: ClassVar[dict[str, Any]] = {"auto_dispatch_capture": True}\n',
+        "    graph_options: ClassVar[dict[str, Any]] = {}\n",
+        (
+            NPU_ENGINE
+            + "::test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay",
+        ),
+    ),
+    Plant(
+        "NPU lengths never reach the captured graph",
+        "backends/npu/graphcap_npu/backend.py",
+        '        graph.update(cpu_update_input=[{"actual_seq_lengths_kv": list(lengths)}])\n',
+        "        pass\n",
+        (NPU_ENGINE + "::test_half_precision_conformance_check_passes_every_npu_attention",),
+    ),
+    Plant(
+        "NPU eager steps pass page attention the placeholder lengths",
+        "backends/npu/graphcap_npu/attention.py",
+        "        lengths = view.lengths.tolist()  # a host read: eager steps only\n",
+        "        lengths = [view.max_len] * batch\n",
+        (
+            NPU_ENGINE
+            + "::test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay",
+        ),
+    ),
+    Plant(
+        "NPU page attention reads a gather instead of the pools",
+        "backends/npu/graphcap_npu/attention.py",
+        "    if view is not None and _pages(view, query, attention_mask, dropout, kwargs):\n",
+        "    if False:\n",
+        (
+            NPU_ENGINE
+            + "::test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay",
+        ),
     ),
 )
 

@@ -153,10 +153,10 @@ def test_the_pool_grows_when_the_free_list_runs_dry_after_dropping_the_graph():
 def test_growth_stops_at_every_rows_whole_table():
     """Doubling would overshoot the static cache's size (seen on the H200: 1.36x its bytes at 16
     slots); the pool never holds more than every row's whole table plus the reserved blocks."""
-    cache = _cache(batch=4, max_len=16, block=2)  # 4 rows of 8 entries
-    cache.assign([1, 1, 1, 1], ahead=0)  # 8 blocks: 6 -> 12
-    cache.assign([15, 15, 15, 15], ahead=0)  # all 32: doubling would give 24, then 48
-    assert cache.blocks_held == 32 and cache.num_blocks == 32 + 2
+    cache = _cache(batch=4, max_len=16, block=2)  # 4 rows of 8 entries: 32 blocks at most
+    for column in range(16):  # rows grow a column a step: the pool doubles 6 -> 12 -> 24 -> ...
+        cache.assign([column] * 4, ahead=0)
+    assert cache.blocks_held == 32 and cache.num_blocks == 32 + 2  # not 48
     static = 2 * 2 * 4 * 2 * 16 * 4 * 4  # layers, K and V, rows, heads, columns, dim, bytes
     assert cache.nbytes() < 1.1 * static
 
