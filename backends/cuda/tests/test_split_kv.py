@@ -314,7 +314,8 @@ def test_the_attention_function_reads_the_table_in_decode_and_gathers_otherwise(
     call gets the pools gathered (SDPA's result); with none current the contiguous op runs."""
     q, k, v, valid = _case(2, 8, 2, 64, 16, torch.float32, seed=13)
     table = (1 + torch.randperm(8)).view(2, 4).to(DEVICE, torch.int32)
-    view = kv_blocks.BlockView(table, torch.tensor([64, 64], dtype=torch.int32), 16)
+    lengths = torch.tensor([64, 64], dtype=torch.int32, device=DEVICE)  # the kernel reads it
+    view = kv_blocks.BlockView(table, lengths, 16)
     k_pool, v_pool = _pools_of(view, k, v)
     module = torch.nn.Module().eval()
     mask = valid[:, None, None]
