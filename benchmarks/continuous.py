@@ -18,7 +18,8 @@ Two workloads on a random-init GPT-2 medium shape (fp16 on an accelerator), gree
    continuous graph path, with today's static cache (``kv_block_size=None``) against the block
    KV table (``kv_block_size``, ``--kv-block-size``, 16 by default): the cache's bytes
    (``engine.cache.nbytes()``: the static buffers, or the block pools as grown), the device's
-   peak allocation over the call (``None`` on a CPU), the median decode step time and tokens/s
+   peak allocation over the call (``None`` on a CPU), the layout, the most blocks rows held at
+   once and the pool growths over all calls, the median decode step time and tokens/s
    with their spread over the steady calls, and whether the graph tokens equal the eager
    loop's on the same layout (and the block table's the static cache's: information only in
    half precision, where the two kernels' chunkings differ). Without
@@ -314,6 +315,10 @@ def layout_run(
         "captured_on_first_call": first.stats.captured,
         "captures": result.stats.captures,
         "cache_bytes": eng.cache.nbytes() if eng.cache is not None else None,
+        "kv_layout": result.stats.kv_layout,
+        "kv_blocks_held": result.stats.kv_blocks_held,
+        "kv_pool_growths": first.stats.kv_pool_growths
+        + sum(r.stats.kv_pool_growths for _, r in steady),
         "peak_allocated_bytes": peak,
         "step_s_median_min_max": step_s,
         "tokens": tokens,

@@ -296,6 +296,10 @@ def test_benchmark_script_block_table_workload():
         assert run["path"] == "continuous_graph" and run["token_equal_to_eager"]
         assert run["tokens"] == sum(out["budgets"]) and run["cache_bytes"] > 0
     assert runs["block_table"]["token_equal_to_static_graph"]  # fp32 on CPU
+    assert runs["static_cache"]["kv_layout"] == "static"
+    blocks = runs["block_table"]
+    assert blocks["kv_layout"] == "blocks" and blocks["kv_blocks_held"] > 0
+    assert blocks["kv_pool_growths"] >= 0
 
 
 def test_capture_failure_finishes_eagerly_with_equal_tokens():

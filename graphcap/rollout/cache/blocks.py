@@ -213,7 +213,8 @@ class BlockKVCache(Cache):
     def _grow(self, missing: int) -> None:
         """New, larger pools (old blocks copied over): at least ``missing`` more free blocks.
         Doubling keeps recaptures few; it stops at every row's whole table (the static cache's
-        columns plus the two reserved blocks), which no call can need more than."""
+        row length in whole blocks, plus the two reserved ones), which no call can need more
+        than."""
         old = self.num_blocks
         new = min(max(2 * old, old + missing), self.batch_size * self.table.shape[1] + _RESERVED)
         for layer in self.layers:
