@@ -20,12 +20,15 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from graphcap import kv_blocks
-from graphcap.rollout.cache.cache import LayerSpec, put_columns
-from graphcap.rollout.cache.swap import attributes_swapped
+from graphcap.rollout.cache.cache import (
+    LayerSpec,
+    PreallocatedCache,
+    PreallocatedLayer,
+    put_columns,
+)
 
 #: The block idle rows write and read (one for every idle row; its contents are never used).
 SINK_BLOCK = 1
@@ -44,36 +47,13 @@ def rounded_length(total_len: int, block_size: int) -> int:
     return -(-total_len // block_size) * block_size
 
 
-class BlockKVLayer(CacheLayerMixin):
+class BlockKVLayer(PreallocatedLayer):
     """One layer: ``keys``/``values`` pools ``(num_blocks, H, block_size, D)`` read through the
     cache's shared table."""
 
-    is_compileable = True
-    is_sliding = False
-    supports_early_init = False
-
     def __init__(self, spec: LayerSpec, cache: BlockKVCache, num_blocks: int):
-        super().__init__()
+        super().__init__(spec, num_blocks, cache.block_size, put_columns)
         self.cache = cache
-        size = cache.block_size
-        self.keys = torch.zeros(
-            (num_blocks, spec.num_heads, size, spec.k_head_dim),
-            dtype=spec.k_dtype,
-            device=spec.device,
-        )
-        self.values = torch.zeros(
-            (num_blocks, spec.num_heads, size, spec.v_head_dim),
-            dtype=spec.v_dtype,
-            device=spec.device,
-        )
-        self.heads = torch.arange(spec.num_heads, device=spec.device).view(1, spec.num_heads, 1)
-        #: how K/V are written (:func:`put_columns`; :meth:`BlockKVCache.puts_through` swaps)
-        self.put: Callable[..., None] = put_columns
-        self.dtype, self.device = spec.k_dtype, spec.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("BlockKVLayer is allocated up front; lazy initialisation never runs")
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -102,18 +82,15 @@ class BlockKVLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.cache.max_len
 
-    def reset(self) -> None:
-        self.keys.zero_()
-        self.values.zero_()
 
-
-class BlockKVCache(Cache):
+class BlockKVCache(PreallocatedCache):
     """A ``transformers.Cache`` whose layers keep K/V in block pools behind one device table.
 
-    The surface the decode step uses is :class:`~graphcap.rollout.cache.cache.StaticKVCache`'s
-    (``write_pos``, ``max_len``, ``load_prefill``, ``advance``, ``reset``, ``nbytes``,
-    ``release``, ``puts_through``) plus the table's: ``table``, ``lengths``, :attr:`view`,
-    :meth:`assign`, :meth:`free_rows`, :meth:`set_lengths`, :meth:`reading`.
+    The surface the decode step uses is the static cache's (``write_pos``, ``max_len``,
+    ``load_prefill``, ``advance``, ``release``, ``puts_through`` from
+    :class:`~graphcap.rollout.cache.cache.PreallocatedCache`; ``reset`` and ``nbytes`` here) plus
+    the table's: ``table``, ``lengths``, :attr:`view`, :meth:`assign`, :meth:`free_rows`,
+    :meth:`set_lengths`, :meth:`reading`.
     """
 
     def __init__(
@@ -156,13 +133,6 @@ class BlockKVCache(Cache):
     @property
     def blocks_held(self) -> int:
         return sum(len(blocks) for blocks in self.owned)
-
-    @property
-    def batch_size(self) -> int:  # type: ignore[override]
-        return int(self.write_pos.shape[0])
-
-    def layer_specs(self) -> tuple[LayerSpec, ...]:
-        return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in self.layers)
 
     def reading(self, attention: str) -> contextlib.AbstractContextManager[None]:
         """Within the block a forward with attention ``attention`` reads this table's view when
@@ -251,55 +221,21 @@ class BlockKVCache(Cache):
         self.free.sort(reverse=True)
         self.peak_held = 0
 
-    def load_prefill(
+    def write_prefill(
         self,
-        prefill: Cache,
-        rows: torch.Tensor | None = None,
-        source_rows: torch.Tensor | None = None,
+        layer: PreallocatedLayer,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor | None,
     ) -> None:
-        """Copy a prefill's K/V into columns ``[0, W)`` through the table (as
-        :meth:`StaticKVCache.load_prefill`); the rows' blocks are assigned first
-        (:meth:`assign`). The write position of the touched rows becomes ``W``."""
-        if len(prefill.layers) != len(self.layers):
-            raise ValueError(
-                f"prefill cache has {len(prefill.layers)} layers, block cache {len(self.layers)}"
-            )
-        width = prefill.layers[0].keys.shape[-2]
-        if width > self.max_len:
-            raise ValueError(f"prompt width {width} exceeds cache length {self.max_len}")
+        """Through the table: the rows' blocks are assigned first (:meth:`assign`)."""
         table = self.table if rows is None else self.table[rows]
-        columns = torch.arange(width, device=table.device)
+        columns = torch.arange(keys.shape[-2], device=table.device)
         blocks = table[:, columns // self.block_size].to(torch.long)  # (R, W)
-        for src, dst in zip(prefill.layers, self.layers, strict=True):
-            keys, values = src.keys, src.values
-            if source_rows is not None:
-                keys, values = (
-                    keys.index_select(0, source_rows),
-                    values.index_select(0, source_rows),
-                )
-            index = (blocks[:, None, :], dst.heads, (columns % self.block_size)[None, None, :])
-            put_columns(dst.keys, dst.values, index, keys, values)
-        if rows is None:
-            self.write_pos.fill_(width)
-        else:
-            self.write_pos[rows] = width
-
-    def puts_through(self, put: Callable[..., None]) -> contextlib.AbstractContextManager[None]:
-        """Within the block every layer writes with ``put`` (:func:`put_columns`'s arguments)."""
-        return attributes_swapped([(layer, "put", put) for layer in self.layers])
-
-    def advance(self, steps: int = 1) -> None:
-        self.write_pos.add_(steps)
+        index = (blocks[:, None, :], layer.heads, (columns % self.block_size)[None, None, :])
+        put_columns(layer.keys, layer.values, index, keys, values)
 
     def nbytes(self) -> int:
         tensors = [t for layer in self.layers for t in (layer.keys, layer.values)]
         tensors += [self.table, self.lengths]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    def release(self) -> None:
-        """Drop the pools so their memory can be returned; the cache is unusable afterwards."""
-        for layer in self.layers:
-            layer.keys = None
-            layer.values = None
-            layer.is_initialized = False
-        self.layers = []

@@ -46,38 +46,53 @@ class LayerSpec:
         )
 
 
-class StaticKVLayer(CacheLayerMixin):
-    """One layer: ``keys``/``values`` of shape ``(B, H, L, D)`` and a shared write position."""
+class PreallocatedLayer(CacheLayerMixin):
+    """K/V buffers ``(leading, H, columns, D)`` allocated up front (never lazily, never inside a
+    capture) and written through an index by ``put`` (:func:`put_columns`'s arguments; the
+    cache's ``puts_through`` swaps it): what the static and the block layers share."""
 
     is_compileable = True
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, spec: LayerSpec, batch_size: int, max_len: int, write_pos: torch.Tensor):
+    def __init__(self, spec: LayerSpec, leading: int, columns: int, put: Callable[..., None]):
         super().__init__()
-        self.max_len = max_len
-        self.batch_size = batch_size
-        self.write_pos = write_pos
         self.keys = torch.zeros(
-            (batch_size, spec.num_heads, max_len, spec.k_head_dim),
+            (leading, spec.num_heads, columns, spec.k_head_dim),
             dtype=spec.k_dtype,
             device=spec.device,
         )
         self.values = torch.zeros(
-            (batch_size, spec.num_heads, max_len, spec.v_head_dim),
+            (leading, spec.num_heads, columns, spec.v_head_dim),
             dtype=spec.v_dtype,
             device=spec.device,
         )
-        # the row and head of every written element, for the indexed write (:func:`put_columns`)
-        self.rows = torch.arange(batch_size, device=spec.device).view(batch_size, 1, 1)
+        #: the head of every written element, for the indexed write
         self.heads = torch.arange(spec.num_heads, device=spec.device).view(1, spec.num_heads, 1)
-        #: how K/V are written (:func:`scatter_columns`; :meth:`StaticKVCache.puts_through` swaps)
-        self.put: Callable[..., None] = scatter_columns
+        self.put = put
         self.dtype, self.device = spec.k_dtype, spec.device
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("StaticKVLayer is allocated up front; lazy initialisation never runs")
+        raise RuntimeError(
+            f"{type(self).__name__} is allocated up front; lazy initialisation never runs"
+        )
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+
+
+class StaticKVLayer(PreallocatedLayer):
+    """One layer: ``keys``/``values`` of shape ``(B, H, L, D)`` and a shared write position."""
+
+    def __init__(self, spec: LayerSpec, batch_size: int, max_len: int, write_pos: torch.Tensor):
+        super().__init__(spec, batch_size, max_len, scatter_columns)
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.write_pos = write_pos
+        # the row of every written element, for the indexed write (:func:`put_columns`)
+        self.rows = torch.arange(batch_size, device=spec.device).view(batch_size, 1, 1)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -100,27 +115,14 @@ class StaticKVLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_len
 
-    def reset(self) -> None:
-        self.keys.zero_()
-        self.values.zero_()
 
+class PreallocatedCache(Cache):
+    """What the static cache and the block table share: one ``(B,)`` device write position
+    (``write_pos``), a logical row length (``max_len``), layers of :class:`PreallocatedLayer`,
+    the prefill copy's checks and row choice, the swapped write and the release."""
 
-class StaticKVCache(Cache):
-    """A ``transformers.Cache`` of :class:`StaticKVLayer` sharing one ``(B,)`` write position."""
-
-    def __init__(self, specs: Sequence[LayerSpec], batch_size: int, max_len: int):
-        if not specs:
-            raise ValueError("a cache needs at least one layer spec")
-        device = specs[0].device
-        self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.max_len = max_len
-        layers = [StaticKVLayer(s, batch_size, max_len, self.write_pos) for s in specs]
-        super().__init__(layers=layers)
-
-    @staticmethod
-    def specs_of(prefill: Cache) -> tuple[LayerSpec, ...]:
-        """Per-layer shape facts of the K/V a prefill forward produced."""
-        return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in prefill.layers)
+    write_pos: torch.Tensor
+    max_len: int
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in self.layers)
@@ -128,12 +130,6 @@ class StaticKVCache(Cache):
     @property
     def batch_size(self) -> int:  # type: ignore[override]
         return int(self.write_pos.shape[0])
-
-    def reset(self) -> None:
-        """Zero every K/V buffer and the write positions (keeps the same tensors)."""
-        for layer in self.layers:
-            layer.reset()
-        self.write_pos.zero_()
 
     def load_prefill(
         self,
@@ -150,7 +146,8 @@ class StaticKVCache(Cache):
         """
         if len(prefill.layers) != len(self.layers):
             raise ValueError(
-                f"prefill cache has {len(prefill.layers)} layers, static cache {len(self.layers)}"
+                f"prefill cache has {len(prefill.layers)} layers, {type(self).__name__} "
+                f"{len(self.layers)}"
             )
         width = prefill.layers[0].keys.shape[-2]
         if width > self.max_len:
@@ -162,16 +159,21 @@ class StaticKVCache(Cache):
                     keys.index_select(0, source_rows),
                     values.index_select(0, source_rows),
                 )
-            if rows is None:
-                dst.keys[:, :, :width].copy_(keys)
-                dst.values[:, :, :width].copy_(values)
-            else:
-                dst.keys[rows, :, :width] = keys
-                dst.values[rows, :, :width] = values
+            self.write_prefill(dst, keys, values, rows)
         if rows is None:
             self.write_pos.fill_(width)
         else:
             self.write_pos[rows] = width
+
+    def write_prefill(
+        self,
+        layer: PreallocatedLayer,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor | None,
+    ) -> None:
+        """Write one layer's prefill K/V ``(R, H, W, D)`` into columns ``[0, W)`` of ``rows``."""
+        raise NotImplementedError
 
     def puts_through(self, put: Callable[..., None]) -> contextlib.AbstractContextManager[None]:
         """Within the block every layer writes with ``put`` (the arguments of
@@ -182,10 +184,6 @@ class StaticKVCache(Cache):
         """Move every row's write position on (in place, so a replay moves it too)."""
         self.write_pos.add_(steps)
 
-    def nbytes(self) -> int:
-        tensors = (t for layer in self.layers for t in layer_tensors(layer))
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def release(self) -> None:
         """Drop the buffers so their memory can be returned; the cache is unusable afterwards."""
         for layer in self.layers:
@@ -193,6 +191,49 @@ class StaticKVCache(Cache):
             layer.values = None
             layer.is_initialized = False
         self.layers = []
+
+
+class StaticKVCache(PreallocatedCache):
+    """A ``transformers.Cache`` of :class:`StaticKVLayer` sharing one ``(B,)`` write position."""
+
+    def __init__(self, specs: Sequence[LayerSpec], batch_size: int, max_len: int):
+        if not specs:
+            raise ValueError("a cache needs at least one layer spec")
+        device = specs[0].device
+        self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+        layers = [StaticKVLayer(s, batch_size, max_len, self.write_pos) for s in specs]
+        super().__init__(layers=layers)
+
+    @staticmethod
+    def specs_of(prefill: Cache) -> tuple[LayerSpec, ...]:
+        """Per-layer shape facts of the K/V a prefill forward produced."""
+        return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in prefill.layers)
+
+    def reset(self) -> None:
+        """Zero every K/V buffer and the write positions (keeps the same tensors)."""
+        for layer in self.layers:
+            layer.reset()
+        self.write_pos.zero_()
+
+    def write_prefill(
+        self,
+        layer: PreallocatedLayer,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor | None,
+    ) -> None:
+        width = keys.shape[-2]
+        if rows is None:
+            layer.keys[:, :, :width].copy_(keys)
+            layer.values[:, :, :width].copy_(values)
+        else:
+            layer.keys[rows, :, :width] = keys
+            layer.values[rows, :, :width] = values
+
+    def nbytes(self) -> int:
+        tensors = (t for layer in self.layers for t in layer_tensors(layer))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def scatter_columns(
