@@ -15,7 +15,8 @@ It is strict where the real API is, so tests against it can fail:
   ``inner_precise=2``: the double returns NaN for such rows then (the strictest reading of
   "unspecified") and zeros with 2.
 * ``npu_fused_infer_attention_score`` (keyword-only options, as documented): fp16/bf16 only,
-  contiguous inputs, BSH or BNSD, ``num_key_value_heads`` (0 = ``num_heads``), one mask for all
+  contiguous inputs, BSH or BNSD, ``num_key_value_heads`` (0 = ``num_heads``; ``num_heads`` a
+  multiple of it, at most 64 times), one mask for all
   heads in the documented shapes of its incremental (query length 1: (B, KV), (B, 1, KV),
   (B, 1, 1, KV)) and full branches ((Q, KV), (1|B, Q, KV), (1|B, 1, Q, KV)). ``inner_precise``:
   0/1 in the incremental branch; 0-3 in the full branch, where 2 and 3 correct fully masked rows
@@ -371,6 +372,8 @@ def npu_fused_infer_attention_score(
     if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
         raise RuntimeError("non-contiguous query/key/value are not supported")
     kv_heads = num_key_value_heads or num_heads
+    if num_heads % kv_heads or num_heads // kv_heads > 64:
+        raise RuntimeError(f"num_heads {num_heads} must be 1-64 times num_key_value_heads")
     batch, q_len = query.shape[0], query.shape[2] if input_layout == "BNSD" else query.shape[1]
     lengths = None
     if actual_seq_lengths_kv is not None:

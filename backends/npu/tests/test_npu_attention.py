@@ -346,6 +346,7 @@ def test_the_double_serves_a_documented_page_attention_call() -> None:
         ({"input_layout": "BSH"}, "BNSD or TND query"),
         ({"key": torch.randn(2, 2, 16, 16, dtype=torch.bfloat16)}, "fewer than the lengths"),
         ({"atten_mask": torch.zeros(2, 1, 1, 16, dtype=torch.bool)}, "fewer than the block"),
+        ({"num_key_value_heads": 3}, "times num_key_value_heads"),
     ],
 )
 def test_the_double_refuses_what_torch_npu_documents_against(changes, refusal) -> None:
