@@ -27,6 +27,7 @@ from graphcap.rollout.cache.cache import (
     LayerSpec,
     PreallocatedCache,
     PreallocatedLayer,
+    PrefillWriter,
     put_columns,
 )
 
@@ -221,19 +222,18 @@ class BlockKVCache(PreallocatedCache):
         self.free.sort(reverse=True)
         self.peak_held = 0
 
-    def write_prefill(
-        self,
-        layer: PreallocatedLayer,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        rows: torch.Tensor | None,
-    ) -> None:
-        """Through the table: the rows' blocks are assigned first (:meth:`assign`)."""
+    def prefill_writer(self, rows: torch.Tensor | None, width: int) -> PrefillWriter:
+        """Through the table, looked up once for every layer (the rows' blocks are assigned
+        first, :meth:`assign`)."""
         table = self.table if rows is None else self.table[rows]
-        columns = torch.arange(keys.shape[-2], device=table.device)
-        blocks = table[:, columns // self.block_size].to(torch.long)  # (R, W)
-        index = (blocks[:, None, :], layer.heads, (columns % self.block_size)[None, None, :])
-        put_columns(layer.keys, layer.values, index, keys, values)
+        columns = torch.arange(width, device=table.device)
+        blocks = table[:, columns // self.block_size].to(torch.long)[:, None, :]  # (R, 1, W)
+        offsets = (columns % self.block_size)[None, None, :]
+
+        def write(layer: PreallocatedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+            put_columns(layer.keys, layer.values, (blocks, layer.heads, offsets), keys, values)
+
+        return write
 
     def nbytes(self) -> int:
         tensors = [t for layer in self.layers for t in (layer.keys, layer.values)]

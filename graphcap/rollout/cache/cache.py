@@ -116,6 +116,10 @@ class StaticKVLayer(PreallocatedLayer):
         return self.max_len
 
 
+#: Writes one layer's prefill K/V (:meth:`PreallocatedCache.prefill_writer`).
+PrefillWriter = Callable[[PreallocatedLayer, torch.Tensor, torch.Tensor], None]
+
+
 class PreallocatedCache(Cache):
     """What the static cache and the block table share: one ``(B,)`` device write position
     (``write_pos``), a logical row length (``max_len``), layers of :class:`PreallocatedLayer`,
@@ -152,6 +156,7 @@ class PreallocatedCache(Cache):
         width = prefill.layers[0].keys.shape[-2]
         if width > self.max_len:
             raise ValueError(f"prompt width {width} exceeds cache length {self.max_len}")
+        write = self.prefill_writer(rows, width)
         for src, dst in zip(prefill.layers, self.layers, strict=True):
             keys, values = src.keys, src.values
             if source_rows is not None:
@@ -159,20 +164,15 @@ class PreallocatedCache(Cache):
                     keys.index_select(0, source_rows),
                     values.index_select(0, source_rows),
                 )
-            self.write_prefill(dst, keys, values, rows)
+            write(dst, keys, values)
         if rows is None:
             self.write_pos.fill_(width)
         else:
             self.write_pos[rows] = width
 
-    def write_prefill(
-        self,
-        layer: PreallocatedLayer,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        rows: torch.Tensor | None,
-    ) -> None:
-        """Write one layer's prefill K/V ``(R, H, W, D)`` into columns ``[0, W)`` of ``rows``."""
+    def prefill_writer(self, rows: torch.Tensor | None, width: int) -> PrefillWriter:
+        """How each layer's prefill K/V ``(R, H, width, D)`` goes into columns ``[0, width)``
+        of ``rows`` (all rows for ``None``); built once a prefill, called once a layer."""
         raise NotImplementedError
 
     def puts_through(self, put: Callable[..., None]) -> contextlib.AbstractContextManager[None]:
@@ -216,20 +216,16 @@ class StaticKVCache(PreallocatedCache):
             layer.reset()
         self.write_pos.zero_()
 
-    def write_prefill(
-        self,
-        layer: PreallocatedLayer,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        rows: torch.Tensor | None,
-    ) -> None:
-        width = keys.shape[-2]
-        if rows is None:
-            layer.keys[:, :, :width].copy_(keys)
-            layer.values[:, :, :width].copy_(values)
-        else:
-            layer.keys[rows, :, :width] = keys
-            layer.values[rows, :, :width] = values
+    def prefill_writer(self, rows: torch.Tensor | None, width: int) -> PrefillWriter:
+        def write(layer: PreallocatedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+            if rows is None:
+                layer.keys[:, :, :width].copy_(keys)
+                layer.values[:, :, :width].copy_(values)
+            else:
+                layer.keys[rows, :, :width] = keys
+                layer.values[rows, :, :width] = values
+
+        return write
 
     def nbytes(self) -> int:
         tensors = (t for layer in self.layers for t in layer_tensors(layer))
