@@ -20,6 +20,14 @@
 #                    and graphcap compile caches, then graphcap-graph again with the caches the
 #                    first process left; the report splits each first call into its phases
 #                    (GRAPHCAP_FIRST_CALL_MODELS: the models, default "llama-8b llama-1b")
+#   first-call-triage  where a warm first call goes: first_call_profile.py (llama-8b, batch 1,
+#                    128 + 128) from empty caches, then twice from the caches it left, with
+#                    Python's bytecode cache in a fresh PYTHONPYCACHEPREFIX (written by the
+#                    first warm process, read by the second), each listing the Triton kernels it
+#                    compiled; and the time to import inductor with and without that cache
+#   joined-steps     the steps-llama-8b and steps-llama-1b workloads in the default configuration
+#                    with fuse_projections=True (graphcap-graph, batch 1, 64, 256), and llama-1b
+#                    at batch 64 without it (not in the default list)
 #   kernels          the CUDA plugin's kernels alone against PyTorch's (kernels_h200.py)
 #   split-kv-launch  every launch of the split-KV kernel at 1-32 rows (kernels_h200.py)
 #   checks           the device tests, the plugin's tests on the GPU, the CUDA conformance suite
@@ -164,6 +172,36 @@ part_first_call() {
     done
 }
 
+part_first_call_triage() {
+    cold_caches
+    local name pyc=$CACHE/pycache
+    local profile=("$py" benchmarks/first_call_profile.py --new-tokens 128 --warm-forward
+        --compile-cache "$COMPILE_CACHE")
+    for name in cold warm warm-pyc-written warm-pyc-read; do
+        case $name in
+        warm-pyc*) set -- env PYTHONPYCACHEPREFIX="$pyc" ;;
+        *) set -- ;;
+        esac
+        run "first-call-triage-llama-8b-$name" 150 "$@" "${profile[@]}" \
+            "$OUT/first-call-triage-llama-8b-$name.txt"
+    done
+    local imports='import time; t = time.perf_counter(); import torch; a = time.perf_counter()
+import torch._inductor.compile_fx; b = time.perf_counter()
+print(f"import torch {a - t:.2f} s, then torch._inductor.compile_fx {b - a:.2f} s")'
+    run import-inductor-no-pyc 60 env PYTHONDONTWRITEBYTECODE=1 "$py" -c "$imports"
+    run import-inductor-pyc 60 env PYTHONPYCACHEPREFIX="$pyc" "$py" -c "$imports"
+}
+
+part_joined_steps() {
+    cold_caches
+    bench joined-steps-llama-8b 100 --model llama-8b --batch-sizes 1,64,256 "${STEP[@]}" \
+        --isolate --modes graphcap-graph --fuse-projections --compile-cache "$COMPILE_CACHE"
+    bench joined-steps-llama-1b 60 --model llama-1b --batch-sizes 1,64,256 "${STEP[@]}" \
+        --isolate --modes graphcap-graph --fuse-projections --compile-cache "$COMPILE_CACHE"
+    bench steps-llama-1b-bs64 60 --model llama-1b --batch-sizes 64 "${STEP[@]}" \
+        --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+}
+
 part_kernels() {
     cold_caches
     run kernels 480 "$py" benchmarks/kernels_h200.py "$OUT/kernels.json"
@@ -270,8 +308,8 @@ part_distributed() {
 for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
-    steps-llama-8b | steps-llama-1b | default-step | first-call | kernels | split-kv-launch | \
-        checks | profile | continuous | logits | trl | gemm-levers | distributed)
+    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
+        joined-steps | kernels | split-kv-launch | checks | profile | continuous | logits | trl | gemm-levers | distributed)
         parts=("${part//-/_}")
         ;;
     *)
