@@ -3,13 +3,14 @@
 
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \\
         python3 benchmarks/first_call_profile.py OUT.txt [--model llama-8b] [--batch 1] \\
-            [--new-tokens 512] [--attention auto] [--uncompiled] [--fuse-projections] \\
+            [--new-tokens 512] [--attention auto] [--uncompiled] [--[no-]fuse-projections] \\
             [--compile-cache DIR] [--warm-forward]
 
 The engine is opened as ``graphcap bench``'s ``graphcap-graph`` mode opens it (the default
 configuration: compiled where the backend declares it pays; bf16, 128 prompt tokens);
-``--uncompiled`` opens it as ``graphcap-graph-uncompiled``, ``--fuse-projections`` joins
-q/k/v and gate/up. The model is built before the clock starts, as the bench builds it.
+``--uncompiled`` opens it as ``graphcap-graph-uncompiled``; ``--[no-]fuse-projections`` sets
+``fuse_projections`` (default: the backend's). The model is built before the clock starts, as
+the bench builds it.
 ``--attention`` is the engine's ``graph_attention`` (``graphcap_gqa_sdpa``: SDPA's kernel, no
 Triton kernel of the plugin's); ``--compile-cache`` its ``compile_cache`` (``none``: torch's
 caches only); ``--warm-forward`` runs the bench's one forward of 4 tokens before the clock, as
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--uncompiled", action="store_true", help="compile=False")
-    parser.add_argument("--fuse-projections", action="store_true")
+    parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction)
     parser.add_argument("--compile-cache", default="auto", help="auto, a directory, or none")
     parser.add_argument("--warm-forward", action="store_true")
     args = parser.parse_args()

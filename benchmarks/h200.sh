@@ -25,9 +25,10 @@
 #                    Python's bytecode cache in a fresh PYTHONPYCACHEPREFIX (written by the
 #                    first warm process, read by the second), each listing the Triton kernels it
 #                    compiled; and the time to import inductor with and without that cache
-#   joined-steps     the steps-llama-8b and steps-llama-1b workloads in the default configuration
-#                    with fuse_projections=True (graphcap-graph, batch 1, 64, 256), and llama-1b
-#                    at batch 64 without it (not in the default list)
+#   joined-steps-llama-8b  the steps-llama-8b workload (graphcap-graph at batch 1, 64, 256)
+#                    with --fuse-projections and with --no-fuse-projections (not in the default
+#                    list; the evidence for CUDA's joins_projections_by_default)
+#   joined-steps-llama-1b  the same for llama-1b
 #   kernels          the CUDA plugin's kernels alone against PyTorch's (kernels_h200.py)
 #   split-kv-launch  every launch of the split-KV kernel at 1-32 rows (kernels_h200.py)
 #   checks           the device tests, the plugin's tests on the GPU, the CUDA conformance suite
@@ -192,15 +193,18 @@ print(f"import torch {a - t:.2f} s, then torch._inductor.compile_fx {b - a:.2f} 
     run import-inductor-pyc 60 env PYTHONPYCACHEPREFIX="$pyc" "$py" -c "$imports"
 }
 
-part_joined_steps() {
+# joined MODEL LONGEST: the default configuration's steps of MODEL at batch 1, 64 and 256 with
+# q/k/v and gate/up joined and without, each pair in a fresh process from the same caches.
+joined() {
     cold_caches
-    bench joined-steps-llama-8b 100 --model llama-8b --batch-sizes 1,64,256 "${STEP[@]}" \
-        --isolate --modes graphcap-graph --fuse-projections --compile-cache "$COMPILE_CACHE"
-    bench joined-steps-llama-1b 60 --model llama-1b --batch-sizes 1,64,256 "${STEP[@]}" \
-        --isolate --modes graphcap-graph --fuse-projections --compile-cache "$COMPILE_CACHE"
-    bench steps-llama-1b-bs64 60 --model llama-1b --batch-sizes 64 "${STEP[@]}" \
-        --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+    local fuse
+    for fuse in fuse no-fuse; do
+        bench "joined-steps-$1-$fuse" "$2" --model "$1" --batch-sizes 1,64,256 "${STEP[@]}" \
+            --isolate --modes graphcap-graph --$fuse-projections --compile-cache "$COMPILE_CACHE"
+    done
 }
+part_joined_steps_llama_8b() { joined llama-8b 100; }
+part_joined_steps_llama_1b() { joined llama-1b 60; }
 
 part_kernels() {
     cold_caches
@@ -309,7 +313,7 @@ for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
     steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
-        joined-steps | kernels | split-kv-launch | checks | profile | continuous | logits | trl | gemm-levers | distributed)
+        joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | checks | profile | continuous | logits | trl | gemm-levers | distributed)
         parts=("${part//-/_}")
         ;;
     *)

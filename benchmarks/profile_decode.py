@@ -10,7 +10,7 @@ differ, the largest log-probability difference before it (0.0: bitwise-equal sco
 step), and whether eager decoding on the graph's capture stream gives the graph's tokens.
 
     python3 benchmarks/profile_decode.py OUT.json [--cases llama-8b:bf16:1,llama-8b:bf16:64] \\
-        [--new-tokens 256] [--fuse-projections] [--uncompiled] [--compare-eager]
+        [--new-tokens 256] [--[no-]fuse-projections] [--uncompiled] [--compare-eager]
 
 The engine runs the default configuration (compiled captures where the backend declares that
 compiling pays, as ``graphcap bench``'s ``graphcap-graph`` mode), or with ``--uncompiled``
@@ -74,7 +74,7 @@ def profile_case(
     new: int,
     compare_eager: bool,
     compile: bool | None,
-    fuse: bool,
+    fuse: bool | None,
 ) -> dict[str, Any]:
     backend = graphcap.get_backend()
     model = build_model(
@@ -111,7 +111,7 @@ def profile_case(
     result = {
         "preset": preset,
         "compiled": out.stats.compiled,
-        "fuse_projections": fuse,
+        "joined_projections": out.stats.joined_projections,
         "dtype": dtype,
         "batch": batch,
         "prompt": prompt,
@@ -170,7 +170,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--compare-eager", action="store_true", help="graph vs eager tokens too")
     parser.add_argument("--uncompiled", action="store_true", help="compile=False")
-    parser.add_argument("--fuse-projections", action="store_true", help="fuse_projections=True")
+    parser.add_argument(
+        "--fuse-projections", action=argparse.BooleanOptionalAction, help="default: the backend's"
+    )
     args = parser.parse_args()
     results = []
     for case in args.cases.split(","):

@@ -48,6 +48,9 @@ class Capabilities:
     ``RolloutConfig(compile=True)`` may capture a compiled decode forward.
     ``compile_by_default``: compiling the captured step pays on this backend (measured), so
     ``RolloutConfig(compile=None)``, the default, compiles; needs ``captures_compiled``.
+    ``fuse_projections_by_default``: joining q/k/v and gate/up into one product each pays in
+    captured steps here (measured), so graph engines with ``RolloutConfig(fuse_projections=None)``,
+    the default, join them; needs graph capture.
     ``kv_block_size``: the engine keeps K/V in a block table of this block size
     (:mod:`graphcap.kv_blocks`) where ``RolloutConfig.kv_block_size`` is ``"auto"``; ``None``
     keeps the static cache. ``graph_kv_lengths_on_host``: captured block-aware attention takes
@@ -63,6 +66,7 @@ class Capabilities:
     graph_attention: str | None = None
     captures_compiled: bool = False
     compile_by_default: bool = False
+    fuse_projections_by_default: bool = False
     kv_block_size: int | None = None
     graph_kv_lengths_on_host: bool = False
 
@@ -99,6 +103,9 @@ class Backend:
     #: Whether default configurations compile captured steps here (see Capabilities): declare
     #: it only where a benchmark showed the compiled step faster and its cached restart cheap.
     compiles_by_default: ClassVar[bool] = False
+    #: Whether default graph engines join q/k/v and gate/up products here (see Capabilities):
+    #: declare it only where a benchmark showed the joined step faster at every batch size.
+    joins_projections_by_default: ClassVar[bool] = False
     #: Block size of the block KV table the engine uses here by default (see Capabilities);
     #: ``None``: the static cache.
     kv_block_size: ClassVar[int | None] = None
@@ -224,6 +231,7 @@ class Backend:
             graph_attention=self.graph_attention if capture else None,
             captures_compiled=capture and self.captures_compiled,
             compile_by_default=capture and self.captures_compiled and self.compiles_by_default,
+            fuse_projections_by_default=capture and self.joins_projections_by_default,
             kv_block_size=self.kv_block_size,
             graph_kv_lengths_on_host=capture and self.graph_kv_lengths_on_host,
         )

@@ -230,7 +230,7 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
         )
         assert result.result("graphcap-eager", bs).captures == 0
     data = json.loads(result.write_json(tmp_path / "r" / "bench.json").read_text())
-    assert data["schema_version"] == 4 and data["config"]["dtype"] == "fp32"
+    assert data["schema_version"] == 5 and data["config"]["dtype"] == "fp32"
     for r in result.results:  # graphcap's graph modes say where their first call went
         if r.mode.startswith("graphcap-") and r.path != "eager":
             phases = r.first_call_phases

@@ -6,6 +6,7 @@ import pytest
 import torch
 from rollout_models import FAMILIES, distinct_tokens_per_row, make_engine, prompts, run, tiny_model
 
+from graphcap.cpu import CPUBackend
 from graphcap.rollout import SamplingParams
 from graphcap.rollout.plan.fusion import JoinedGroup, joinable_groups
 
@@ -151,3 +152,56 @@ def test_parameters_gathered_in_forward_are_never_joined():
     assert result.stats.joined_projections == 0
     assert (attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr()) == before
     assert not any("forward" in vars(lin) for lin in linears(model))
+
+
+class JoiningBackend(CPUBackend):
+    """Declares that joining projections pays in captured steps (as CUDA does)."""
+
+    joins_projections_by_default = True
+
+
+class EagerJoiningBackend(JoiningBackend):
+    """Claims the default without being able to capture: the claim is not a capability."""
+
+    captures_graphs = False
+
+    def create_graph(self):
+        return None
+
+
+@pytest.mark.parametrize(
+    ("backend", "graph", "setting", "groups"),
+    [
+        (JoiningBackend(), True, None, 4),
+        (JoiningBackend(), True, False, 0),
+        (JoiningBackend(), False, None, 0),
+        (JoiningBackend(), False, True, 4),
+        (CPUBackend(), True, None, 0),
+        (CPUBackend(), True, True, 4),
+        (EagerJoiningBackend(), True, None, 0),
+    ],
+    ids=[
+        "declared-default",
+        "opted-out",
+        "eager-engine-default",
+        "eager-engine-asked",
+        "cpu-default",
+        "cpu-asked",
+        "no-capture",
+    ],
+)
+def test_the_default_joins_where_the_backend_declares_it_pays(backend, graph, setting, groups):
+    """``fuse_projections=None`` joins in graph engines on a backend that declares
+    ``joins_projections_by_default``; ``True``/``False`` decide alone; either way the tokens
+    and log-probs are the unjoined eager loop's."""
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2)
+    expected = run(model, ids, mask, False, **NO_EOS, return_logprobs=True)
+    engine = make_engine(model, graph, backend=backend, fuse_projections=setting)
+    result = engine.generate(ids, mask, SamplingParams(**NO_EOS, return_logprobs=True))
+    assert result.stats.joined_projections == groups
+    assert backend.capabilities.fuse_projections_by_default is (
+        isinstance(backend, JoiningBackend) and backend.supports_graph_capture
+    )
+    assert torch.equal(result.sequences, expected.sequences)
+    assert torch.allclose(result.logprobs, expected.logprobs, atol=1e-5, rtol=0)

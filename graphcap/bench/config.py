@@ -76,8 +76,10 @@ class BenchConfig:
     )
     backend: str | None = option("graphcap backend name (default: $GRAPHCAP_BACKEND)")
     graph_attention: str = option("graph steps' attention: auto (backend's), model, a name", "auto")
-    fuse_projections: bool = option(
-        "graphcap modes join q/k/v and gate/up products (RolloutConfig)", False, action="store_true"
+    fuse_projections: bool | None = option(
+        "graphcap modes join q/k/v and gate/up products (RolloutConfig.fuse_projections; "
+        "default: where the backend declares it pays)",
+        action=argparse.BooleanOptionalAction,
     )
     compile_cache: str = option(
         "where compiled captures keep compiled code between processes (RolloutConfig."

@@ -52,7 +52,7 @@ class Workload:
     new_tokens: int
     continuous_slots: int | None = None
     graph_attention: str | None = "auto"  # RolloutConfig.graph_attention (None: the model's own)
-    fuse_projections: bool = False  # RolloutConfig.fuse_projections
+    fuse_projections: bool | None = None  # RolloutConfig.fuse_projections (None: the backend's)
     compile_cache: str | None = "auto"  # RolloutConfig.compile_cache
     batch_size: int = field(init=False)
     prompt_width: int = field(init=False)

@@ -52,6 +52,7 @@ class ModeResult:
     speedup_vs_hf_static_compile: float | None = None
     compiled: bool | None = None
     compile_cache: str | None = None
+    joined_projections: int | None = None
     first_call_phases: dict[str, float] | None = None
 
 
@@ -122,8 +123,8 @@ class BenchReport:
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
     #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention;
-    #: 4: compiled, compile_cache, first_call_phases.
-    schema_version: int = 4
+    #: 4: compiled, compile_cache, first_call_phases; 5: joined_projections.
+    schema_version: int = 5
 
     def write_json(self, path: str | Path) -> Path:
         (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")

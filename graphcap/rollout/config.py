@@ -537,17 +537,19 @@ class RolloutConfig:
     inductor options (``Backend.compile_options``). Compiled code rounds
     differently: steps equal eager ones within float rounding, not bit for bit. Needs a backend
     that declares ``captures_compiled``; elsewhere calls run eagerly with the reason.
-    ``fuse_projections=True``: projections that read one input (q/k/v, gate/up) run as one
-    product over their weights joined in one buffer, whose views the parameters become
-    (:mod:`graphcap.rollout.plan.fusion`; ``stats.joined_projections`` counts the groups). In every
     ``kv_block_size``: where decode steps keep K/V. ``"auto"`` (the default) follows the
     backend (``Capabilities.kv_block_size``: a block table of that block size, or the static
     cache), ``None`` always the static cache, an int a block table of that many columns per
     block (docs/continuous.md, "The block table"). Eager layouts that move cache columns
     (``align_decode_fronts``, ``trim_cache``) and per-position graphs keep the static cache
     (``stats.kv_layout`` says which ran).
-    step and the prefill, eager or captured; results equal the unjoined model's within float
-    rounding.
+    ``fuse_projections``: projections that read one input (q/k/v, gate/up) run as one product
+    over their weights joined in one buffer, whose views the parameters become
+    (:mod:`graphcap.rollout.plan.fusion`; ``stats.joined_projections`` counts the groups), in
+    every step and the prefill of a call, eager or captured; results equal the unjoined
+    model's within float rounding. ``None`` (the default) joins in graph engines where the
+    backend declares that it pays (``Capabilities.fuse_projections_by_default``: CUDA),
+    ``True`` always, ``False`` never.
     """
 
     enable_graph_capture: bool | None = None
@@ -563,7 +565,7 @@ class RolloutConfig:
     graph_attention: str | None = "auto"
     compile: bool | None = None
     compile_cache: str | None = "auto"
-    fuse_projections: bool = False
+    fuse_projections: bool | None = None
     enable_cuda_graph: bool | None = field(default=None, repr=False)
     max_request_bytes: int | None = None
     kv_block_size: int | Literal["auto"] | None = "auto"
@@ -628,6 +630,14 @@ class RolloutConfig:
         if self.compile is None:
             return self.process_group is None and backend.capabilities.compile_by_default
         return self.compile
+
+    def wants_fusion(self, backend: Backend) -> bool:
+        """Whether calls join q/k/v and gate/up products on ``backend``: ``fuse_projections``
+        where set, else in graph engines where the backend declares that joining pays (eager
+        engines run the model as it is unless asked)."""
+        if self.fuse_projections is None:
+            return self.enable_graph_capture and backend.capabilities.fuse_projections_by_default
+        return self.fuse_projections
 
     def _check_kv_block_size(self) -> None:
         value = self.kv_block_size

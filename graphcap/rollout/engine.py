@@ -77,7 +77,7 @@ class RolloutEngine:
         register_attention_implementations(self.backend)
         check_graph_attention(self.config.graph_attention)
         agreement = RankAgreement(self.config.process_group, self.backend.device)
-        self._fusion = ProjectionFusion(model) if self.config.fuse_projections else None
+        self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None
         cache = CompileCache(resolve_directory(self.config.compile_cache))
         self._holder = GraphHolder(self.backend, agreement, self._fusion, cache)
         path = StaticRollout if self.config.continuous_batch_size is None else ContinuousRollout

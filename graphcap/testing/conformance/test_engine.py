@@ -24,6 +24,7 @@ from graphcap.rollout import (
     RolloutResult,
     SamplingParams,
 )
+from graphcap.rollout.plan.fusion import joinable_groups
 from graphcap.testing import models
 
 BATCH, NEW_TOKENS, SEED = 3, 8, 5
@@ -119,6 +120,27 @@ def test_default_config_compiles_as_declared(
         f"compile_by_default={backend.capabilities.compile_by_default}"
     )
     _same_tokens(result, eager, f"captured step (compile={compile})")
+
+
+@pytest.mark.parametrize("fuse", [None, False], ids=["default", "unjoined"])
+def test_default_config_joins_projections_as_declared(
+    gc_graph_backend: Backend, model: torch.nn.Module, fuse: bool | None
+) -> None:
+    """``RolloutConfig(fuse_projections=None)``, the default, joins q/k/v and gate/up in a
+    graph engine exactly where the backend declares ``fuse_projections_by_default`` (and
+    ``False`` never does); joined or not, the tokens are the eager engine's."""
+    backend, model = gc_graph_backend, copy.deepcopy(model)  # joining makes parameters views
+    params = _params(False)
+    (eager,) = _generate(backend, model, params)
+    (result,) = _generate(backend, model, params, enable_graph_capture=True, fuse_projections=fuse)
+    declared = fuse is None and backend.capabilities.fuse_projections_by_default
+    expected = len(joinable_groups(model)) if declared else 0
+    assert result.stats.joined_projections == expected, (
+        f"fuse_projections={fuse}: {result.stats.joined_projections} groups joined, expected "
+        f"{expected} (fuse_projections_by_default="
+        f"{backend.capabilities.fuse_projections_by_default})"
+    )
+    _same_tokens(result, eager, f"captured step (fuse_projections={fuse})")
 
 
 def test_continuous_graph_equals_eager(gc_graph_backend: Backend, model: torch.nn.Module) -> None:

@@ -1,0 +1,135 @@
+"""CUDA backend: the Backend contract on torch.cuda graphs.
+
+Only availability and the speed hooks are CUDA-specific; the graph hooks (on ``torch.cuda``'s
+graph API), streams, synchronize, RNG state and memory figures come from the base classes
+(``torch.get_device_module("cuda")`` is ``torch.cuda``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from graphcap.backend import Availability, GraphBackend
+from graphcap_cuda.attention import DEFAULT_ATTENTION
+from graphcap_cuda.kernels import launch
+
+#: Whether compiled regions fuse independent kernels into one launch (benchmarks turn it off).
+COMBO_KERNELS = True
+#: Whether compiled regions move a gated MLP's activation and residual adds into the one-row
+#: product (graphcap_cuda.kernels.epilogues; benchmarks turn it off).
+EPILOGUES = True
+#: The BLAS library a compiled capture's matrix products run on (``preferred_blas_library``
+#: during its warm-up and capture; replays keep the kernels the capture recorded, and nothing
+#: outside it changes; plain captures keep torch's, so they stay bit-equal to eager steps).
+#: None: torch's setting. Measured on an H200, compiled steps, cuBLAS -> cuBLASLt: llama-8b
+#: batch 64 5.54 -> 5.35 ms, batch 256 11.05 -> 11.11; llama-1b level (batch 64 / 256
+#: 1.34 / 2.44 -> 1.35 / 2.45).
+CAPTURE_BLAS: str | None = "cublaslt"
+
+HINT = (
+    "Work inside a CUDA graph capture must not synchronise with the host (.item(), "
+    "bool(tensor), printing a tensor, nonzero and other data-dependent shapes, copies to "
+    "pageable host memory) nor touch CUDA from another thread in 'global' capture mode."
+)
+
+
+class CUDABackend(GraphBackend):
+    name: ClassVar[str] = "cuda"
+    priority: ClassVar[int] = 100
+    device_type: ClassVar[str] = "cuda"
+    graph_class: ClassVar[str] = "CUDAGraph"
+    capture_hint: ClassVar[str] = HINT
+    # torch registers the default CUDA generator with every graph it captures: capture does not
+    # advance it and each replay draws fresh numbers from its current state.
+    rng_in_graph: ClassVar[bool] = True
+    # NCCL collectives can be captured (after one warm-up collective outside the capture).
+    collectives_in_graph: ClassVar[bool] = True
+    # Capture on the legacy default stream is refused by CUDA.
+    capture_needs_side_stream: ClassVar[bool] = True
+    # Captured decode steps read grouped-query K/V unrepeated (graphcap_cuda.attention), with
+    # the split-KV Triton kernel where Triton is installed (CUDA builds of torch ship it).
+    graph_attention: ClassVar[str | None] = DEFAULT_ATTENTION
+    # Inductor's kernels are ordinary CUDA launches: a capture records them like any other.
+    captures_compiled: ClassVar[bool] = True
+    # The compiled step is the fast one (llama-8b batch 1 on an H200: 4.3 ms against 7.1 ms
+    # uncompiled, docs/benchmarks.md), and its compiled code is kept between processes
+    # (graphcap.rollout.holder.compile_cache), so default configurations compile; compile=False
+    # opts out.
+    compiles_by_default: ClassVar[bool] = True
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            return _probe()
+        except Exception as exc:  # a broken driver must make us unavailable, not crash selection
+            return Availability(False, f"probing CUDA raised {type(exc).__name__}: {exc}")
+
+    def register_generator(self, graph: torch.cuda.CUDAGraph, generator: torch.Generator) -> None:
+        # Without it, a draw from a user-supplied generator inside the capture raises.
+        graph.register_generator_state(generator)
+
+    def compile_options(self) -> dict[str, Any]:
+        """Inductor's kernels launch dependent like the plugin's (graphcap_cuda.kernels.launch;
+        inductor emits it on Hopper and later only), and independent kernels of a region launch
+        as one (combo kernels). Measured on an H200, llama-8b batch 1: 4.54 ms a step without
+        dependent launches, 4.58 with inductor's alone, 4.36 with both, 4.33 with combo kernels
+        too. Where the one-row product runs, a gated MLP's activation and the residual adds
+        around it move into its kernel (graphcap_cuda.kernels.epilogues)."""
+        options = {"combo_kernels": COMBO_KERNELS}
+        if EPILOGUES and self.one_row_product() is not None:
+            from graphcap_cuda.kernels import epilogues
+
+            options["post_grad_custom_post_pass"] = epilogues.PASS
+        return options | ({"triton.enable_pdl": True} if launch.ENABLED else {})
+
+    def compiled_capture_context(self) -> contextlib.AbstractContextManager[None]:
+        """Compiled captures' products on :data:`CAPTURE_BLAS` (cuBLASLt)."""
+        return blas_library(CAPTURE_BLAS)
+
+    def one_row_product(self) -> Callable[..., torch.Tensor] | None:
+        """graphcap_cuda.kernels.gemv's one-row kernel where Triton is installed."""
+        try:
+            from graphcap_cuda.kernels import gemv
+        except ImportError:  # a torch build without Triton
+            return None
+        return gemv.linear
+
+
+@contextlib.contextmanager
+def blas_library(library: str | None) -> Iterator[None]:
+    """Within the block, torch's preferred BLAS library is ``library`` (restored after); a
+    torch build that cannot use it keeps its own."""
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        if library is not None:
+            torch.backends.cuda.preferred_blas_library(library)
+    except RuntimeError:  # e.g. a build without cuBLASLt
+        pass
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _probe() -> Availability:
+    if not torch.backends.cuda.is_built():
+        return Availability(
+            False,
+            f"torch {torch.__version__} is a build without CUDA; install a CUDA build of torch",
+        )
+    count = torch.cuda.device_count()
+    if count == 0 or not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return Availability(
+            False, f"torch {torch.__version__} has CUDA support but sees no CUDA device{where}"
+        )
+    runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"HIP {torch.version.hip}"
+    return Availability(
+        True, f"{count} CUDA device(s) visible (torch {torch.__version__}, {runtime})"
+    )

@@ -1,0 +1,163 @@
+"""Compile the launches graphcap_cuda's host functions make for a Hopper GPU, without one.
+
+Run as a script in a process without ``TRITON_INTERPRET`` (test_kernels_compile.py does): the
+kernels are replaced by recorders, the host functions are called on CPU tensors for a set of
+cases (dependent launches on), and every recorded launch is compiled by Triton's own code
+generator for sm_90 down to a cubin (Triton ships ptxas), its arguments specialised as the
+JIT specialises them on the GPU. Prints one JSON line per launch: the kernel, its constexprs,
+the shared memory it needs, or the error.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import sys
+
+import torch
+import triton
+from graphcap_cuda.kernels import gemv, launch, split_kv
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+
+TARGET = GPUTarget("cuda", 90, 32)
+#: Shared memory a block may use on an H100 / H200 (227 KB).
+SHARED_LIMIT = 232448
+OPTIONS = ("num_warps", "num_stages")
+
+
+class Recorder:
+    """Stands for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, kernel: triton.JITFunction, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid: object):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def _marks(args: tuple) -> dict:
+    """The divisibility marks Triton's JIT gives a launch's arguments on the GPU (16-byte-aligned
+    tensors, ints divisible by 16), which let the compiler use vector and asynchronous copies.
+    Without them a bf16 split-KV launch compiled here had no asynchronous copies and a third of
+    its shared memory, unlike the same launch on the GPU."""
+    marks = {}
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            mark = BaseBackend.get_tensor_specialization(value, align=True)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            mark = BaseBackend.get_int_specialization(value, align=True)
+        else:
+            continue
+        if mark:
+            marks[(index,)] = BaseBackend.parse_attr(mark)
+    return marks
+
+
+def compile_launch(kernel: triton.JITFunction, args: tuple, kwargs: dict) -> dict:
+    names = kernel.arg_names
+    # Types as the JIT mangles them; an int equal to 1 becomes a constant there too.
+    signature = {name: mangle_type(value, True) for name, value in zip(names, args, strict=False)}
+    constexprs = {k: v for k, v in kwargs.items() if k in names}
+    constexprs |= {k: v for k, v in zip(names, args, strict=False) if signature[k] == "constexpr"}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    record = {"kernel": kernel.__name__, "constexprs": constexprs, "options": options}
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs=_marks(args),
+    )
+    try:
+        compiled = triton.compile(source, target=TARGET, options=options)
+    except Exception as exc:  # reported, not raised: every launch is tried
+        cause = exc.__cause__ or exc.__context__
+        why = f"{type(exc).__name__}: {exc}" + (f"\ncaused by {cause!r}" if cause else "")
+        return record | {"error": why[-3000:]}
+    return record | {"shared": compiled.metadata.shared}
+
+
+def _gemv_cases() -> None:
+    for dtype in (torch.bfloat16, torch.float32):  # fp16 compiles as bf16 does
+        make = functools.partial(_random, dtype)
+        for n, k in ((96, 256), (70, 300), (20, gemv.GATED_LONG_K)):
+            x, w, g, r = make(1, 1, k), make(n, k), make(n, k), make(n)
+            gemv.gemv(x, w)
+            gemv.gemv(x, w, make(n), r)
+            for activation in gemv.ACTIVATIONS:
+                gemv.gemv(x, w, None, r, g, make(n), activation)
+            for norm, one_load in itertools.product(gemv.NORMS, (True, False)):
+                gemv.NORM_ONE_LOAD = one_load
+                gemv.gemv(x, w, norm=norm, norm_weight=make(k), eps=1e-5)
+                gemv.gemv(
+                    x, w, None, r, g, None, "silu", norm, make(k), 1e-5, make(1, 1, k), make(n)
+                )
+
+
+def _random(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
+
+
+def _split_kv_cases() -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, heads, kv_heads, length, head_dim in (
+            (1, 32, 8, 640, 128),  # llama-8b batch 1: split chunks, combined
+            (64, 32, 8, 640, 128),  # batch 64: one chunk a row and K/V head
+            (256, 32, 8, 640, 64),
+            (2, 8, 8, 100, 80),  # no grouping, a head size that is not a power of two
+        ):
+            q = torch.randn(rows, heads, head_dim).to(dtype)
+            k, v = (torch.randn(rows, kv_heads, length, head_dim).to(dtype) for _ in range(2))
+            for mask in (
+                torch.ones(rows, length, dtype=torch.bool),
+                torch.zeros(rows, length, dtype=dtype),
+            ):
+                for softcap in (0.0, 30.0):
+                    split_kv.split_kv_decode(q, k, v, mask, head_dim**-0.5, softcap)
+                for block_size in (16, 5):  # a block size that divides no tile too
+                    _paged_case(q, kv_heads, length, head_dim, block_size, mask)
+
+
+def _paged_case(
+    q: torch.Tensor,
+    kv_heads: int,
+    length: int,
+    head_dim: int,
+    block_size: int,
+    mask: torch.Tensor,
+) -> None:
+    """The paged launch over pools behind a block table of ``length`` logical columns."""
+    rows, per_row = q.shape[0], -(-length // block_size)
+    pools = (torch.randn(1 + rows * per_row, kv_heads, block_size, head_dim).to(q.dtype),) * 2
+    table = torch.arange(1, 1 + rows * per_row, dtype=torch.int32).view(rows, per_row)
+    lengths = torch.full((rows,), length, dtype=torch.int32)
+    wide = torch.nn.functional.pad(mask, (0, per_row * block_size - length))
+    split_kv.split_kv_decode_paged(q, *pools, wide, table, lengths, head_dim**-0.5, 0.0)
+
+
+def main() -> None:
+    launches: list = []
+    launch.dependent = lambda device: True  # compile the dependent-launch code too
+    # private: the Triton kernels themselves, wrapped to record every launch's compile
+    gemv._gemv = Recorder(gemv._gemv, launches)
+    split_kv._split_kv_partial = Recorder(split_kv._split_kv_partial, launches)
+    _gemv_cases()
+    _split_kv_cases()
+    seen = set()
+    for kernel, args, kwargs in launches:
+        key = (
+            kernel.__name__,
+            tuple(mangle_type(a, True) for a in args),
+            repr(sorted(kwargs.items())),
+        )
+        if key not in seen:
+            seen.add(key)
+            print(json.dumps(compile_launch(kernel, args, kwargs)), flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Ascend NPU backend: the Backend contract on torch_npu's ACL graphs.
+
+``torch.npu`` exists only after ``import torch_npu``, and that import may kill the process on a
+machine without CANN. So nothing here imports torch_npu until :func:`npu_availability` has
+probed it in a child process; every device call goes through :func:`npu_module`, which refuses
+with the probe's reason instead of failing somewhere deep inside torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from typing import Any, ClassVar
+
+import torch
+
+from graphcap.backend import Availability, GraphBackend, MaskForm
+from graphcap.errors import BackendSelectionError
+from graphcap_npu.attention import BLOCKS, IMPLEMENTATIONS
+from graphcap_npu.probe import (
+    INSTALL_HINT,
+    VISIBLE_DEVICES_VAR,
+    probe_torch_npu,
+    torch_npu_installed,
+)
+
+#: Environment variable naming the attention captured decode steps run on this backend.
+ATTENTION_VAR = "GRAPHCAP_NPU_ATTENTION"
+
+HINT = (
+    "Work inside an ACL graph capture must not synchronise with the host (.item(), printing a "
+    "tensor, data-dependent shapes), seed a generator, or use operators that run on an internal "
+    "secondary stream (error 107025: npu_fusion_attention v1/v2 do; use "
+    "npu_fusion_attention_v3, graphcap_npu.fusion_attention_forward). Only aclnn operators can "
+    "be captured."
+)
+
+
+@functools.cache
+def npu_availability() -> Availability:
+    """Whether torch_npu runs here and sees a device; probed once per process, then cached.
+
+    Unless torch_npu is already imported, a child-process probe comes first, and torch_npu is
+    imported here only when the child succeeded.
+    """
+    reason = ""
+    if "torch_npu" not in sys.modules:
+        if not torch_npu_installed():
+            return Availability(False, f"torch_npu is not installed; {INSTALL_HINT}")
+        probe = probe_torch_npu()
+        if not probe.ok:
+            return Availability(False, probe.reason)
+        reason = probe.reason
+        try:
+            importlib.import_module("torch_npu")
+        except BaseException as exc:  # exit() inside the import must not end this process
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return Availability(
+                False,
+                f"torch_npu imported in a probe process but not here: {type(exc).__name__}: {exc}",
+            )
+    npu = getattr(torch, "npu", None)
+    if npu is None:
+        return Availability(False, "torch_npu was imported but did not create torch.npu")
+    count = int(npu.device_count()) if npu.is_available() else 0
+    if count < 1:
+        visible = os.environ.get(VISIBLE_DEVICES_VAR)
+        where = f"={visible!r}" if visible is not None else " is unset"
+        return Availability(
+            False,
+            f"torch_npu is imported but torch.npu sees no device ({VISIBLE_DEVICES_VAR}{where});"
+            " check the driver (npu-smi info)",
+        )
+    return Availability(True, reason or f"{count} NPU device(s) visible (torch_npu imported)")
+
+
+def npu_module() -> Any:
+    """``torch.npu``, importing torch_npu first if needed; refuses when the backend cannot run."""
+    if "torch_npu" not in sys.modules or getattr(torch, "npu", None) is None:
+        availability = npu_availability()
+        if not availability.ok:
+            raise BackendSelectionError(f"the npu backend cannot run here: {availability.reason}")
+    return torch.npu
+
+
+class NPUBackend(GraphBackend):
+    name: ClassVar[str] = "npu"
+    # Same tier as cuda: an accelerator is preferred over the CPU reference backend.
+    priority: ClassVar[int] = 100
+    device_type: ClassVar[str] = "npu"
+    graph_class: ClassVar[str] = "NPUGraph"
+    capture_hint: ClassVar[str] = HINT
+    # torch_npu keeps graph-safe generator state (registered with a graph when an RNG op first
+    # runs during capture, as CUDA does), so sampling can live inside the graph. Declared from
+    # torch_npu's source; the conformance suite checks it on hardware.
+    rng_in_graph: ClassVar[bool] = True
+    # HCCL collectives inside an ACL graph are not relied upon: tensor-parallel steps run eagerly.
+    collectives_in_graph: ClassVar[bool] = False
+    # ACL graphs cannot be captured on the default stream.
+    capture_needs_side_stream: ClassVar[bool] = True
+    # npu_fusion_attention_v3 takes a boolean mask; a float mask sends torch_npu's SDPA to a slow
+    # unfused path.
+    attention_mask_form: ClassVar[MaskForm] = "bool"
+    # Page attention over the block table (npu_fused_infer_attention_score, BNSD query, no cache
+    # copy), v3 in BNSD where it does not apply (graphcap_npu.attention); an instance may
+    # choose another (``attention=`` or GRAPHCAP_NPU_ATTENTION).
+    graph_attention: ClassVar[str | None] = BLOCKS
+    # Blocks of 128 columns: the page-attention block size torch_npu recommends (fp16/bf16 take
+    # any multiple of 16).
+    kv_block_size: ClassVar[int | None] = 128
+    # npu_fused_infer_attention_score takes actual_seq_lengths_kv as host ints; a capture with
+    # auto_dispatch_capture records the call so NPUGraph.update can set them before a replay.
+    graph_kv_lengths_on_host: ClassVar[bool] = True
+    graph_options: ClassVar[dict[str, Any]] = {"auto_dispatch_capture": True}
+
+    def __init__(self, index: int | None = None, attention: str | None = None) -> None:
+        """``attention``: the graphcap_npu implementation captured decode steps run (one of
+        :data:`graphcap_npu.attention.IMPLEMENTATIONS`); default: the ``GRAPHCAP_NPU_ATTENTION``
+        environment variable, else ``graphcap_npu_blocks``."""
+        super().__init__(index)
+        choice = attention or os.environ.get(ATTENTION_VAR) or BLOCKS
+        if choice not in IMPLEMENTATIONS:
+            where = "attention" if attention else ATTENTION_VAR
+            raise ValueError(
+                f"{where}={choice!r} is not a graphcap_npu attention; choose one of "
+                f"{', '.join(IMPLEMENTATIONS)}"
+            )
+        self.graph_attention = choice  # type: ignore[misc]  # per instance, over the class default
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            return npu_availability()
+        except Exception as exc:  # a broken install must make us unavailable, not crash selection
+            return Availability(False, f"probing torch_npu raised {type(exc).__name__}: {exc}")
+
+    # ---- graph hooks (the rest come from GraphBackend, on torch.npu) ----------------------
+    def is_current_stream_capturing(self) -> bool:
+        if "torch_npu" not in sys.modules:
+            return False  # torch_npu never loaded in this process: nothing can be capturing
+        return super().is_current_stream_capturing()
+
+    def update_graph_kv_lengths(self, graph: Any, lengths: list[int]) -> None:
+        """One update for every recorded infer-attention call (torch_npu broadcasts a one-item
+        list over the graph's dispatch records; a graph without any takes it as a no-op)."""
+        graph.update(cpu_update_input=[{"actual_seq_lengths_kv": list(lengths)}])
+
+    # ---- device plumbing ------------------------------------------------------------------
+    @property
+    def device_module(self) -> Any:
+        # The base class asks torch.get_device_module("npu"), which fails until torch_npu has
+        # been imported (it registers the "npu" device type).
+        return npu_module()
+
+    # torch.accelerator's memory figures need the device to register a c10 DeviceAllocator;
+    # torch.npu's own memory functions exist in every torch_npu release.
+    def memory_allocated(self) -> int | None:
+        return int(self.device_module.memory_allocated(self._device_index()))
+
+    def max_memory_allocated(self) -> int | None:
+        return int(self.device_module.max_memory_allocated(self._device_index()))
+
+    def reset_peak_memory_stats(self) -> None:
+        self.device_module.reset_peak_memory_stats(self._device_index())
+
+    def empty_cache(self) -> None:
+        self.device_module.empty_cache()
+
+    def communication_backend_name(self) -> str:
+        # torch.distributed learns "npu -> hccl" only once torch_npu is imported.
+        return "hccl"
+
+    def _device_index(self) -> int:
+        return self._index if self._index is not None else self.current_device_index()

@@ -1,0 +1,112 @@
+"""Where a graph engine's first call spends its time in a fresh process: the first
+``generate`` of a new engine under cProfile, then a second call.
+
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \\
+        python3 benchmarks/first_call_profile.py OUT.txt [--model llama-8b] [--batch 1] \\
+            [--new-tokens 512] [--attention auto] [--uncompiled] [--fuse-projections] \\
+            [--compile-cache DIR] [--warm-forward]
+
+The engine is opened as ``graphcap bench``'s ``graphcap-graph`` mode opens it (the default
+configuration: compiled where the backend declares it pays; bf16, 128 prompt tokens);
+``--uncompiled`` opens it as ``graphcap-graph-uncompiled``, ``--fuse-projections`` joins
+q/k/v and gate/up. The model is built before the clock starts, as the bench builds it.
+``--attention`` is the engine's ``graph_attention`` (``graphcap_gqa_sdpa``: SDPA's kernel, no
+Triton kernel of the plugin's); ``--compile-cache`` its ``compile_cache`` (``none``: torch's
+caches only); ``--warm-forward`` runs the bench's one forward of 4 tokens before the clock, as
+``graphcap bench`` does. OUT.txt gets both calls' seconds, the engine's stats, the Triton
+kernels the first call compiled (entries it added to ``$TRITON_CACHE_DIR``: a kernel listed
+after an earlier process compiled it missed Triton's cache), dynamo's and inductor's cache
+counters, the 60 costliest functions by cumulative time, the 30 by own time, and what the
+prefill and the capture called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters  # private: dynamo's cache counters have no public API
+
+from graphcap.bench.models import build_model, make_prompts
+from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+
+def triton_entries() -> dict[str, list[str]]:
+    """Triton's cache directory: each entry's hash and the kernel names its metadata names."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    if not root.is_dir():
+        return {}
+    return {
+        entry.name: sorted(p.stem for p in entry.glob("*.json") if not p.name.startswith("__grp"))
+        for entry in root.iterdir()
+        if entry.is_dir()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="the profile, as text")
+    parser.add_argument("--model", default="llama-8b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--uncompiled", action="store_true", help="compile=False")
+    parser.add_argument("--fuse-projections", action="store_true")
+    parser.add_argument("--compile-cache", default="auto", help="auto, a directory, or none")
+    parser.add_argument("--warm-forward", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(args.model, dtype=torch.bfloat16, device=device)
+    ids, mask = make_prompts(model.config.vocab_size, args.batch, 128, 0, device)
+    if args.warm_forward:
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
+    config = RolloutConfig(
+        backend="cuda",
+        enable_graph_capture=True,
+        fuse_projections=args.fuse_projections,
+        graph_attention=args.attention,
+        compile=False if args.uncompiled else None,
+        compile_cache=None if args.compile_cache == "none" else args.compile_cache,
+    )
+    engine = RolloutEngine(model, config)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, pad_token_id=0)
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    seconds = []
+    before = triton_entries()
+    for call in range(2):
+        start = time.perf_counter()
+        if call == 0:
+            out = profile.runcall(engine.generate, ids, mask, sampling=sampling)
+        else:
+            out = engine.generate(ids, mask, sampling=sampling)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        print(f"call {call + 1}: {seconds[-1]:.3f} s; stats {out.stats}", flush=True)
+        if call == 0:
+            compiled = {k: v for k, v in triton_entries().items() if k not in before}
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.print_callees("run_prefill|capture_step|holder.py.*capture")
+    kernels = sorted(name for names in compiled.values() for name in names)
+    with open(args.out, "w") as handle:
+        handle.write(f"first {seconds[0]:.3f} s, second {seconds[1]:.3f} s\n{out.stats}\n")
+        handle.write(f"Triton kernels compiled in the first call ({len(kernels)}): {kernels}\n")
+        found = {kind: dict(counters[kind]) for kind in ("inductor", "aot_autograd", "stats")}
+        handle.write(f"counters: {json.dumps(found, sort_keys=True)}\n")
+        handle.write(text.getvalue())
+    print(f"Triton kernels compiled in the first call ({len(kernels)}): {kernels}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+#!/usr/bin/env bash
+# The benchmark suite on one H200: every figure of docs/benchmarks.md, as JSON (and a log per
+# file) in OUT, each file named by what it measures.
+#
+#   bash benchmarks/h200.sh OUT [PART...]      # no PART: every one-GPU part, in this order
+#
+#   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
+#                    new tokens, --repeats 2 --warmup 1, each mode and batch size in its own
+#                    process): graphcap-graph (the default configuration) and
+#                    graphcap-graph-uncompiled, and hf-static-compile at batch 1 (the ratio)
+#   steps-llama-1b   the same for llama-1b
+#   steps            both of the above (two commands' worth of time)
+#   default-step     llama-8b at batch 1 (128 + 512): graphcap-graph and
+#                    graphcap-graph-uncompiled, each in a fresh process from empty caches, then
+#                    graphcap-graph again in a fresh process with the caches they left, then
+#                    hf-static-compile from empty caches (the default configuration's step, its
+#                    cold and warm first calls and the ratio to HF, in about 4 minutes)
+#   first-call       the first call in a fresh process, llama-8b and llama-1b at batch 1, 128 +
+#                    128 tokens: graphcap-graph and hf-static-compile with empty Inductor, Triton
+#                    and graphcap compile caches, then graphcap-graph again with the caches the
+#                    first process left; the report splits each first call into its phases
+#                    (GRAPHCAP_FIRST_CALL_MODELS: the models, default "llama-8b llama-1b")
+#   first-call-triage  where a warm first call goes: first_call_profile.py (llama-8b, batch 1,
+#                    128 + 128) from empty caches, then twice from the caches it left, with
+#                    Python's bytecode cache in a fresh PYTHONPYCACHEPREFIX (written by the
+#                    first warm process, read by the second), each listing the Triton kernels it
+#                    compiled; and the time to import inductor with and without that cache
+#   joined-steps     the steps-llama-8b and steps-llama-1b workloads in the default configuration
+#                    with fuse_projections=True (graphcap-graph, batch 1, 64, 256), and llama-1b
+#                    at batch 64 without it (not in the default list)
+#   kernels          the CUDA plugin's kernels alone against PyTorch's (kernels_h200.py)
+#   split-kv-launch  every launch of the split-KV kernel at 1-32 rows (kernels_h200.py)
+#   checks           the device tests, the plugin's tests on the GPU, the CUDA conformance suite
+#   profile          where a step's time goes (profile_decode.py, llama-8b at batch 1, 64,
+#                    256) and a first call's (first_call_profile.py, cold caches)
+#   continuous       the continuous-batching workloads (continuous.py)
+#   logits           bf16 teacher-forced logits against fp32 (logits_vs_fp32.py)
+#   trl              TRL's GRPOTrainer on a llama-1b-shaped model (examples/trl_grpo.py), with
+#                    and without graphcap: rollout seconds per step, completions compared
+#   gemm-levers      llama-8b at batch 256, the default configuration as it is, with PyTorch's
+#                    TunableOp tuning its GEMMs, and with inductor's max-autotune of GEMMs (each
+#                    in a fresh process from empty caches; not in the default list)
+#   distributed      two GPUs (not in the default list): tensor parallelism (tensor_parallel.py)
+#                    and the data-parallel example at 1 and 2 ranks
+#
+# Each part fits in under 9 minutes (LIMIT); a run started near the end of a part is skipped
+# and says so. Run one part a command where commands are cut at 10 minutes.
+#
+# The machine: its own python3 with torch (2.11) and transformers (5.17) installed, no network
+# (every model is a random-weight preset). The script makes an environment over that python's
+# packages ($GRAPHCAP_ENV, default /tmp/graphcap-h200-env; nothing is downloaded and the
+# machine's torch is never replaced) and installs this tree's graphcap and graphcap-cuda into it
+# with pip install --no-build-isolation --no-deps -e . -e ./backends/cuda.
+set -uo pipefail
+
+if [[ $# -lt 1 ]]; then
+    sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
+    exit 2
+fi
+OUT=$(mkdir -p "$1" && cd "$1" && pwd)
+shift
+cd "$(dirname "$0")/.."
+
+DEFAULT_PARTS=(steps-llama-8b steps-llama-1b first-call trl checks kernels split-kv-launch
+    profile continuous logits)
+PARTS=("$@")
+[[ ${#PARTS[@]} -eq 0 ]] && PARTS=("${DEFAULT_PARTS[@]}")
+LIMIT=${GRAPHCAP_PART_LIMIT_S:-530} # seconds a part may take
+#: graphcap bench's workload for every step figure: the default configuration (no options)
+STEP=(--dtype bf16 --prompt-len 128 --new-tokens 512 --repeats 2 --warmup 1)
+
+export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# An environment over the machine's python (a .pth file names its site-packages, which a venv's
+# system_site_packages cannot see when that python is itself a venv), this tree installed.
+ENV=${GRAPHCAP_ENV:-/tmp/graphcap-h200-env}
+if [[ ! -x $ENV/bin/python ]]; then
+    python3 -m venv --without-pip "$ENV" || exit 1 # pip, setuptools: the machine's
+    purelib=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_machine.pth"
+fi
+"$ENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e . -e ./backends/cuda ||
+    exit 1
+py=$ENV/bin/python
+COMMIT=${GRAPHCAP_COMMIT:-$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)}
+FAILED=()
+
+# cold_caches: empty Inductor, Triton and graphcap compile caches for what follows (the scripts'
+# engines take graphcap's from GRAPHCAP_COMPILE_CACHE, graphcap bench from --compile-cache).
+cold_caches() {
+    CACHE=$(mktemp -d)
+    export TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor TRITON_CACHE_DIR=$CACHE/triton
+    export GRAPHCAP_COMPILE_CACHE=$CACHE/graphcap
+    COMPILE_CACHE=$GRAPHCAP_COMPILE_CACHE
+}
+left() { echo $((LIMIT - ($(date +%s) - PART_START))); }
+fail() {
+    echo "== $1 FAILED (see $OUT/$1.log)" >&2
+    FAILED+=("$1")
+}
+# run NAME SECONDS CMD...: CMD with its output in OUT/NAME.log, cut after SECONDS (or what is
+# left of the part); skipped when less than a minute is left.
+run() {
+    local name=$1 seconds=$2 left
+    shift 2
+    left=$(left)
+    if ((left < 60)); then
+        echo "== $name: skipped, ${left}s of the part left" >&2
+        FAILED+=("$name(skipped)")
+        return 0
+    fi
+    ((seconds > left)) && seconds=$left
+    echo "== $name (at most ${seconds}s)" >&2
+    timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1 || fail "$name"
+    tail -3 "$OUT/$name.log" >&2
+}
+# bench NAME LONGEST ARGS...: graphcap bench into OUT/NAME.json (table in NAME.txt, progress in
+# NAME.log); a (mode, batch size) pair starts only while LONGEST seconds (its longest pair) are
+# left of the part, later ones are reported skipped.
+bench() {
+    local name=$1 budget left
+    left=$(left)
+    budget=$((left - $2))
+    shift 2
+    if ((budget < 10)); then
+        echo "== $name: skipped, ${left}s of the part left" >&2
+        FAILED+=("$name(skipped)")
+        return 0
+    fi
+    echo "== $name (sweep budget ${budget}s)" >&2
+    timeout $((left - 5)) "$py" -m graphcap.bench --budget-s "$budget" --json "$OUT/$name.json" \
+        "$@" 2>"$OUT/$name.log" >"$OUT/$name.txt" || fail "$name"
+    grep -E '^(graphcap|hf)-|^  graphcap' "$OUT/$name.txt" >&2
+}
+
+# steps MODEL LONGEST: the step figures of MODEL (LONGEST: its longest pair, in seconds).
+steps() {
+    cold_caches
+    bench "steps-$1-hf-static-compile" "$2" --model "$1" --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes hf-static-compile
+    bench "steps-$1" "$2" --model "$1" --batch-sizes 1,256,64 --compile-batch-sizes 1,256,64 \
+        "${STEP[@]}" --isolate --modes graphcap-graph,graphcap-graph-uncompiled \
+        --compile-cache "$COMPILE_CACHE"
+}
+part_steps_llama_8b() { steps llama-8b 100; }
+part_steps_llama_1b() { steps llama-1b 60; }
+
+part_default_step() {
+    cold_caches
+    bench default-step-llama-8b-bs1-cold 50 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes graphcap-graph,graphcap-graph-uncompiled --compile-cache "$COMPILE_CACHE"
+    bench default-step-llama-8b-bs1-warm 40 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+    cold_caches # HF's compile from empty caches too
+    bench default-step-llama-8b-bs1-hf 80 --model llama-8b --batch-sizes 1 "${STEP[@]}" \
+        --isolate --modes hf-static-compile
+}
+
+# first-call: each model's cold call (graphcap, then HF), then its warm one from the caches the
+# cold one left, so a part cut at its limit keeps whole pairs
+part_first_call() {
+    local model
+    for model in ${GRAPHCAP_FIRST_CALL_MODELS:-llama-8b llama-1b}; do
+        cold_caches
+        bench "first-call-cold-$model-bs1" 90 --model $model --batch-sizes 1 --dtype bf16 \
+            --prompt-len 128 --new-tokens 128 --repeats 1 --warmup 0 --isolate \
+            --modes graphcap-graph,hf-static-compile --compile-cache "$COMPILE_CACHE"
+        bench "first-call-warm-$model-bs1" 30 --model $model --batch-sizes 1 --dtype bf16 \
+            --prompt-len 128 --new-tokens 128 --repeats 1 --warmup 0 --isolate \
+            --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+    done
+}
+
+part_first_call_triage() {
+    cold_caches
+    local name pyc=$CACHE/pycache
+    local profile=("$py" benchmarks/first_call_profile.py --new-tokens 128 --warm-forward
+        --compile-cache "$COMPILE_CACHE")
+    for name in cold warm warm-pyc-written warm-pyc-read; do
+        case $name in
+        warm-pyc*) set -- env PYTHONPYCACHEPREFIX="$pyc" ;;
+        *) set -- ;;
+        esac
+        run "first-call-triage-llama-8b-$name" 150 "$@" "${profile[@]}" \
+            "$OUT/first-call-triage-llama-8b-$name.txt"
+    done
+    local imports='import time; t = time.perf_counter(); import torch; a = time.perf_counter()
+import torch._inductor.compile_fx; b = time.perf_counter()
+print(f"import torch {a - t:.2f} s, then torch._inductor.compile_fx {b - a:.2f} s")'
+    run import-inductor-no-pyc 60 env PYTHONDONTWRITEBYTECODE=1 "$py" -c "$imports"
+    run import-inductor-pyc 60 env PYTHONPYCACHEPREFIX="$pyc" "$py" -c "$imports"
+}
+
+part_joined_steps() {
+    cold_caches
+    bench joined-steps-llama-8b 100 --model llama-8b --batch-sizes 1,64,256 "${STEP[@]}" \
+        --isolate --modes graphcap-graph --fuse-projections --compile-cache "$COMPILE_CACHE"
+    bench joined-steps-llama-1b 60 --model llama-1b --batch-sizes 1,64,256 "${STEP[@]}" \
+        --isolate --modes graphcap-graph --fuse-projections --compile-cache "$COMPILE_CACHE"
+    bench steps-llama-1b-bs64 60 --model llama-1b --batch-sizes 64 "${STEP[@]}" \
+        --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+}
+
+part_kernels() {
+    cold_caches
+    run kernels 480 "$py" benchmarks/kernels_h200.py "$OUT/kernels.json"
+}
+
+part_split_kv_launch() {
+    cold_caches
+    run split-kv-launch 480 "$py" benchmarks/kernels_h200.py "$OUT/split-kv-launch.json" \
+        --parts launch
+}
+
+part_checks() {
+    cold_caches
+    run device-tests 330 "$py" -m pytest -q -rs -p no:cacheprovider -m device tests \
+        backends/cuda/tests
+    run conformance-cuda 150 "$py" -m graphcap.testing -q \
+        --graphcap-json "$OUT/conformance-cuda.json"
+    run cuda-plugin-tests 240 "$py" -m pytest -q -rs -p no:cacheprovider backends/cuda/tests
+}
+
+# gemm-levers: llama-8b batch 256 (the GEMM-bound step) in the default configuration, as it
+# is, with PyTorch's TunableOp tuning its GEMMs in the warm-up (results in OUT), and with
+# inductor's max-autotune of GEMMs (Triton templates, persistent and TMA ones on Hopper)
+part_gemm_levers() {
+    local lever
+    for lever in none tunableop max-autotune; do
+        cold_caches
+        case $lever in
+        tunableop)
+            export PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1
+            export PYTORCH_TUNABLEOP_FILENAME=$OUT/gemm-levers-tunableop-results.csv
+            ;;
+        max-autotune) export TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 ;;
+        esac
+        bench "gemm-levers-$lever-llama-8b-bs256" 150 --model llama-8b --batch-sizes 256 \
+            "${STEP[@]}" --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+        unset PYTORCH_TUNABLEOP_ENABLED PYTORCH_TUNABLEOP_TUNING PYTORCH_TUNABLEOP_FILENAME \
+            TORCHINDUCTOR_MAX_AUTOTUNE_GEMM
+    done
+}
+
+part_profile() {
+    cold_caches
+    run profile-llama-8b 300 "$py" benchmarks/profile_decode.py "$OUT/profile-llama-8b.json" \
+        --cases llama-8b:bf16:1,llama-8b:bf16:64,llama-8b:bf16:256 --new-tokens 256
+    local attention
+    for attention in auto graphcap_gqa_sdpa; do
+        cold_caches
+        run "first-call-profile-llama-8b-$attention" 100 "$py" benchmarks/first_call_profile.py \
+            "$OUT/first-call-profile-llama-8b-$attention.txt" --attention $attention \
+            --compile-cache "$COMPILE_CACHE" --warm-forward
+    done
+}
+
+part_continuous() {
+    cold_caches
+    run continuous-gpt2-medium 420 "$py" benchmarks/continuous.py \
+        "$OUT/continuous-gpt2-medium.json" --require-blocks
+}
+
+part_logits() {
+    cold_caches
+    local batch
+    for batch in 8 1; do
+        run "logits-vs-fp32-bs$batch" 240 "$py" benchmarks/logits_vs_fp32.py \
+            "$OUT/logits-vs-fp32-bs$batch.json" --batch $batch
+    done
+}
+
+part_trl() {
+    cold_caches
+    export GRAPHCAP_COMPILE_CACHE=$COMPILE_CACHE
+    run trl-grpo-llama-1b 480 "$py" examples/trl_grpo.py \
+        --model llama-1b --dtype bf16 --steps 4 --batch-size 8 --generations 4 --new-tokens 128 \
+        --words 64 --compare --output-dir "$CACHE/trl" --json "$OUT/trl-grpo-llama-1b.json"
+}
+
+part_distributed() {
+    local gpus dtype n prompts
+    gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+    if ((gpus < 2)); then
+        echo "== distributed: needs two GPUs, this machine has $gpus" >&2
+        FAILED+=("distributed(no second GPU)")
+        return 0
+    fi
+    cold_caches
+    for dtype in fp32 bf16; do
+        run "tensor-parallel-llama-1b-$dtype" 150 "$py" -m torch.distributed.run \
+            --nproc-per-node 2 --master-port 29501 benchmarks/tensor_parallel.py \
+            "$OUT/tensor-parallel-llama-1b-$dtype.json" --model llama-1b --dtype $dtype
+    done
+    for prompts in 128 1024; do
+        for n in 1 2; do
+            run "data-parallel-llama-1b-$prompts-prompts-$n-ranks" 100 "$py" \
+                -m torch.distributed.run --nproc-per-node $n --master-port 29502 \
+                examples/data_parallel_rollout.py --model llama-1b --prompts $prompts \
+                --prompt-len 128 --max-new-tokens 128 --warmup
+            grep world "$OUT/data-parallel-llama-1b-$prompts-prompts-$n-ranks.log" \
+                >"$OUT/data-parallel-llama-1b-$prompts-prompts-$n-ranks.json"
+        done
+    done
+}
+
+for part in "${PARTS[@]}"; do
+    case $part in
+    steps) parts=(steps_llama_8b steps_llama_1b) ;;
+    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
+        joined-steps | kernels | split-kv-launch | checks | profile | continuous | logits | trl | gemm-levers | distributed)
+        parts=("${part//-/_}")
+        ;;
+    *)
+        echo "unknown part $part" >&2
+        exit 2
+        ;;
+    esac
+    for p in "${parts[@]}"; do
+        PART_START=$(date +%s)
+        echo "== part ${p//_/-}, commit $COMMIT, $(date -u +%FT%TZ)" >&2
+        "part_$p"
+        echo "${p//_/-} commit=$COMMIT date=$(date -u +%F) seconds=$(($(date +%s) - PART_START))" \
+            >>"$OUT/parts.log"
+    done
+done
+echo "results in $OUT; failed or skipped: ${FAILED[*]:-none}" >&2
+((${#FAILED[@]} == 0))

@@ -1,0 +1,130 @@
+"""Benchmark models and prompts, and the weight-bandwidth roofline. Presets have real checkpoints'
+shapes (which set a step's cost) and random weights with a std of ``INIT_SCALE / sqrt(hidden)``:
+at transformers' default a greedy random model repeats one token, making agreement vacuous."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+#: Large enough that random models do not collapse onto one token, small enough that 32 layers
+#: stay finite in fp16/bf16.
+INIT_SCALE = 2.0
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+SHAPE += ("intermediate_size", "vocab_size", "tie_word_embeddings")
+#: name: (model type, the SHAPE fields in order); docs/benchmarks.md describes each.
+PRESETS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tiny-gpt2": ("gpt2", (256, 4, 8, None, None, 8192, True)),
+    "tiny-llama": ("llama", (256, 4, 8, 4, 688, 8192, False)),
+    "gpt2-medium": ("gpt2", (1024, 24, 16, None, None, 50257, True)),  # ~355M parameters
+    "llama-1b": ("llama", (2048, 16, 32, 8, 8192, 128256, True)),  # Llama-3.2-1B
+    "llama-8b": ("llama", (4096, 32, 32, 8, 14336, 128256, False)),  # Llama-3-8B
+}
+
+
+def preset_config(name: str) -> Any:
+    """The transformers config of a preset; no BOS/EOS (benchmarks ignore EOS)."""
+    model_type, values = PRESETS[name]
+    shape = {k: v for k, v in zip(SHAPE, values, strict=True) if v is not None}
+    config = AutoConfig.for_model(model_type, **shape, bos_token_id=None, eos_token_id=None)
+    config.initializer_range = INIT_SCALE / math.sqrt(config.hidden_size)
+    return config
+
+
+def default_dtype_name(model: str, device_type: str) -> str:
+    """fp32 on CPU; fp16 for GPT-2 shapes and bf16 otherwise on accelerators."""
+    if device_type == "cpu":
+        return "fp32"
+    return "fp16" if PRESETS.get(model, ("",))[0] == "gpt2" else "bf16"
+
+
+def build_model(
+    model: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    backend_seed: Callable[[int], None] | None = None,
+) -> PreTrainedModel:
+    """A preset (random weights, built on the device) or a local model directory, with EOS off
+    so that every mode generates exactly ``max_new_tokens``; on the meta device, shapes only
+    (a local model's weights are not read)."""
+    torch.manual_seed(seed)
+    if backend_seed is not None:
+        backend_seed(seed)
+    local = (Path(model) / "config.json").is_file()
+    if model in PRESETS or (local and device.type == "meta"):  # a meta model reads no weights
+        with torch.device(device):
+            config = (
+                preset_config(model)
+                if model in PRESETS
+                else AutoConfig.from_pretrained(model, local_files_only=True)
+            )
+            built = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    elif local:
+        built = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, local_files_only=True)
+        built = built.to(device)
+    else:
+        raise ValueError(
+            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory "
+            "with config.json (from save_pretrained(); nothing is downloaded)"
+        )
+    built.eval().config.eos_token_id = None
+    built.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+    return built
+
+
+def describe_model(model: PreTrainedModel) -> dict[str, Any]:
+    """Architecture, shape, distinct parameter count (a tied weight counts once) and dtype."""
+    return {
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        **{k: v for k in SHAPE if (v := getattr(model.config, k, None)) is not None},
+    }
+
+
+def make_prompts(
+    vocab: int, batch: int, length: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random full-length token prompts (no padding), the same for every mode."""
+    generator = torch.Generator().manual_seed(seed + batch)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    return ids.to(device), torch.ones_like(ids).to(device)
+
+
+#: Peak memory bandwidth (bytes/s, datasheets) by device-name fragment, first match wins: a
+#: small-batch decode step reads every weight once, so this bounds its speed.
+PEAK_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
+PEAK_BANDWIDTH += (("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12))
+
+
+def weight_bytes_per_step(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads: all but embeddings that are not the output layer."""
+    output = getattr(model.get_output_embeddings(), "weight", None)
+    lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - {id(output)}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookup)
+
+
+def peak_bandwidth(name: str, override: float | None = None) -> float | None:
+    """Peak bytes/s for ``name``: the override, else the table (accelerators only), else None."""
+    if override is not None and override <= 0:
+        raise ValueError(f"--peak-bandwidth must be positive (bytes/s), got {override}")
+    return override or next((bw for k, bw in PEAK_BANDWIDTH if k.lower() in name.lower()), None)
+
+
+def parse_bandwidth(text: str) -> float:
+    """Parse "4.8TB/s", "4800GB/s", "4.8e12" into bytes/s."""
+    cleaned = text.strip().lower().removesuffix("/s").removesuffix("b")
+    scale = {"t": 1e12, "g": 1e9, "m": 1e6}.get(cleaned[-1:], 1.0)
+    try:
+        return float(cleaned[:-1] if scale != 1.0 else cleaned) * scale
+    except ValueError:
+        raise ValueError(f"cannot read bandwidth {text!r}; write e.g. 4.8TB/s or 4.8e12") from None

@@ -1,0 +1,209 @@
+"""The generation modes a benchmark compares, each opened for one batch, called repeatedly and
+closed (so the next mode starts from the same memory), and how a call is timed."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, StoppingCriteria
+
+from graphcap.backend import Backend
+from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutStats, SamplingParams
+
+
+def timed_call(call: Callable[[], Any], sync: Callable[[], None]) -> tuple[float, Any]:
+    """Seconds ``call`` took between two device synchronisations, and what it returned."""
+    sync()
+    start = time.perf_counter()
+    value = call()
+    sync()
+    return time.perf_counter() - start, value
+
+
+def spread(values: Iterable[float | None]) -> tuple[float | None, float | None, float | None]:
+    """(median, min, max) of the known values (Nones when none is known)."""
+    known = [v for v in values if v is not None]
+    return (statistics.median(known), min(known), max(known)) if known else (None, None, None)
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs compiled, recompilations included; graph breaks) so far in this process."""
+    # private: dynamo's counters are torch's only record of what it compiled and broke
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+@dataclass
+class Workload:
+    """What every mode generates from; ``continuous_slots`` None means one slot per row."""
+
+    model: PreTrainedModel
+    backend: Backend
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    new_tokens: int
+    continuous_slots: int | None = None
+    graph_attention: str | None = "auto"  # RolloutConfig.graph_attention (None: the model's own)
+    fuse_projections: bool = False  # RolloutConfig.fuse_projections
+    compile_cache: str | None = "auto"  # RolloutConfig.compile_cache
+    batch_size: int = field(init=False)
+    prompt_width: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batch_size, self.prompt_width = self.input_ids.shape
+
+
+@dataclass
+class CallOutput:
+    """One call: response tokens (host), prefill and decode step times, the engine's stats (None
+    for transformers' generate), and the call's wall time (set by the runner)."""
+
+    tokens: torch.Tensor
+    prefill_s: float | None
+    decode_step_s: float | None
+    stats: RolloutStats | None = None
+    seconds: float | None = None
+
+
+class StepClock(StoppingCriteria):
+    """A ``generate()`` stopping criterion that timestamps every token and never stops (generate
+    syncs on every token anyway); the first interval is the prefill, the later ones decode steps."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync, self.stamps, self.false = sync, [0.0], torch.zeros(0, dtype=torch.bool)
+
+    def __call__(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.sync()
+        self.stamps.append(time.perf_counter())
+        if self.false.shape[0] != input_ids.shape[0]:  # reused: no allocation per token
+            self.false = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return self.false
+
+    def generate(self, work: Workload, **kwargs: Any) -> CallOutput:
+        self.stamps = [time.perf_counter()]
+        kwargs.update(attention_mask=work.attention_mask, max_new_tokens=work.new_tokens)
+        kwargs.update(min_new_tokens=0, do_sample=False, pad_token_id=0, stopping_criteria=[self])
+        with torch.no_grad():
+            out = work.model.generate(work.input_ids, **kwargs)
+        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+        return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0], spread(gaps[1:])[0])
+
+
+@dataclass(frozen=True)
+class Mode:
+    """transformers' ``generate`` with ``hf_kwargs``, or graphcap's engine on ``expected_path``
+    (None: graphs off; another path is a fallback) with ``RolloutConfig(compile=compile)``."""
+
+    name: str
+    expected_path: str | None = None
+    hf_kwargs: dict[str, Any] | None = None
+    compile: bool | None = None
+
+    def compiles(self, backend: Backend) -> bool:
+        """Whether this mode's first call compiles on ``backend``: transformers' static cache
+        (it compiles the decode where it can; the runner counts what it compiled), graphcap's
+        graph modes where ``compile`` (or, unset, the backend's declared default) says so."""
+        if self.hf_kwargs is not None:
+            return self.hf_kwargs.get("cache_implementation") == "static"
+        config = RolloutConfig(
+            enable_graph_capture=self.expected_path is not None,
+            per_position_graphs=self.expected_path == "per_position_graph",
+            compile=self.compile,
+        )
+        return config.enable_graph_capture and config.wants_compile(backend)
+
+    def unsupported(self, backend: Backend) -> str | None:
+        """Why this mode cannot run on ``backend`` (``None`` when it can)."""
+        if self.expected_path and not backend.supports_graph_capture:
+            return f"backend {backend.name!r} cannot capture graphs"
+        if self.expected_path and self.compile and _cpu(backend):
+            return "the CPU reference backend refuses compiled (inductor) regions at capture"
+        return None
+
+    @contextmanager
+    def session(self, work: Workload) -> Iterator[Callable[[], CallOutput]]:
+        """The mode opened on ``work``: yields the call to time, releases everything after."""
+        compiles = self.compiles(work.backend)
+        if compiles:  # a cold start in this process: earlier compilations must not help it
+            torch.compiler.reset()
+        path, engine, sync = self.expected_path, None, work.backend.synchronize
+        try:
+            if self.hf_kwargs is not None:
+                yield functools.partial(StepClock(sync).generate, work, **self.hf_kwargs)
+                return
+            slots = min(work.continuous_slots or work.batch_size, work.batch_size)
+            config = RolloutConfig(
+                backend=work.backend,
+                enable_graph_capture=path is not None,
+                continuous_batch_size=slots if path == "continuous_graph" else None,
+                per_position_graphs=path == "per_position_graph",
+                compile=self.compile if path is not None else None,
+                compile_cache=work.compile_cache,
+                graph_attention=work.graph_attention,
+                fuse_projections=work.fuse_projections,
+            )
+            engine = RolloutEngine(work.model, config)
+            # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.
+            pin = work.new_tokens if path == "per_position_graph" else 0
+            sampling = SamplingParams(
+                max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0
+            )
+
+            def call() -> CallOutput:
+                out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
+                s = out.stats
+                step = s.decode_s / s.steps if s.steps else None
+                return CallOutput(out.sequences[:, work.prompt_width :].cpu(), s.prefill_s, step, s)
+
+            yield call
+        finally:
+            if engine is not None:
+                engine.shutdown()
+            if compiles:
+                torch.compiler.reset()
+
+
+def _cpu(backend: Backend) -> bool:
+    return backend.device.type == "cpu"
+
+
+# transformers decides whether hf-static-compile compiles; the runner counts compiled graphs.
+# graphcap-graph is the default configuration (RolloutConfig(enable_graph_capture=True)).
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("hf-eager", hf_kwargs={"disable_compile": True}),
+        Mode("hf-static-compile", hf_kwargs={"cache_implementation": "static"}),
+        Mode("graphcap-eager"),
+        Mode("graphcap-graph", "static_graph"),
+        Mode("graphcap-graph-uncompiled", "static_graph", compile=False),
+        Mode("graphcap-continuous", "continuous_graph"),
+        Mode("graphcap-per-position", "per_position_graph"),
+    )
+}
+
+
+def default_modes(backend: Backend) -> list[str]:
+    """Every mode that means something on this backend: HF's compile only on accelerators, and
+    the uncompiled graph only where the default graph compiles (elsewhere they are one mode)."""
+    skip = {"graphcap-graph-uncompiled"} if not MODES["graphcap-graph"].compiles(backend) else set()
+    if _cpu(backend):
+        skip.add("hf-static-compile")
+    return [name for name in MODES if name not in skip]
+
+
+def parse_modes(text: str) -> list[str]:
+    """Comma-separated mode names, validated, order kept."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODES]
+    if unknown or not names:
+        raise ValueError(f"unknown mode(s) {unknown or text!r}; choose from {', '.join(MODES)}")
+    return list(dict.fromkeys(names))

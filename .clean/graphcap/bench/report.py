@@ -1,0 +1,242 @@
+"""The benchmark report (one JSON-serialisable record per mode and batch size), and its
+rendering as text tables (benchmarks/plot_report.py plots a saved report)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphcap.bench.modes import spread
+
+OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
+
+
+@dataclass
+class ModeResult:
+    """Figures of one mode at one batch size; ``None`` where a figure does not apply here."""
+
+    mode: str
+    batch_size: int
+    status: str = OK
+    reason: str | None = None
+    first_call_s: float | None = None
+    steady_median_s: float | None = None
+    steady_min_s: float | None = None
+    steady_max_s: float | None = None
+    steady_s: list[float] = field(default_factory=list)
+    prefill_s: float | None = None
+    decode_step_s: float | None = None
+    decode_step_min_s: float | None = None
+    decode_step_max_s: float | None = None
+    tokens_per_s: float | None = None
+    weight_bandwidth_gbps: float | None = None
+    bandwidth_fraction: float | None = None
+    peak_memory_bytes: int | None = None
+    engine_memory_bytes: int | None = None
+    path: str | None = None
+    attention: str | None = None
+    captures: int | None = None
+    replays_per_call: int | None = None
+    occupancy: float | None = None
+    compiled_graphs_first_call: int | None = None
+    recompiles_steady: int | None = None
+    graph_breaks: int | None = None
+    token_agreement: float | None = None
+    tokens_identical: bool | None = None
+    first_call_tokens_identical: bool | None = None
+    distinct_tokens: int | None = None
+    speedup_vs_hf_eager: float | None = None
+    speedup_vs_hf_static_compile: float | None = None
+    compiled: bool | None = None
+    compile_cache: str | None = None
+    first_call_phases: dict[str, float] | None = None
+
+
+#: Where a graphcap mode's first call spends its time (``first_call_phases``): the prefill
+#: (input checks and the model scan included), the warm-up run before capture (compilation
+#: where the step compiles, and the first use of every kernel in this process), the capture
+#: itself, the decode loop, and the rest (collecting the result, the call's own setup).
+PHASES: tuple[str, ...] = ("prefill_s", "warmup_s", "capture_s", "decode_s", "other_s")
+
+
+def first_call_phases(stats: Any, total_s: float) -> dict[str, float]:
+    """The phases of a first call that took ``total_s`` from its engine ``stats``."""
+    phases = {
+        "prefill_s": stats.prefill_s,
+        "warmup_s": stats.warmup_s,
+        "capture_s": stats.capture_s - stats.warmup_s,
+        "decode_s": stats.decode_s,
+    }
+    phases["other_s"] = max(0.0, total_s - sum(phases.values()))
+    return phases
+
+
+@dataclass
+class RLIteration:
+    """One generate -> train-step iteration of the RL loop for one engine."""
+
+    iteration: int
+    generate_s: float
+    train_step_s: float
+    loss: float
+    captures: int | None
+    path: str | None
+    peak_memory_bytes: int | None = None
+    train_peak_memory_bytes: int | None = None
+    tokens_match_eager: bool | None = None
+    tokens_changed: bool | None = None
+
+
+@dataclass
+class RLLoopResult:
+    """The RL loop for one mode (eager or graph): per-iteration phases and the invariants."""
+
+    mode: str
+    batch_size: int
+    optimizer: str
+    iterations: list[RLIteration] = field(default_factory=list)
+    parameters_reallocated: bool = False
+    captures_final: int | None = None
+    first_generate_s: float | None = None
+    steady_generate_median_s: float | None = None
+    train_step_median_s: float | None = None
+    iteration_median_s: float | None = None
+
+
+@dataclass
+class BenchReport:
+    """Everything one ``graphcap bench`` run measured, with the context needed to read it."""
+
+    environment: dict[str, Any]
+    backend: dict[str, Any]
+    config: dict[str, Any]
+    model: dict[str, Any]
+    weight_bytes_per_step: int
+    peak_bandwidth_gbps: float | None
+    reference_mode: str | None
+    results: list[ModeResult] = field(default_factory=list)
+    rl_loop: list[RLLoopResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    elapsed_s: float | None = None
+    #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention;
+    #: 4: compiled, compile_cache, first_call_phases.
+    schema_version: int = 4
+
+    def write_json(self, path: str | Path) -> Path:
+        (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return target
+
+    def result(self, mode: str, batch_size: int) -> ModeResult | None:
+        return next((r for r in self.results if (r.mode, r.batch_size) == (mode, batch_size)), None)
+
+
+def _target(path: str | Path) -> Path:
+    (target := Path(path)).parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+# ---- text -------------------------------------------------------------------------------------
+def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
+
+
+def _ms(values: tuple[float | None, ...], spec: str = ".1f") -> str:
+    """``median [min-max]`` in ms, from (median, min, max); the median alone without a spread."""
+    if None in values[1:]:
+        return _num(values[0], spec, 1e3)
+    return "{} [{}-{}]".format(*(_num(v, spec, 1e3) for v in values))
+
+
+#: header -> cell, for a mode that ran (the others show their status after the batch size).
+COLUMNS: dict[str, Callable[[ModeResult], str]] = {
+    "mode": lambda r: r.mode if r.status == OK else f"{r.mode} [{r.status}]",
+    "bs": lambda r: str(r.batch_size),
+    "first(s)": lambda r: _num(r.first_call_s, ".2f"),
+    "steady ms [min-max]": lambda r: _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s)),
+    "step ms [min-max]": lambda r: _ms(
+        (r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"
+    ),
+    "tok/s": lambda r: _num(r.tokens_per_s, ".0f"),
+    "BW%": lambda r: _num(r.bandwidth_fraction, ".0f", 100),
+    "peak mem": lambda r: _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
+    "capt": lambda r: _num(r.captures, "d"),
+    "tokens": lambda r: "same" if r.tokens_identical else _num(r.token_agreement, ".1f", 100, "%"),
+    "x hf-eager": lambda r: _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
+    "x hf-static": lambda r: _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
+}
+RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
+    "iter": lambda i: str(i.iteration),
+    "generate(ms)": lambda i: _num(i.generate_s, ".1f", 1e3),
+    "train(ms)": lambda i: _num(i.train_step_s, ".1f", 1e3),
+    "captures": lambda i: _num(i.captures, "d"),
+    "path": lambda i: str(i.path),
+    "peak mem": lambda i: _num(i.peak_memory_bytes, ".2f", 2**-30, "G"),
+    "=eager": lambda i: str(i.tokens_match_eager),
+    "changed": lambda i: _num(i.tokens_changed, ""),
+}
+
+
+def render_table(
+    columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = ""
+) -> list[str]:
+    """Left-aligned columns two spaces apart, a dashed rule under the header."""
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+    return [
+        indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in (columns, ["-" * w for w in widths], *rows)
+    ]
+
+
+def _mode_row(r: ModeResult) -> list[str]:
+    if r.status in (OK, FALLBACK):
+        return [cell(r) for cell in COLUMNS.values()]
+    return [r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3)]
+
+
+def format_table(report: BenchReport) -> str:
+    """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
+    cfg, model, backend = report.config, report.model, report.backend
+    where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
+    lines = [
+        f"graphcap bench: {cfg['model']} ({model['architecture']}, "
+        f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
+        f"{backend['device_name']} [backend {backend['name']}], {where}",
+        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
+        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
+        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
+        f"bandwidth {_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')}",
+        f"tokens: agreement with {report.reference_mode} at the same batch size",
+        "",
+        *render_table(list(COLUMNS), [_mode_row(r) for r in report.results]),
+    ]
+    for res in report.rl_loop:
+        its = res.iterations
+        lines += [
+            "",
+            f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
+            f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; "
+            f"generate after the first {_ms(spread(i.generate_s for i in its[1:]))} ms, train "
+            f"step {_ms(spread(i.train_step_s for i in its))} ms",
+            *render_table(
+                list(RL_COLUMNS), [[c(i) for c in RL_COLUMNS.values()] for i in its], "  "
+            ),
+        ]
+    rs = report.results
+    phased = [r for r in rs if r.first_call_phases]
+    if phased:
+        lines += ["", "first calls (s): " + " + ".join(p.removesuffix("_s") for p in PHASES)]
+        lines += [f"  {_phases_line(r)}" for r in phased]
+    notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
+    notes += [f"warning: {w}" for w in report.warnings]
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _phases_line(r: ModeResult) -> str:
+    """``mode bs N: total = prefill + warmup + ...``, with what was compiled and cached."""
+    phases = r.first_call_phases or {}
+    parts = " + ".join(_num(phases.get(p), ".2f") for p in PHASES)
+    compiled = f", compiled, compile cache {r.compile_cache}" if r.compiled else ""
+    return f"{r.mode} bs {r.batch_size}: {_num(r.first_call_s, '.2f')} = {parts}{compiled}"

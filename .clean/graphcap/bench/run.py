@@ -1,0 +1,317 @@
+"""run_benchmark(): every selected mode, at every batch size, on one model and one prompt set.
+The first call of a mode (capture, compilation) is timed alone, ``warmup`` calls are dropped, and
+the steady state an RL run pays per rollout is the median, min and max of ``repeats`` calls."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import gc
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import graphcap
+from graphcap.backend import Backend
+from graphcap.bench import models
+from graphcap.bench.config import BenchConfig, resolve
+from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
+from graphcap.bench.report import (
+    ERROR,
+    FALLBACK,
+    OK,
+    SKIPPED,
+    UNSUPPORTED,
+    BenchReport,
+    ModeResult,
+    first_call_phases,
+)
+
+#: Fewer distinct response tokens than this in the reference makes agreement nearly vacuous.
+MIN_DISTINCT_TOKENS = 4
+REFERENCES = ("graphcap-eager", "hf-eager")
+#: Lines of a failed child's output (stderr included) kept as its result's reason.
+CHILD_REASON_LINES = 8
+
+
+def run_benchmark(
+    config: BenchConfig | None = None,
+    *,
+    backend: Backend | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Every selected mode at every batch size (same model and prompts, so ratios are
+    comparable; one process, or a fresh one per pair with ``isolate``); ``progress`` receives one
+    line per step of the run."""
+    backend = backend or graphcap.get_backend(config.backend if config else None)
+    cfg, say = resolve(config or BenchConfig(), backend), progress or (lambda _line: None)
+    threads, started = torch.get_num_threads(), time.monotonic()
+    torch.set_num_threads(cfg.threads or threads)
+    try:
+        # Isolated pairs run before this process builds its model: none shares the device with it.
+        in_child = functools.partial(_run_child, cfg, backend.name, say)
+        isolated = _sweep(cfg, backend, started, say, in_child) if cfg.isolate else None
+        # After isolated pairs the model only describes the run (unless the RL loop runs here).
+        report, workload = _prepare(
+            cfg, backend, say, describe_only=cfg.isolate and not cfg.rl_loop
+        )
+
+        def in_process(bs: int, mode: str) -> tuple[ModeResult, Any]:
+            return _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
+
+        report.results, outputs = isolated or _sweep(cfg, backend, started, say, in_process)
+        for result in report.results:  # the roofline: weight bytes a step reads / step time
+            if step := result.decode_step_s:
+                gbps = result.weight_bandwidth_gbps = report.weight_bytes_per_step / step / 1e9
+                peak = report.peak_bandwidth_gbps
+                result.bandwidth_fraction = None if peak is None else gbps / peak
+        _agreement(report, outputs)
+        fill_ratios(report.results)
+        if cfg.rl_loop:
+            from graphcap.bench.rl_loop import run_rl_loop
+
+            say(f"rl-loop: {cfg.rl_loop} iterations at bs {cfg.rl_batch_size}")
+            report.rl_loop, warnings = run_rl_loop(
+                workload(cfg.rl_batch_size),
+                iterations=cfg.rl_loop,
+                optimizer=cfg.rl_optimizer,
+                lr=cfg.rl_lr,
+                seed=cfg.seed,
+            )
+            report.warnings += warnings
+        report.elapsed_s = time.monotonic() - started
+        return report
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prepare(
+    cfg: BenchConfig, backend: Backend, say: Callable[[str], None], describe_only: bool = False
+) -> tuple[BenchReport, Callable[..., Workload]]:
+    """Build the model: an empty report describing the run, and a workload builder (batch
+    size, continuous slots) on that model. ``describe_only``: the model is built on the meta
+    device (shapes, no weights), enough for the report; no workload runs on it."""
+    device = torch.device("meta") if describe_only else backend.device
+    say(f"building {cfg.model} ({cfg.dtype}) on {device}")
+    dtype, name = models.DTYPES[cfg.dtype], backend.device_name()
+    model = models.build_model(
+        cfg.model, dtype=dtype, device=device, seed=cfg.seed, backend_seed=backend.manual_seed
+    )
+    peak = models.peak_bandwidth(name, cfg.peak_bandwidth)
+    report = BenchReport(
+        environment={
+            **{m.__name__: m.__version__ for m in (graphcap, torch, transformers)},
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        backend={**backend.describe(), "device_name": name},
+        config=asdict(cfg),
+        model=models.describe_model(model),
+        weight_bytes_per_step=models.weight_bytes_per_step(model),
+        peak_bandwidth_gbps=None if peak is None else peak / 1e9,
+        reference_mode=next((m for m in REFERENCES if m in cfg.modes), None),
+    )
+    if not describe_only:
+        with torch.no_grad():  # one forward first: the first mode must not pay device start-up
+            model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
+        backend.synchronize()
+
+    def workload(batch: int, slots: int | None = None) -> Workload:
+        vocab = model.config.vocab_size
+        ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
+        attention = None if cfg.graph_attention == "model" else cfg.graph_attention
+        cache = None if cfg.compile_cache == "none" else cfg.compile_cache
+        return Workload(
+            model, backend, ids, mask, cfg.new_tokens, slots, attention, cfg.fuse_projections, cache
+        )
+
+    return report, workload
+
+
+def _sweep(
+    cfg: BenchConfig,
+    backend: Backend,
+    started: float,
+    say: Callable[[str], None],
+    run_pair: Callable[[int, str], tuple[ModeResult, Any]],
+) -> tuple[list[ModeResult], dict[tuple[str, int], tuple[Any, Any]]]:
+    """Every (batch size, mode) pair in order, measured by ``run_pair`` while the time budget
+    lasts (the rest are skipped); the results, and the first and last calls by (mode, size)."""
+    compiled = cfg.compile_batch_sizes or cfg.batch_sizes
+    pairs = [
+        (b, m)
+        for b in cfg.batch_sizes
+        for m in cfg.modes
+        if b in compiled or not MODES[m].compiles(backend)
+    ]
+    results: list[ModeResult] = []
+    outputs: dict[tuple[str, int], tuple[Any, Any]] = {}
+    for done, (bs, mode) in enumerate(pairs):
+        if cfg.budget_s is not None and time.monotonic() - started > cfg.budget_s:
+            reason = f"time budget of {cfg.budget_s:g} s spent"
+            results.append(ModeResult(mode, bs, SKIPPED, reason))
+            continue
+        say(f"[{done + 1}/{len(pairs)}, {len(pairs) - done - 1} left] bs {bs}: {mode}")
+        result, calls = run_pair(bs, mode)
+        results.append(result)
+        if calls is not None:
+            outputs[mode, bs] = calls
+    return results, outputs
+
+
+def _run_child(
+    cfg: BenchConfig, backend: str, say: Callable[[str], None], bs: int, mode: str
+) -> tuple[ModeResult, Any]:
+    """One pair in a fresh process (``python -m graphcap.bench.run``), so that it inherits no
+    other mode's compiled code, allocator state or caches; its output lines go to ``say``, and
+    the last ones are the reason of the ERROR result a failed child gives."""
+    only = {"batch_sizes": [bs], "modes": [mode], "compile_batch_sizes": None, "rl_loop": 0}
+    child = replace(cfg, **only, budget_s=None, isolate=False, backend=backend)
+    with tempfile.TemporaryDirectory(prefix="graphcap-bench-") as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(asdict(child)))
+        command = [sys.executable, "-m", "graphcap.bench.run", folder]
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        tail: collections.deque[str] = collections.deque(maxlen=CHILD_REASON_LINES)
+        for line in proc.stdout or ():
+            say(line.rstrip())
+            if line.strip():
+                tail.append(line.rstrip())
+        if proc.wait() != 0:
+            reason = f"child process exited with status {proc.returncode}: " + "\n".join(tail)
+            return ModeResult(mode, bs, ERROR, reason), None
+        saved = torch.load(Path(folder) / "result.pt", weights_only=True)
+    tokens = saved["tokens"]
+    calls = None if tokens is None else tuple(CallOutput(t, None, None) for t in tokens)
+    return ModeResult(**saved["result"]), calls
+
+
+def _child_main(folder: str) -> None:
+    """A child of :func:`_run_child`: its one pair, measured as in-process runs measure theirs."""
+    cfg = BenchConfig(**json.loads((Path(folder) / "config.json").read_text()))
+    backend, say = graphcap.get_backend(cfg.backend), functools.partial(print, flush=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _, workload = _prepare(cfg, backend, say)
+    (bs,), (mode,) = cfg.batch_sizes, cfg.modes
+    result, calls = _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
+    tokens = None if calls is None else [c.tokens.cpu() for c in calls]
+    torch.save({"result": asdict(result), "tokens": tokens}, Path(folder) / "result.pt")
+
+
+def _run_mode(
+    name: str, work: Workload, config: BenchConfig, say: Callable[[str], None]
+) -> tuple[ModeResult, Any]:
+    """Measure one mode at one batch size; also return its first and last call's output."""
+    r, mode, backend = ModeResult(name, work.batch_size), MODES[name], work.backend
+    if (reason := mode.unsupported(backend)) is not None:
+        say(f"  unsupported: {reason}")
+        return ModeResult(name, work.batch_size, UNSUPPORTED, reason), None
+    gc.collect()
+    backend.empty_cache()
+    backend.reset_peak_memory_stats()
+    before, (graphs0, breaks0) = backend.memory_allocated(), compile_counts()
+
+    def timed(label: str) -> Any:
+        seconds, out = timed_call(call, backend.synchronize)
+        say(f"  {label}: {seconds * 1e3:.1f} ms")
+        out.seconds = seconds
+        return out
+
+    try:
+        with mode.session(work) as call:
+            first = timed("first")
+            graphs1, held = compile_counts()[0], backend.memory_allocated()
+            for i in range(config.warmup):
+                timed(f"warmup {i + 1}")
+            calls = [timed(f"steady {i + 1}") for i in range(config.repeats)]
+    except Exception as exc:  # one broken mode must not lose the others' figures
+        r.status, r.reason = ERROR, f"{type(exc).__name__}: {exc}"
+        say(f"  error: {r.reason}\n{traceback.format_exc()}")
+        return r, None
+    graphs2, breaks2 = compile_counts()
+    r.compiled_graphs_first_call, r.recompiles_steady = graphs1 - graphs0, graphs2 - graphs1
+    r.graph_breaks, r.first_call_s = breaks2 - breaks0, first.seconds
+    r.engine_memory_bytes = None if None in (held, before) else held - before  # kept by the engine
+    r.peak_memory_bytes = backend.max_memory_allocated()
+    r.steady_s = [c.seconds for c in calls]
+    r.steady_median_s, r.steady_min_s, r.steady_max_s = spread(r.steady_s)
+    r.tokens_per_s = work.batch_size * work.new_tokens / r.steady_median_s
+    r.prefill_s = spread(c.prefill_s for c in calls)[0]
+    r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s = spread(
+        c.decode_step_s for c in calls
+    )
+    if (stats := calls[-1].stats) is not None:
+        r.captures, r.replays_per_call, r.attention = stats.captures, stats.replays, stats.attention
+        r.occupancy = spread(c.stats.occupancy for c in calls)[0]
+        r.compiled, r.compile_cache = first.stats.compiled, first.stats.compile_cache
+        r.first_call_phases = first_call_phases(first.stats, first.seconds)
+    r.path = "hf" if stats is None else stats.path
+    if mode.expected_path is not None and r.path != mode.expected_path:
+        r.status = FALLBACK
+        r.reason = f"ran eagerly: {stats.fallback_reason or 'no graph was captured'}"
+    elif name == "hf-static-compile" and not r.compiled_graphs_first_call:
+        r.status, r.reason = FALLBACK, "generate() compiled nothing here (ran uncompiled)"
+    elif name == "hf-static-compile" and r.recompiles_steady:
+        r.reason = (
+            f"recompiled {r.recompiles_steady} graph(s) after the first call: a broken "
+            "baseline (its steady time includes compilation); not used for ratios"
+        )
+    return r, (first, calls[-1])
+
+
+def token_agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """Fraction of positions where ``tokens`` equals ``reference``; None if the shapes differ."""
+    if tokens.shape != reference.shape:
+        return None
+    return float((tokens == reference).float().mean()) if tokens.numel() else 1.0
+
+
+def _agreement(report: BenchReport, outputs: dict[tuple[str, int], tuple[Any, Any]]) -> None:
+    """Token agreement of every mode's first and last call with the reference's last call."""
+    ref, warn = report.reference_mode, report.warnings.append
+    if ref is None:
+        warn("no reference mode (graphcap-eager or hf-eager) selected: token agreement unchecked")
+    for (name, bs), (first, last) in outputs.items():
+        r, expected = report.result(name, bs), outputs.get((ref, bs), (None, None))[1]
+        r.distinct_tokens = int(torch.unique(last.tokens).numel())
+        if name == ref and r.distinct_tokens < MIN_DISTINCT_TOKENS:
+            warn(f"the reference output at bs {bs} has only {r.distinct_tokens} distinct tokens")
+        if expected is None or (agree := token_agreement(last.tokens, expected.tokens)) is None:
+            continue
+        r.token_agreement, r.tokens_identical = agree, agree == 1.0
+        r.first_call_tokens_identical = token_agreement(first.tokens, expected.tokens) == 1.0
+        if r.status == OK and not r.tokens_identical:
+            warn(f"{name} (bs {bs}) differs from {ref} in {(1 - r.token_agreement):.1%} of tokens")
+
+
+def fill_ratios(results: list[ModeResult]) -> None:
+    """Speed-ups over the HF baselines at the same batch size (> 1 is faster); a baseline that
+    fell back, errored or recompiled in the steady state gives none."""
+    base = {
+        (r.mode, r.batch_size): r.steady_median_s
+        for r in results
+        if r.status == OK and r.steady_median_s and not r.recompiles_steady
+    }
+    for r in results:
+        if r.status in (OK, FALLBACK) and r.steady_median_s:
+            eager, static = (base.get((m, r.batch_size)) for m in ("hf-eager", "hf-static-compile"))
+            r.speedup_vs_hf_eager = eager / r.steady_median_s if eager else None
+            r.speedup_vs_hf_static_compile = static / r.steady_median_s if static else None
+
+
+if __name__ == "__main__":  # _run_child's entry point
+    _child_main(sys.argv[1])

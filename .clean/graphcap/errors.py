@@ -1,0 +1,46 @@
+"""Exceptions graphcap raises, so callers can catch them by meaning rather than by message."""
+
+from __future__ import annotations
+
+
+class GraphcapError(RuntimeError):
+    """Base class of every error graphcap raises on purpose."""
+
+
+class BackendSelectionError(GraphcapError):
+    """The requested backend is unknown, not installed, broken or unavailable."""
+
+
+class PluginError(GraphcapError):
+    """The plugin of the backend in use broke its contract (a hook raised or returned garbage)."""
+
+
+class GraphCaptureError(GraphcapError):
+    """Work issued during a capture cannot be recorded into a graph (a host sync, say)."""
+
+
+class GraphUnsupportedError(GraphcapError):
+    """A graph hook was called on a backend that cannot capture graphs."""
+
+
+class GraphUnsupportedModelError(GraphcapError):
+    """Graph capture was requested for a model configuration graphs cannot serve."""
+
+
+class CaptureFallbackWarning(RuntimeWarning):
+    """A graph capture failed; the call finished eagerly and the engine stays eager."""
+
+
+class CompileCacheWarning(RuntimeWarning):
+    """A compile-cache file could not be used (corrupt, foreign) or written; graphcap compiled
+    instead, so only time was lost."""
+
+
+class GenerateFallbackWarning(UserWarning):
+    """A ``model.generate`` call under :func:`graphcap.rollout.accelerate_generate` went to
+    transformers' own ``generate`` (the reason is in the message and in the drop-in's stats)."""
+
+
+class DecodeStalledError(GraphcapError):
+    """Decoding made no progress: rows that must finish within a known number of steps did not
+    (a backend whose graph replays do nothing, for one)."""

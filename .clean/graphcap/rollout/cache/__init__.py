@@ -1,0 +1,1 @@
+"""Request path, device buffers: the static KV cache, attention masks, attribute swaps."""

@@ -1,0 +1,241 @@
+"""The block KV table: per-layer pools of fixed-size blocks, one device table, a host allocator.
+
+Row ``b``'s logical column ``c`` lives in ``pool[table[b, c // block_size], :, c % block_size]``
+(:mod:`graphcap.kv_blocks` is the contract kernels read). The decode step writes through the
+table with device index math only, so it captures; the table's entries and the allocator are
+the host's, changed between replays only: the host knows each row's write column without a
+device read (the static path's width plus steps, the continuous path's ``SlotTable.column``) and
+hands blocks out ahead (:meth:`BlockKVCache.assign`). When the free list runs dry the pools grow:
+new tensors, so the graph that read the old ones is dropped first and the step recaptured.
+
+Block 0 is the null block (zeros, never written) that unassigned entries point at; block 1 is the
+shared *sink* block: an idle row's table points its first entry there, it writes its step's K/V
+at column 0 and reads one column (``lengths`` 1), so an idle slot costs one block for all of them
+instead of a sink column at the end of a row it would read in full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from graphcap import kv_blocks
+from graphcap.rollout.cache.cache import (
+    LayerSpec,
+    PreallocatedCache,
+    PreallocatedLayer,
+    PrefillWriter,
+    put_columns,
+)
+
+#: The block idle rows write and read (one for every idle row; its contents are never used).
+SINK_BLOCK = 1
+_RESERVED = 2  # the null block and the sink block
+
+
+def reads_blocks(attention: str) -> bool:
+    """Whether the registered attention implementation ``attention`` reads pools through the
+    table (:func:`graphcap.kv_blocks.reads_kv_blocks`) instead of a gathered contiguous K/V."""
+    function = ALL_ATTENTION_FUNCTIONS.get(attention) if attention != "eager" else None
+    return kv_blocks.is_block_aware(function)
+
+
+def rounded_length(total_len: int, block_size: int) -> int:
+    """``total_len`` rounded up to whole blocks (the logical row length of a block table)."""
+    return -(-total_len // block_size) * block_size
+
+
+class BlockKVLayer(PreallocatedLayer):
+    """One layer: ``keys``/``values`` pools ``(num_blocks, H, block_size, D)`` read through the
+    cache's shared table."""
+
+    def __init__(self, spec: LayerSpec, cache: BlockKVCache, num_blocks: int):
+        super().__init__(spec, num_blocks, cache.block_size, put_columns)
+        self.cache = cache
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``q`` new columns per row at ``write_pos[b] + i`` through the table; return the
+        pools to a block-aware attention (:func:`kv_blocks.current` set), else a gather."""
+        cache = self.cache
+        columns = cache.write_pos[:, None]
+        if key_states.shape[2] > 1:
+            columns = columns + torch.arange(key_states.shape[2], device=columns.device)
+        blocks = cache.table.gather(1, columns // cache.block_size).to(torch.long)
+        index = (blocks[:, None, :], self.heads, (columns % cache.block_size)[:, None, :])
+        self.put(self.keys, self.values, index, key_states, value_states)
+        if kv_blocks.current() is not None:
+            return self.keys, self.values
+        view = cache.view
+        return kv_blocks.gather(self.keys, view), kv_blocks.gather(self.values, view)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.max_len, 0
+
+    def get_seq_length(self) -> torch.Tensor:  # type: ignore[override]
+        """The furthest write position, as a device tensor (a host int would force a sync)."""
+        return self.cache.write_pos.max()
+
+    def get_max_length(self) -> int:
+        return self.cache.max_len
+
+
+class BlockKVCache(PreallocatedCache):
+    """A ``transformers.Cache`` whose layers keep K/V in block pools behind one device table.
+
+    The surface the decode step uses is the static cache's (``write_pos``, ``max_len``,
+    ``load_prefill``, ``advance``, ``release``, ``puts_through`` from
+    :class:`~graphcap.rollout.cache.cache.PreallocatedCache`; ``reset`` and ``nbytes`` here) plus
+    the table's: ``table``, ``lengths``, :attr:`view`, :meth:`assign`, :meth:`free_rows`,
+    :meth:`set_lengths`, :meth:`reading`.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[LayerSpec],
+        batch_size: int,
+        max_len: int,
+        block_size: int,
+        num_blocks: int | None = None,
+    ):
+        if not specs:
+            raise ValueError("a cache needs at least one layer spec")
+        if max_len % block_size:
+            raise ValueError(f"max_len {max_len} is not a whole number of {block_size}-blocks")
+        device = specs[0].device
+        self.block_size, self.max_len = block_size, max_len
+        self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.table = torch.full(
+            (batch_size, max_len // block_size), kv_blocks.NULL_BLOCK, dtype=torch.int32,
+            device=device,
+        )  # fmt: skip
+        self.table[:, 0] = SINK_BLOCK
+        self.lengths = torch.ones(batch_size, dtype=torch.int32, device=device)
+        self.view = kv_blocks.BlockView(self.table, self.lengths, block_size)
+        blocks = max(num_blocks or 0, _RESERVED + batch_size)
+        #: host side: free block ids and the blocks each row holds, in table order
+        self.free: list[int] = list(range(_RESERVED, blocks))
+        self.owned: list[list[int]] = [[] for _ in range(batch_size)]
+        #: how many times the pools grew (each growth replaces the pool tensors)
+        self.growths = 0
+        #: the most blocks rows held at once since the caller last reset it
+        self.peak_held = 0
+        super().__init__(layers=[BlockKVLayer(s, self, blocks) for s in specs])
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per pool (null and sink included): a shape every captured graph bakes in."""
+        return int(self.layers[0].keys.shape[0])
+
+    @property
+    def blocks_held(self) -> int:
+        return sum(len(blocks) for blocks in self.owned)
+
+    def reading(self, attention: str) -> contextlib.AbstractContextManager[None]:
+        """Within the block a forward with attention ``attention`` reads this table's view when
+        that attention is block-aware (every layer then returns its pools)."""
+        if reads_blocks(attention):
+            return kv_blocks.reading_blocks(self.view)
+        return contextlib.nullcontext()
+
+    def assign(
+        self,
+        columns: Sequence[int | None],
+        ahead: int,
+        before_growth: Callable[[], None] | None = None,
+    ) -> int:
+        """Give row ``b`` blocks through ``columns[b] + ahead`` when ``columns[b]`` (the column
+        it writes next, a host value; ``None`` for idle rows) is not covered yet. Blocks come
+        from the free list, zeroed first (stale K/V must not poison a masked column: a NaN
+        enters ``q @ k`` before the mask is added); when it runs dry the pools grow, after
+        ``before_growth`` (which drops the graphs reading the old pools). Returns the number of
+        blocks handed out. Between replays only."""
+        size, per_row = self.block_size, self.table.shape[1]
+        wanted: list[tuple[int, int]] = []  # (row, table entry)
+        for row, column in enumerate(columns):
+            if column is None or column // size < len(self.owned[row]):
+                continue
+            last = min((column + ahead) // size, per_row - 1)
+            wanted += [(row, entry) for entry in range(len(self.owned[row]), last + 1)]
+        if not wanted:
+            return 0
+        if len(wanted) > len(self.free):
+            if before_growth is not None:
+                before_growth()
+            self._grow(len(wanted) - len(self.free))
+        ids = [self.free.pop() for _ in wanted]
+        for (row, _), block in zip(wanted, ids, strict=True):
+            self.owned[row].append(block)
+        self.peak_held = max(self.peak_held, self.blocks_held)
+        device = self.table.device
+        picked = torch.tensor(ids, dtype=torch.long).to(device)
+        for layer in self.layers:
+            layer.keys[picked] = 0
+            layer.values[picked] = 0
+        rows = torch.tensor([r for r, _ in wanted], dtype=torch.long).to(device)
+        entries = torch.tensor([e for _, e in wanted], dtype=torch.long).to(device)
+        self.table[rows, entries] = picked.to(torch.int32)
+        return len(ids)
+
+    def _grow(self, missing: int) -> None:
+        """New, larger pools (old blocks copied over): at least ``missing`` more free blocks.
+        Doubling keeps recaptures few; it stops at every row's whole table (the static cache's
+        row length in whole blocks, plus the two reserved ones), which no call can need more
+        than."""
+        old = self.num_blocks
+        new = min(max(2 * old, old + missing), self.batch_size * self.table.shape[1] + _RESERVED)
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                pool = getattr(layer, name)
+                grown = pool.new_zeros((new, *pool.shape[1:]))
+                grown[:old].copy_(pool)
+                setattr(layer, name, None)  # the old pool goes before the next one is used
+                setattr(layer, name, grown)
+        self.free += range(old, new)
+        self.growths += 1
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        """Return rows' blocks to the free list; the rows then point at the sink block, write
+        at column 0 and read one column (idle slots)."""
+        for row in rows:
+            self.free += reversed(self.owned[row])  # last freed, first reused
+            self.owned[row] = []
+        if not rows:
+            return
+        index = torch.tensor(list(rows), dtype=torch.long).to(self.table.device)
+        self.table[index] = kv_blocks.NULL_BLOCK
+        self.table[index, 0] = SINK_BLOCK
+        self.lengths[index] = 1
+        self.write_pos[index] = 0
+
+    def set_lengths(self, furthest: torch.Tensor) -> None:
+        """``lengths`` = ``furthest + 1`` (device): the columns each row's kernel must read."""
+        self.lengths.copy_(furthest + 1)
+
+    def reset(self) -> None:
+        """Every row idle, every block free (block contents are zeroed as they are reused)."""
+        self.free_rows(range(self.batch_size))
+        self.free.sort(reverse=True)
+        self.peak_held = 0
+
+    def prefill_writer(self, rows: torch.Tensor | None, width: int) -> PrefillWriter:
+        """Through the table, looked up once for every layer (the rows' blocks are assigned
+        first, :meth:`assign`)."""
+        table = self.table if rows is None else self.table[rows]
+        columns = torch.arange(width, device=table.device)
+        blocks = table[:, columns // self.block_size].to(torch.long)[:, None, :]  # (R, 1, W)
+        offsets = (columns % self.block_size)[None, None, :]
+
+        def write(layer: PreallocatedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+            put_columns(layer.keys, layer.values, (blocks, layer.heads, offsets), keys, values)
+
+        return write
+
+    def nbytes(self) -> int:
+        tensors = [t for layer in self.layers for t in (layer.keys, layer.values)]
+        tensors += [self.table, self.lengths]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)

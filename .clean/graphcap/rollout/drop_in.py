@@ -1,0 +1,357 @@
+"""graphcap under an existing model's ``generate``: one call to put it there, one to take it off.
+
+Trainers that do not use vLLM (TRL's GRPOTrainer and RLOOTrainer, many PPO/GRPO loops) call the
+policy's own ``model.generate(input_ids, attention_mask=..., generation_config=...)``.
+:func:`accelerate_generate` replaces ``generate`` on the model instance with one that serves what
+the engine can serve through a held :class:`~graphcap.rollout.engine.RolloutEngine` and returns
+what ``generate`` returns (the same tensor, or a ``GenerateDecoderOnlyOutput`` with the same
+fields); every other call goes to the original ``generate`` with the reason recorded.
+
+The generation settings are resolved as ``generate`` resolves them: the ``generation_config``
+passed (else a blank one), its unset fields from ``model.generation_config``, keyword arguments
+on top, ``generate``'s defaults for what is still unset (20 new tokens, ``top_k`` 50 when
+sampling). Like ``generate``, a call leaves the model's train/eval flags as they are (TRL calls
+it in ``train()``) and runs under ``no_grad`` with gradient checkpointing off, which is
+restored after.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import logging
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import GenerationConfig
+
+from graphcap.errors import GenerateFallbackWarning
+from graphcap.rollout.config import (
+    GENERATE_DEFAULTS,
+    RolloutConfig,
+    SamplingParams,
+    unsupported_generation_fields,
+)
+from graphcap.rollout.engine import RolloutEngine
+from graphcap.rollout.plan.plan import graph_refusal
+from graphcap.rollout.plan.scan import scan_model
+from graphcap.rollout.results import RolloutStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger("graphcap.rollout")
+
+#: GenerationConfig fields the drop-in resolves itself (lengths as generate counts them, the
+#: output's form) or that cannot change the tokens (how generate would cache or compile).
+RESOLVED_HERE: tuple[str, ...] = (
+    "max_length",
+    "min_length",
+    "return_dict_in_generate",
+    "disable_compile",
+    "compile_config",
+    "cache_implementation",
+    "cache_config",
+)
+#: Beam-search settings, which ``generate`` ignores when ``num_beams`` is 1 (OpenRLHF passes
+#: ``early_stopping=True`` to every sampled call).
+BEAM_ONLY: tuple[str, ...] = ("early_stopping", "length_penalty")
+#: ``generate`` keyword arguments that change nothing when empty / ``None`` / ``False``.
+NEUTRAL_KWARGS: tuple[str, ...] = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "tokenizer",
+    "use_model_defaults",
+)
+
+
+@dataclass
+class DropInStats:
+    """What the drop-in did since it was installed: ``served`` calls ran on graphcap's engine
+    (``last`` holds the latest one's stats), the others went to ``generate`` for the reasons
+    counted in ``fallbacks``."""
+
+    served: int = 0
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    last: RolloutStats | None = None
+    replays: int = 0
+    captures: int = 0
+
+    @property
+    def calls(self) -> int:
+        return self.served + sum(self.fallbacks.values())
+
+
+class AcceleratedGenerate:
+    """The installed ``generate`` of one model: the engine, the original method, the stats."""
+
+    def __init__(self, model: PreTrainedModel, config: RolloutConfig) -> None:
+        self.model = model
+        self.engine = RolloutEngine(model, config)
+        self.original: Callable[..., Any] = model.generate
+        self.stats = DropInStats()
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request, reason = self._request(args, kwargs)
+        if reason is None:
+            try:
+                served = self._serve(request)
+            except (ValueError, TypeError) as exc:  # refused by the engine's input checks
+                reason = f"graphcap refused the call: {exc}"
+            else:
+                if served is not None:
+                    return served
+        if reason is not None:
+            self._fall_back(reason)
+        return self.original(*args, **kwargs)
+
+    def restore(self) -> None:
+        """Put the original ``generate`` back and release the engine's buffers and graphs."""
+        if self.model.__dict__.get("generate") is self.patched:
+            del self.model.generate
+        self.engine.shutdown()
+
+    @functools.cached_property
+    def patched(self) -> Callable[..., Any]:
+        """The function installed as the model's ``generate`` (keeps its signature and doc)."""
+
+        @functools.wraps(self.original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            return self(*args, **kwargs)
+
+        generate.graphcap = self  # type: ignore[attr-defined]
+        return generate
+
+    def _request(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Request | None, str | None]:
+        """The call as graphcap would serve it, or the reason it goes to ``generate``."""
+        try:
+            bound = inspect.signature(self.original).bind(*args, **kwargs)
+        except TypeError as exc:
+            return None, f"generate() rejects these arguments ({exc})"
+        given = dict(bound.arguments)
+        given.update(given.pop("kwargs", {}))
+        input_ids = given.pop("inputs", None)
+        if input_ids is None:
+            input_ids = given.pop("input_ids", None)
+        attention_mask = given.pop("attention_mask", None)
+        generation_config = given.pop("generation_config", None)
+        busy = sorted(k for k in NEUTRAL_KWARGS if k in given and _active(given.pop(k)))
+        if busy:
+            return None, f"generate() arguments graphcap does not take: {busy}"
+        if not isinstance(input_ids, torch.Tensor):
+            return None, "no input_ids tensor (inputs_embeds or another input form)"
+        settings = resolved_config(self.model, generation_config, given)
+        if isinstance(settings, str):
+            return None, settings
+        config, forward_kwargs = settings
+        if forward_kwargs:
+            return None, f"model inputs graphcap does not pass on: {sorted(forward_kwargs)}"
+        sampling = sampling_for(self.model, config, input_ids.shape[-1])
+        if isinstance(sampling, str):
+            return None, sampling
+        if sampling.repetition_penalty != 1 and PENALISES_PADDING and _padded(attention_mask):
+            return None, (
+                f"transformers {transformers.__version__} applies the repetition penalty to "
+                "left-padding tokens too (5.23 stopped); graphcap never does"
+            )
+        return Request(input_ids, attention_mask, sampling, config), None
+
+    def _serve(self, request: Request) -> Any | None:
+        """The call served by the engine, or ``None`` where it would not capture (graphcap's
+        eager loop is no faster than ``generate``, so ``generate`` serves those)."""
+        refusal = graph_refusal(self.model, self.engine.backend, scan_model(self.model))
+        if refusal is not None or not self.engine.config.enable_graph_capture:
+            self._fall_back(f"no graph for this call: {refusal or 'graphs are off in the config'}")
+            return None
+        with self._lock:
+            result = self.engine.generate(
+                request.input_ids, request.attention_mask, request.sampling
+            )
+        width = request.input_ids.shape[-1]
+        # generate stops once every row has finished: its width is the longest response
+        sequences = result.sequences[:, : width + int(result.response_lengths.max())]
+        stats = self.stats
+        stats.served += 1
+        stats.last = result.stats
+        stats.replays += result.stats.replays
+        stats.captures = result.stats.captures
+        if not request.config.return_dict_in_generate:
+            return sequences
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        steps = sequences.shape[1] - width
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=_per_step(result.scores, steps),
+            logits=_per_step(result.logits, steps),
+        )
+
+    def _fall_back(self, reason: str) -> None:
+        self.stats.fallbacks[reason] += 1
+        logger.info("graphcap: model.generate served by transformers: %s", reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(
+                f"graphcap: this generate() call runs transformers' own generate: {reason}",
+                GenerateFallbackWarning,
+                stacklevel=4,
+            )
+
+
+def _per_step(record: torch.Tensor | None, steps: int) -> tuple[torch.Tensor, ...] | None:
+    """A ``(rows, steps, vocab)`` record as generate's tuple of one ``(rows, vocab)`` a step."""
+    return None if record is None else tuple(record[:, t] for t in range(steps))
+
+
+@dataclass(frozen=True)
+class Request:
+    """A ``generate`` call graphcap serves."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    sampling: SamplingParams
+    config: GenerationConfig
+
+
+#: Whether this transformers' repetition penalty also penalises the pad id where it fills the
+#: prompts' left padding (before 5.23); graphcap's looks only at real tokens.
+PENALISES_PADDING = Version(transformers.__version__) < Version("5.23")
+
+
+def _padded(attention_mask: torch.Tensor | None) -> bool:
+    """Whether some prompt is padded (unknown without a mask: taken as padded)."""
+    return attention_mask is None or bool((attention_mask == 0).any())
+
+
+def _active(value: Any) -> bool:
+    """Whether a keyword argument asks for something (an empty processor list does not)."""
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, (list, tuple)) and len(value) == 0)
+
+
+def resolved_config(
+    model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+) -> tuple[GenerationConfig, dict[str, Any]] | str:
+    """The settings ``generate`` would run with and the keyword arguments it would pass to the
+    model, or why graphcap cannot serve them."""
+    config = copy.deepcopy(generation_config) if generation_config is not None else None
+    if config is None:
+        config = GenerationConfig()
+    own = getattr(model, "generation_config", None)
+    if own is not None:
+        config.update(**own.to_dict(), defaults_only=True, allow_custom_entries=True)
+    forward_kwargs = config.update(**kwargs)
+    if not config.return_dict_in_generate:  # generate returns scores only in its output dict
+        config.output_scores = config.output_logits = False
+    ignored = RESOLVED_HERE + (BEAM_ONLY if (config.num_beams or 1) == 1 else ())
+    refused = [n for n in unsupported_generation_fields(config) if n not in ignored]
+    if refused:
+        return f"GenerationConfig fields graphcap does not serve: {refused}"
+    return config, forward_kwargs
+
+
+def sampling_for(
+    model: PreTrainedModel, config: GenerationConfig, width: int
+) -> SamplingParams | str:
+    """``config``'s settings for prompts ``width`` tokens wide, lengths counted as ``generate``
+    counts them; or why they cannot run."""
+    max_new, min_new = config.max_new_tokens, config.min_new_tokens
+    if max_new is None and config.max_length is not None:
+        max_new = config.max_length - width
+    elif max_new is None:  # generate's default: 20 new tokens, within the model's positions
+        limit = getattr(model.config, "max_position_embeddings", None)
+        total = width + GENERATE_DEFAULTS["max_length"]
+        max_new = (total if limit is None else min(total, limit)) - width
+    if min_new is None:
+        min_new = max(0, (config.min_length or 0) - width)
+    if max_new < 1:
+        return f"no tokens to generate (max_new_tokens {max_new} for {width}-token prompts)"
+    config = copy.deepcopy(config)
+    for name in RESOLVED_HERE + BEAM_ONLY:  # resolved above: the sampling fields are left
+        if hasattr(config, name):
+            setattr(config, name, None)
+    config.max_new_tokens, config.min_new_tokens = int(max_new), min(int(min_new), int(max_new))
+    try:
+        return SamplingParams.from_generation_config(config)
+    except ValueError as exc:
+        return f"settings graphcap refuses: {exc}"
+
+
+def generating_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The module whose ``generate`` runs in the end: through DDP / accelerate / DeepSpeed
+    wrappers (``.module``) and PEFT (``get_base_model()``: a PEFT model's ``generate`` calls the
+    base model's)."""
+    while not hasattr(model, "generation_config") and isinstance(
+        getattr(model, "module", None), torch.nn.Module
+    ):
+        model = model.module
+    base = getattr(model, "get_base_model", None)
+    if callable(base):
+        model = base()
+    if not callable(getattr(model, "generate", None)):
+        raise TypeError(
+            f"{type(model).__name__} has no generate(); pass a transformers model (or a wrapper "
+            "of one: DDP, accelerate, PEFT)"
+        )
+    return model
+
+
+def default_config(model: PreTrainedModel) -> RolloutConfig:
+    """Graphs on; total lengths padded to powers of two (trainers pass prompts of a new width
+    every call; each bucket is one graph, captured once); the finished flag read after every
+    step, as ``generate`` reads it, so a sampled call stops on generate's step and draws
+    exactly generate's random numbers (the next call's draws then match too)."""
+    limit = getattr(model.config, "max_position_embeddings", None) or 2**16
+    buckets = tuple(2**k for k in range(6, max(6, limit.bit_length()) + 1) if 2**k <= limit)
+    return RolloutConfig(
+        enable_graph_capture=True, length_buckets=buckets or None, eos_check_interval=1
+    )
+
+
+def accelerate_generate(
+    model: torch.nn.Module, config: RolloutConfig | None = None
+) -> AcceleratedGenerate:
+    """Serve ``model.generate`` with graphcap's engine until :func:`restore_generate`.
+
+    ``model``: a transformers model, or a wrapper of one (DDP, accelerate-prepared, PEFT): the
+    replacement is installed on the model whose ``generate`` finally runs, so calls through the
+    wrapper reach it. ``config``: the engine's settings (default: :func:`default_config`).
+    Returns the installed object (``.stats``, ``.engine``, ``.restore()``).
+    """
+    target = generating_model(model)
+    installed = getattr(target.__dict__.get("generate"), "graphcap", None)
+    if installed is not None:
+        raise RuntimeError(
+            "graphcap already serves this model's generate(); call "
+            "graphcap.rollout.restore_generate(model) first to change its config"
+        )
+    accelerated = AcceleratedGenerate(target, config or default_config(target))
+    target.generate = accelerated.patched
+    return accelerated
+
+
+def restore_generate(model: torch.nn.Module) -> bool:
+    """Give ``model`` its own ``generate`` back; whether graphcap was installed on it."""
+    installed = getattr(generating_model(model).__dict__.get("generate"), "graphcap", None)
+    if installed is None:
+        return False
+    installed.restore()
+    return True

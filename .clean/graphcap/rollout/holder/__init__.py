@@ -1,0 +1,1 @@
+"""Request path, holder: buffers and graphs kept across calls, capture, rank agreement."""

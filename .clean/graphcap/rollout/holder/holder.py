@@ -1,0 +1,241 @@
+"""The graph holder: the buffers and graphs of one signature, kept across calls.
+
+One holder per engine. It drops what it holds when a call's signature differs (before the
+replacement is allocated), captures through the one capture routine
+(:func:`~graphcap.rollout.holder.capture.capture_step`) with the process group's agreement, and
+keeps graphs off for the engine after a failed capture. The static path holds one graph (key
+``None``); per-position graphs are keyed by position and share one memory pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcap.backend import Backend
+from graphcap.rollout.cache.cache import LayerSpec
+from graphcap.rollout.config import SamplingParams
+from graphcap.rollout.holder.agreement import PEER_RECAPTURE, RankAgreement
+from graphcap.rollout.holder.capture import capture_step, fallback_reason
+from graphcap.rollout.holder.compile_cache import CompileCache, shape_key
+from graphcap.rollout.plan.fusion import ProjectionFusion
+from graphcap.rollout.plan.regions import compiled_bookkeeping, compiled_regions, one_row_products
+from graphcap.rollout.plan.signature import GraphSignature, attention_implementation
+from graphcap.rollout.results import RolloutStats
+from graphcap.rollout.sampling import SamplerShape
+from graphcap.rollout.step.step import DecodeStep
+
+
+@dataclass
+class Held:
+    """What one signature owns: its decode step (with cache, masks and state) and graphs."""
+
+    signature: GraphSignature
+    step: DecodeStep
+    graphs: dict[int | None, object] = field(default_factory=dict)
+    pool: object | None = None
+
+
+class GraphHolder:
+    """Hold, drop and capture. The engine asks it questions (:meth:`held_step`,
+    :meth:`capture_count`) and tells it to :meth:`drop`; what it holds stays its own."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        agreement: RankAgreement,
+        fusion: ProjectionFusion | None = None,
+        compile_cache: CompileCache | None = None,
+    ):
+        self.backend = backend
+        self.agreement = agreement
+        #: where compiled captures keep their compiled code between processes
+        self.compile_cache = compile_cache or CompileCache(None)
+        #: the engine's joined projections, which compiled captures route through the backend's
+        #: one-row product with the model's other projections
+        self.fusion = fusion
+        self._held: Held | None = None
+        self._captures = 0
+        #: why graphs are off for this engine (a failed capture here or on another rank)
+        self.disabled_reason: str | None = None
+        #: the sampler's graph shape: it only grows, so alternating greedy and sampled calls
+        #: replay one graph (docs/rollout.md, "One graph for any setting")
+        self.sampler = SamplerShape()
+        #: the model's host state when this engine last compiled (see :meth:`_compiled`)
+        self.compiled_state: object | None = None
+
+    def held_step(self) -> DecodeStep | None:
+        """The decode step held (its cache, masks and state), ``None`` when nothing is."""
+        return None if self._held is None else self._held.step
+
+    def capture_count(self) -> int:
+        """Every graph this holder has captured, on every path and call."""
+        return self._captures
+
+    def sampler_for(self, rows: Sequence[SamplingParams]) -> SamplerShape:
+        """The sampler shape serving this call (its per-row settings ``rows``) and every
+        earlier one."""
+        self.sampler = self.sampler.widen(rows)
+        return self.sampler
+
+    def release_stale(self, signature: GraphSignature) -> list[str]:
+        """Drop what was held for another signature; the names of the members that changed."""
+        if self._held is None or self._held.signature == signature:
+            return []
+        changed = self._held.signature.differences(signature)
+        self.drop()
+        return changed
+
+    def step_for(
+        self,
+        signature: GraphSignature,
+        specs: tuple[LayerSpec, ...],
+        build: Callable[[], DecodeStep],
+    ) -> DecodeStep:
+        """The held step for ``signature``, or a new one from ``build`` (sized from ``specs``,
+        the K/V shapes the prefill produced)."""
+        if self._held is not None and self._held.step.cache.layer_specs() != specs:
+            self.drop()
+        if self._held is None:
+            self._held = Held(signature, build())
+        return self._held.step
+
+    def graph(self, key: int | None = None) -> object | None:
+        return None if self._held is None else self._held.graphs.get(key)
+
+    @property
+    def graph_count(self) -> int:
+        return 0 if self._held is None else len(self._held.graphs)
+
+    def agree(self, use_graph: bool, capture: bool, stats: RolloutStats) -> bool:
+        """The process group's graph decision for this call (local without a group): whether
+        to use graphs. A rank recapturing makes every rank recapture."""
+        verdict = self.agreement.decide(use_graph, capture)
+        if verdict.eager_reason is not None:
+            stats.fallback_reason = verdict.eager_reason
+            return False
+        if verdict.recapture:
+            stats.recapture_reason.append(PEER_RECAPTURE)
+            self.drop_graphs()
+        return use_graph
+
+    def capture(
+        self,
+        step: DecodeStep,
+        attention: str,
+        stats: RolloutStats,
+        key: int | None = None,
+        compiled: bool = False,
+    ) -> object | None:
+        """Capture ``step`` as graph ``key`` and agree on the outcome with the group; ``None``
+        when this or another rank's capture failed (graphs then stay off for this engine).
+
+        ``attention``: the implementation the captured step runs (the model's own is restored
+        after capture, so eager steps never see it). ``compiled``: the warm-up and capture run
+        the model's blocks around attention compiled (:mod:`graphcap.rollout.plan.regions`; the
+        warm-up compiles them, with the compile cache's file for this shape loaded). Adds the
+        warm-up's seconds and the compile cache's use to ``stats``.
+        """
+        assert self._held is not None, "step_for() comes first"
+        pool = None
+        if key is not None:  # a set of graphs shares one pool
+            pool = self._held.pool = self._held.pool or self.backend.graph_pool_handle()
+        timings: dict[str, float] = {}
+        try:
+            with _attention(step.model, attention), self._compiled(step, compiled, stats):
+                graph = capture_step(
+                    self.backend,
+                    step,
+                    step.mutable_tensors(),
+                    step.generator,
+                    pool=pool,
+                    timings=timings,
+                )
+        except Exception as exc:  # any capture failure: rolled back; the call goes on eagerly
+            stats.warmup_s += timings.get("warmup_s", 0.0)
+            self.disabled_reason = fallback_reason(exc)
+            self.agreement.peer_capture_failure(captured=False)
+            self.drop_graphs()
+            return None
+        stats.warmup_s += timings["warmup_s"]
+        self._captures += 1
+        peer_failure = self.agreement.peer_capture_failure(captured=True)
+        if peer_failure is not None:
+            self.disabled_reason = peer_failure
+            self.drop_graphs()
+            return None
+        self._held.graphs[key] = graph
+        return graph
+
+    @contextlib.contextmanager
+    def _compiled(self, step: DecodeStep, compiled: bool, stats: RolloutStats) -> Iterator[None]:
+        """Compiled captures: :func:`compiled_regions` and :func:`compiled_bookkeeping`, with the
+        projections through the backend's one-row product where it offers one, under the
+        backend's compiled-capture settings, with the compile cache's file for this shape."""
+        product = self.backend.one_row_product() if compiled else None
+        with contextlib.ExitStack() as stack:
+            if compiled:
+                state = self._held.signature.host_state
+                if self.compiled_state is not None and self.compiled_state != state:
+                    # dynamo does not guard on every host value the signature does (a module's
+                    # forward hooks): code compiled before the change must not be captured
+                    torch.compiler.reset()
+                self.compiled_state = state
+                options = self.backend.compile_options()
+                key = self._cache_key(step, options)
+                stats.compile_cache = stack.enter_context(self.compile_cache.session(key)).state
+                stack.enter_context(self.backend.compiled_capture_context())
+                stack.enter_context(compiled_regions(step.model, step.cache, options))
+                stack.enter_context(compiled_bookkeeping(step, options))
+            if product is not None:
+                stack.enter_context(one_row_products(step.model, product, self.fusion))
+            yield
+
+    def _cache_key(self, step: DecodeStep, options: dict[str, object]) -> str:
+        """The compile-cache file of this step's shape on this backend."""
+        batch, length = step.state.sequences.shape
+        description = {
+            "batch": batch,
+            "length": length,
+            "dtype": next(step.model.parameters()).dtype,
+            "backend": self.backend.name,
+            "device": self.backend.device_name(),
+            "options": options,
+            "one_row": self.backend.one_row_product() is not None,
+            "joined_groups": len(self.fusion.active) if self.fusion is not None else 0,
+        }
+        return shape_key(step.model, description)
+
+    def drop_graphs(self) -> None:
+        """Forget the graphs (and their pool); the buffers stay."""
+        if self._held is not None and self._held.graphs:
+            self._held.graphs.clear()
+            self._held.pool = None
+            self.backend.empty_cache()
+
+    def drop(self) -> bool:
+        """Release the graphs and every buffer of the held signature; whether anything was
+        held."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.graphs.clear()
+            held.step.cache.release()
+            self.backend.empty_cache()
+        return held is not None
+
+
+@contextlib.contextmanager
+def _attention(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Run with attention implementation ``name``, then restore the model's own."""
+    own = attention_implementation(model)
+    if name == own:
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)

@@ -1,0 +1,1 @@
+"""Request path, plan: input checks, model scan, graph signature, compiled regions, path."""

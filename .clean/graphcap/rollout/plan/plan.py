@@ -1,0 +1,288 @@
+"""The plan of one call: which path serves it, the graph signature, and why not a graph.
+
+Every refusal lives here, in one pure function of the model, the backend, the settings and the
+request (DESIGN.md, "One request, one path"). Two kinds: what graphs cannot serve sends the call
+to the eager loop with the reason recorded in the stats (a backend without graphs or without a
+declared capability the call needs, a stateful model, parameters gathered inside forward (ZeRO-3,
+FSDP; tensor-parallel shards are resident and keep graphs), chunked attention, autocast's weight
+cache, nothing to decode); what the user explicitly asked for that graphs cannot do raises
+:class:`~graphcap.errors.GraphUnsupportedModelError` (an attention implementation that reads host
+values per call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from graphcap.backend import Backend
+from graphcap.errors import GraphUnsupportedModelError
+from graphcap.rollout.cache.blocks import rounded_length
+from graphcap.rollout.cache.masks import layer_windows, unsupported_layer_types
+from graphcap.rollout.config import RolloutConfig, SamplingParams
+from graphcap.rollout.plan.regions import compile_regions
+from graphcap.rollout.plan.scan import ModelScan
+from graphcap.rollout.plan.signature import (
+    GraphSignature,
+    attention_implementation,
+    autocast_state,
+    signature_of,
+)
+from graphcap.rollout.sampling import SamplerShape
+
+#: Attention implementations whose kernels read host values per call (varlen lengths, block
+#: tables) or build masks with host logic; a graph would freeze them.
+UNSAFE_ATTENTION_MARKERS: tuple[str, ...] = ("flash_attention", "flex_attention", "paged")
+
+
+def check_attention(model: torch.nn.Module) -> None:
+    """Raise if the model's attention implementation is known not to be graph-safe."""
+    name = attention_implementation(model)
+    if any(marker in name for marker in UNSAFE_ATTENTION_MARKERS):
+        raise GraphUnsupportedModelError(
+            f"attention implementation {name!r} is not graph-safe (it reads host values per "
+            "call); load the model with attn_implementation='sdpa' or 'eager', or set "
+            "RolloutConfig(enable_graph_capture=False)"
+        )
+
+
+def check_sharded_group(scan: ModelScan, config: RolloutConfig) -> None:
+    """Raise if the model is sharded over ranks that ``config.process_group`` does not cover.
+
+    A tensor-parallel forward runs collectives over the parameters' device mesh; a rank that
+    stopped decoding (or replayed while another captured) without agreeing first would leave
+    the others waiting in a collective forever.
+    """
+    mesh = scan.mesh
+    if mesh is None or mesh.size() == 1:
+        return
+    ranks = set(mesh.mesh.flatten().tolist())
+    if config.process_group is None:
+        raise ValueError(
+            f"the model's parameters are sharded over {len(ranks)} ranks (DTensor parameters) "
+            "but RolloutConfig.process_group is None: pass the tensor-parallel group, e.g. "
+            "RolloutConfig(process_group=torch.distributed.group.WORLD) under torchrun, so "
+            "that every rank takes the same path and steps"
+        )
+    covered = set(dist.get_process_group_ranks(config.process_group))
+    if not ranks <= covered:
+        raise ValueError(
+            f"RolloutConfig.process_group (ranks {sorted(covered)}) does not contain every rank "
+            f"the model is sharded over ({sorted(ranks)}); pass a group that does"
+        )
+
+
+def graph_refusal(model: torch.nn.Module, backend: Backend, scan: ModelScan) -> str | None:
+    """Why this call must run eagerly although graphs were requested, or ``None``."""
+    if not backend.supports_graph_capture:
+        return f"backend {backend.name!r} cannot capture graphs (create_graph() returned None)"
+    # private: transformers' own flag for models with recurrent state (no public equivalent)
+    if getattr(model, "_is_stateful", False):
+        return f"{type(model).__name__} is stateful (_is_stateful); its state is not in the cache"
+    if scan.non_resident:
+        return scan.non_resident
+    unsupported = unsupported_layer_types(getattr(model, "config", None))
+    if unsupported:
+        return (
+            f"layer types {unsupported} need masks beyond full/sliding-window attention; only "
+            "full_attention and sliding_attention layers are supported on the graph path"
+        )
+    enabled, _, cache_enabled = autocast_state(backend.device.type)
+    if enabled and cache_enabled:
+        return (
+            "autocast with its weight cache enabled would freeze cast copies of the weights in "
+            "the graph; use torch.autocast(..., cache_enabled=False)"
+        )
+    return None
+
+
+def capability_refusal(
+    backend: Backend, params: SamplingParams, config: RolloutConfig
+) -> str | None:
+    """Why the backend's declared capabilities rule graphs out for this call, or ``None``."""
+    caps = backend.capabilities
+    if params.do_sample and not caps.rng_in_graph:
+        return (
+            f"backend {backend.name!r} declares rng_in_graph=False (every replay would draw the "
+            "same numbers): sampled calls run eagerly"
+        )
+    if config.process_group is not None and not caps.collectives_in_graph:
+        return (
+            f"backend {backend.name!r} declares collectives_in_graph=False: tensor-parallel "
+            "steps (process_group set) run eagerly"
+        )
+    if config.compile is True and not caps.captures_compiled:
+        return (
+            f"backend {backend.name!r} declares captures_compiled=False (a capture cannot record "
+            "torch.compile'd regions): calls with RolloutConfig(compile=True) run eagerly"
+        )
+    return None
+
+
+def compile_refusal(scan: ModelScan) -> str | None:
+    """Why this call's step is captured uncompiled although compiling was asked or declared,
+    or ``None``. A model with live forward hooks: on the H200, compiled captures of a model
+    whose MLP had a forward hook (or pre-hook, or a global one) differed from eager from the
+    first step while the uncompiled capture matched, with every graphcap compile option off
+    too, and the same model with the hook's scale folded into the weights matched compiled
+    (benchmarks/results/checks/hooked-compile-*.json)."""
+    hooked = scan.host_state.hooked_module()
+    if hooked is None:
+        return None
+    return (
+        f"forward hooks ({hooked}): compiled captures of hooked models are not token-exact "
+        "against eager (measured on the H200), so the step is captured uncompiled; remove the "
+        "hook before the rollout to get the compiled step"
+    )
+
+
+def request_refusal(params: SamplingParams) -> str | None:
+    """Why this request has nothing a graph path can serve, or ``None``."""
+    if params.max_new_tokens == 1:
+        return "max_new_tokens=1: the prefill chooses the only token, there is no step to replay"
+    return None
+
+
+def pinned_refusal(params: SamplingParams) -> str | None:
+    """Why this call cannot use per-position graphs (lengths not pinned), or ``None``."""
+    if params.min_new_tokens == params.max_new_tokens:
+        return None
+    return (
+        "per_position_graphs needs pinned lengths (min_new_tokens == max_new_tokens, got "
+        f"{params.min_new_tokens} and {params.max_new_tokens}): EOS could end rows early, so the "
+        "positions are not known in advance; this call used the static graph path"
+    )
+
+
+def check_graph_attention(name: str | None) -> None:
+    """Refuse a ``graph_attention`` name transformers does not know, before any call: found
+    only at capture, it would turn graphs off for the engine."""
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name not in (None, "auto", *known):
+        raise ValueError(
+            f"RolloutConfig.graph_attention={name!r} is not a registered attention "
+            f"implementation (registered: {', '.join(known)}); use 'auto' for the backend's, "
+            "None for the model's own, or register the function with "
+            "transformers.AttentionInterface.register before creating the engine"
+        )
+
+
+def selected_attention(model: torch.nn.Module, backend: Backend, config: RolloutConfig) -> str:
+    """The attention implementation captured steps run: the config's choice, else the
+    backend's graph-safe one ("auto"), else the model's own."""
+    choice = config.graph_attention
+    if choice == "auto":
+        choice = backend.capabilities.graph_attention
+    return choice or attention_implementation(model)
+
+
+def kv_layout(config: RolloutConfig, backend: Backend, path: str) -> int | None:
+    """The block size of the call's block KV table, or ``None`` for the static cache.
+
+    ``RolloutConfig.kv_block_size`` ``"auto"`` follows the backend's declaration. The eager
+    layouts that move cache columns (``align_decode_fronts``, ``trim_cache``) and per-position
+    graphs (which attend over a host-given column span) keep the static cache: both read
+    contiguous columns of a row, which the table does not keep.
+    """
+    size = config.kv_block_size
+    if size == "auto":
+        size = backend.capabilities.kv_block_size
+    if config.align_decode_fronts or config.trim_cache or path == "per_position_graph":
+        return None
+    return size
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs.
+
+    ``path``: the path graphs take (``static_graph``, ``per_position_graph``,
+    ``continuous_graph``) or the eager one (``eager``, ``continuous_eager``). ``reason``: why the
+    call does not take the path the config asked for (eager instead of a graph, or the static
+    graph instead of per-position graphs, or uncompiled steps); ``None`` when it does.
+    ``compiled``: captured steps run the blocks around attention compiled
+    (:mod:`graphcap.rollout.plan.regions`).
+    """
+
+    path: str
+    reason: str | None
+    signature: GraphSignature
+    windows: dict[str, int | None]
+    attention: str
+    compiled: bool = False
+
+    @property
+    def graph(self) -> bool:
+        return self.path.endswith("_graph")
+
+
+def plan_call(
+    model: torch.nn.Module,
+    backend: Backend,
+    config: RolloutConfig,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    *,
+    batch_size: int,
+    total_len: int,
+    prompt_width: int,
+    sampler: SamplerShape,
+    disabled_reason: str | None,
+    scan: ModelScan,
+) -> Plan:
+    """The plan of one call (pure: reads the model and settings, changes nothing).
+
+    ``scan``: the call's one pass over the model (:func:`~graphcap.rollout.plan.scan.scan_model`).
+    ``sampler``: the sampler shape the step needs (the holder's, widened by this call);
+    ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
+    """
+    continuous = config.continuous_batch_size is not None
+    path = "continuous_eager" if continuous else "eager"
+    reason = None
+    attention = attention_implementation(model)
+    compiled = False
+    check_sharded_group(scan, config)
+    if config.enable_graph_capture:
+        check_attention(model)
+        reason = (
+            disabled_reason
+            or graph_refusal(model, backend, scan)
+            or capability_refusal(backend, params, config)
+            or request_refusal(params)
+        )
+    if config.enable_graph_capture and reason is None:
+        attention = selected_attention(model, backend, config)
+        compiled = config.wants_compile(backend) and bool(compile_regions(model))
+        if config.compile is True and not compiled:
+            reason = (
+                "compile=True found no decoder block to compile (no module holding an "
+                "attention with a layer_idx): the step is captured uncompiled"
+            )
+        if compiled and (reason := compile_refusal(scan)) is not None:
+            compiled = False
+        path = "continuous_graph" if continuous else "static_graph"
+        if config.per_position_graphs:
+            reason = pinned_refusal(params)
+            path = "static_graph" if reason else "per_position_graph"
+    windows = layer_windows(model.config)
+    block_size = kv_layout(config, backend, path)
+    signature = signature_of(
+        scan,
+        batch_size=batch_size,
+        total_len=total_len if block_size is None else rounded_length(total_len, block_size),
+        device=backend.device,
+        sampler=sampler,
+        pad_id=int(params.pad_token_id),
+        mask_form=backend.capabilities.mask_form,
+        windows=windows,
+        generator=generator,
+        attention=attention,
+        prompt_width=None if path in ("eager", "static_graph") else prompt_width,
+        decode_steps=params.max_new_tokens - 1 if path == "per_position_graph" else None,
+        compiled=compiled,
+        kv_block_size=block_size,
+    )
+    return Plan(path, reason, signature, windows, attention, compiled)

@@ -1,0 +1,109 @@
+"""One pass over the model per call: the facts the input checks, the plan and the signature read.
+
+Each of them used to walk the module tree or the parameters on its own (device placement,
+residency, sharding, dtype, tensor facts, training flags, host state): ten walks and about 20 ms
+of host time per call on gpt2-medium on the H200
+(benchmarks/results/profiles/host-overhead-per-call-b104d3c.log). :func:`scan_model` walks the
+modules once and the parameters and buffers once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphcap.rollout.plan.fingerprint import HostState, host_state
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+TensorFacts = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+@dataclass(frozen=True)
+class ModelScan:
+    """What one call reads from the model.
+
+    ``tensors``: name, address, shape, strides, dtype and device of every parameter and buffer
+    (a sharded ``DTensor`` through its local shard: the memory the step reads). ``dtype``: the
+    floating dtype attention computes in (masks are built in it). ``mesh``: the device mesh of
+    the first ``DTensor`` parameter, if any. ``non_resident``: why parameters are not resident
+    on this rank (gathered inside forward), or ``None``.
+    """
+
+    tensors: tuple[TensorFacts, ...]
+    training: tuple[bool, ...]
+    host_state: HostState
+    dtype: torch.dtype
+    mesh: Any | None
+    non_resident: str | None
+
+    def misplaced(self, device: torch.device) -> list[tuple[str, torch.device]]:
+        """(name, device) of every tensor that is not on ``device``."""
+        return [(name, where) for name, *_, where in self.tensors if where != device]
+
+
+def scan_model(model: torch.nn.Module) -> ModelScan:
+    """The :class:`ModelScan` of ``model`` as it is now."""
+    modules = list(model.named_modules(remove_duplicate=False))
+    parameters = list(model.named_parameters(remove_duplicate=False))
+    named = parameters + list(model.named_buffers(remove_duplicate=False))
+    mesh = next((p.device_mesh for _, p in parameters if is_dtensor(p)), None)
+    return ModelScan(
+        tensors=tuple(_facts(name, local_shard(t)) for name, t in named),
+        training=tuple(m.training for _, m in modules),
+        host_state=host_state(model, modules),
+        dtype=_attention_dtype(model, [p for _, p in parameters]),
+        mesh=mesh,
+        non_resident=_non_resident(modules, parameters),
+    )
+
+
+def _facts(name: str, t: torch.Tensor) -> TensorFacts:
+    return (name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (sharded or replicated over a device mesh)."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of ``tensor``: the local shard of a ``DTensor``, else itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def _attention_dtype(model: torch.nn.Module, parameters: list[torch.Tensor]) -> torch.dtype:
+    """That of the first floating parameter outside the token and output embeddings (which may
+    be kept in another dtype than the layers); float32 if the model has none."""
+    embeddings: set[int] = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, None)
+        module = module() if callable(module) else None
+        if isinstance(module, torch.nn.Module):
+            embeddings.update(id(p) for p in module.parameters())
+    floating = [p for p in parameters if p.is_floating_point()]
+    inner = [p for p in floating if id(p) not in embeddings]
+    return (inner or floating)[0].dtype if floating else torch.float32
+
+
+def _non_resident(
+    modules: list[tuple[str, torch.nn.Module]], parameters: list[tuple[str, torch.Tensor]]
+) -> str | None:
+    """Graph replay reads fixed addresses; parameters gathered in forward hooks (ZeRO-3, FSDP)
+    or zero-size placeholders live at addresses the signature cannot see. Tensor-parallel shards
+    (``DTensor`` parameters outside FSDP) are resident: the step reads the local shard."""
+    for name, module in modules:
+        kind = type(module).__name__
+        if kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
+            return f"module {name or '<root>'!r} is FSDP-managed ({kind}; gathered during forward)"
+    for name, param in parameters:
+        if hasattr(param, "ds_id") or hasattr(param, "ds_status"):
+            return f"parameter {name!r} is managed by DeepSpeed ZeRO-3 (gathered during forward)"
+        if param.numel() == 0:
+            return f"parameter {name!r} is a zero-size placeholder (not resident)"
+    return None

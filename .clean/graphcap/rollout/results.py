@@ -1,0 +1,130 @@
+"""What a rollout returns: the rows generated and the statistics of the call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutStats:
+    """What one ``generate`` call did.
+
+    ``captures`` counts the graphs this engine has captured so far (all calls); ``replays`` and
+    ``steps`` count this call's graph replays and decode steps (the prefill token excluded).
+    ``first_call_s`` is the whole call's time when this call captured, else ``None``.
+    ``batch_size`` / ``total_len`` are the sizes the buffers had (after bucket padding).
+    ``slots_refilled`` / ``occupancy`` (share of slot-steps that produced a token) are set by the
+    continuous path only, and so are ``moved_columns`` (cache columns the eager layout modes
+    moved) and ``mean_span`` (cache columns a step attended over, on average) (docs/continuous.md).
+    ``capture_s``: seconds spent capturing, of which ``warmup_s`` is the step's run before
+    the capture (where a compiled step compiles and each kernel is first used).
+    ``attention``: the attention implementation the decode steps ran. ``compiled``: they ran
+    the blocks around attention compiled (``RolloutConfig.compile``); ``compile_cache``: what
+    the capture that compiled did with the compile cache (``"loaded"``, ``"new"``,
+    ``"unreadable"``, ``"off"``; :mod:`graphcap.rollout.holder.compile_cache`), ``None`` when this
+    call compiled nothing. ``joined_projections``: groups of
+    projections that ran as one product (``RolloutConfig(fuse_projections=True)``).
+    ``kv_layout``: ``"static"`` (one K/V buffer per row) or ``"blocks"`` (the block table,
+    ``RolloutConfig.kv_block_size``); ``kv_blocks_held``: the most blocks rows held at once in
+    the call; ``kv_pool_growths``: times the block pools grew (each drops the graph reading
+    them), over the cache's life; ``kv_cache_bytes``: the K/V buffers' size at the call's end.
+    """
+
+    path: str
+    batch_size: int = 0
+    total_len: int = 0
+    captures: int = 0
+    captured: bool = False
+    replays: int = 0
+    steps: int = 0
+    prefill_s: float = 0.0
+    capture_s: float = 0.0
+    warmup_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    first_call_s: float | None = None
+    fallback_reason: str | None = None
+    recapture_reason: list[str] = field(default_factory=list)
+    slots_refilled: int = 0
+    occupancy: float | None = None
+    moved_columns: int = 0
+    mean_span: float | None = None
+    attention: str | None = None
+    compiled: bool = False
+    compile_cache: str | None = None
+    joined_projections: int = 0
+    kv_layout: str = "static"
+    kv_blocks_held: int = 0
+    kv_pool_growths: int = 0
+    kv_cache_bytes: int = 0
+
+
+@dataclass
+class RolloutResult:
+    """Prompt + response per row, in generate()'s row order (samples of a prompt adjacent).
+
+    ``finish_reasons``: "eos" (an EOS id ended the row), "stop" (one of ``stop_token_ids`` or
+    ``stop_sequences``) or "length". ``stop_token_ids``: the id that ended each row, ``None``
+    for "length" rows and rows a stop sequence ended (vLLM's ``stop_reason``, EOS included);
+    ``stop_sequences``: the stop sequence that ended each row, else ``None`` (only when the
+    call had some). ``top_logprobs`` / ``top_logprob_ids`` (``SamplingParams.top_logprobs=k``,
+    vLLM's ``logprobs=k``): ``(rows, max_new_tokens, k)``, the ``k`` most likely tokens at each
+    response position, most likely first, under ``logprobs_mode``'s distribution (0 outside
+    the response). ``scores`` / ``logits`` (``SamplingParams.output_scores`` /
+    ``output_logits``): float32 ``(rows, steps + 1, vocab)``, one entry per token position the
+    call decoded (the prefill's first), as ``generate`` returns them per step.
+    """
+
+    sequences: torch.Tensor
+    response_mask: torch.Tensor
+    response_lengths: torch.Tensor
+    finish_reasons: list[str]
+    logprobs: torch.Tensor | None
+    stats: RolloutStats
+    stop_token_ids: list[int | None] | None = None
+    scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    stop_sequences: list[tuple[int, ...] | None] | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+
+    @property
+    def responses(self) -> torch.Tensor:
+        """Response-only tokens ``(rows, max_new_tokens)``, pad after a row ended (verl's
+        ``responses``)."""
+        return self.sequences[:, self.sequences.shape[1] - self.response_mask.shape[1] :]
+
+    @property
+    def response_bool_mask(self) -> torch.Tensor:
+        """``response_mask`` as bool: True at the tokens each row generated."""
+        return self.response_mask.bool()
+
+
+def finish_details(
+    sequences: torch.Tensor,
+    response_mask: torch.Tensor,
+    finished: list[bool],
+    eos_ids: tuple[int, ...],
+    stop_hits: list[int] | None = None,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
+) -> tuple[list[str], list[int | None], list[tuple[int, ...] | None] | None]:
+    """``finish_reasons``, ``stop_token_ids`` and ``stop_sequences`` of rows of prompt +
+    response ``sequences`` (B, W + N) with ``response_mask`` (B, N): a finished row's last
+    response token stopped it, unless ``stop_hits`` (per row, -1 = none) names the stop
+    sequence that did."""
+    width = sequences.shape[1] - response_mask.shape[1]
+    last = (width + response_mask.sum(-1) - 1).clamp(min=width)
+    tokens = sequences.gather(1, last[:, None]).squeeze(1).tolist()
+    hits = stop_hits if stop_hits is not None else [-1] * len(tokens)
+    stops = [
+        token if done and hit < 0 else None
+        for token, done, hit in zip(tokens, finished, hits, strict=True)
+    ]
+    reasons = [
+        "stop" if hit >= 0 else "length" if t is None else "eos" if t in eos_ids else "stop"
+        for t, hit in zip(stops, hits, strict=True)
+    ]
+    matched = [stop_sequences[h] if h >= 0 else None for h in hits] if stop_sequences else None
+    return reasons, stops, matched

@@ -1,0 +1,427 @@
+"""Continuous batching: a queue of requests through a fixed number of slots (docs/continuous.md).
+
+The decode step always runs over all ``N`` slots, so a captured graph sees one batch shape and
+one set of tensor addresses. The queue runs longest budget first (results still come back in
+request order). A request that uses its whole budget finishes at a step the host computes, so
+its slot is retired and refilled right after that step, without a device read; one that stops
+early (EOS, stop token) is seen every ``eos_check_interval`` steps, when the host reads the
+slots' device ``finished`` flags (the only device read while decoding). Retiring copies the
+request's rows out and clears the slot; refilling prefills queued requests eagerly, writes
+their K/V into the slot's cache row and chooses their first token by the same commit math.
+Graph and eager loops share this schedule, so they differ only in the kernels the step runs
+(bit-identical where both run the same attention; docs/continuous.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from graphcap.errors import DecodeStalledError
+from graphcap.rollout.cache.blocks import BlockKVCache
+from graphcap.rollout.config import RolloutConfig, SamplingParams
+from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.plan.inputs import Call, check_request
+from graphcap.rollout.plan.plan import plan_call
+from graphcap.rollout.prefill import Prefill, run_prefill
+from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
+from graphcap.rollout.runners.runners import (
+    BlockRunner,
+    Runner,
+    grow_blocks,
+    record_kv,
+    start_runner,
+)
+from graphcap.rollout.sampling import RowPlan
+from graphcap.rollout.step.slots import ContinuousStep, SlotTable, clear_slots, shift_row
+
+
+@dataclass
+class _Queue:
+    """The requests of one call: request ``r`` is sample ``r % repeats`` of prompt
+    ``r // repeats``. They are taken longest budget first (stable, so a prompt's samples stay
+    together): the long ones start early and the short ones fill the gaps, which keeps the
+    tail after the queue empties short (docs/continuous.md, "Occupancy")."""
+
+    ids: torch.Tensor  # (P, W) prompts
+    mask: torch.Tensor  # (P, W)
+    repeats: int
+    limits: list[int]  # per request
+    pads: list[int]  # left-pad columns per prompt (host copy, taken before decoding)
+    next: int = 0
+
+    def __post_init__(self) -> None:
+        self.order = sorted(range(len(self.limits)), key=lambda r: -self.limits[r])
+
+    def prompt(self, request: int) -> int:
+        return request // self.repeats
+
+    def take(self, count: int) -> list[int]:
+        taken = self.order[self.next : self.next + count]
+        self.next += len(taken)
+        return taken
+
+    @property
+    def empty(self) -> bool:
+        return self.next >= len(self.limits)
+
+
+class ContinuousRollout:
+    """The continuous path of one engine: a scheduler on the engine's holder and runners."""
+
+    def __init__(self, model: torch.nn.Module, config: RolloutConfig, holder: GraphHolder):
+        self.model, self.config, self.holder = model, config, holder
+
+    def run(self, call: Call, start: float) -> RolloutResult:
+        """Run the call's rows (x samples) through the slots; results in request order."""
+        config, holder = self.config, self.holder
+        params, generator = call.params, call.generator
+        if params.output_scores or params.output_logits or params.top_logprobs:
+            raise ValueError(
+                "output_scores / output_logits / top_logprobs are recorded per batch row, but "
+                "the continuous path reuses rows for other requests; drop "
+                "RolloutConfig.continuous_batch_size for calls that need them"
+            )
+        slots = int(config.continuous_batch_size)
+        repeats = params.num_return_sequences
+        prompts, width = call.input_ids.shape
+        limits = _limits(call.request_max_new_tokens, prompts, repeats, params)
+        max_new = params.max_new_tokens
+        align, trim = config.align_decode_fronts, config.trim_cache
+        # the sink column is last; aligned fronts may place a row up to max_new further right
+        total = width + max_new + 1 + (max_new if align else 0)
+        check_request(
+            self.model, call.scan, holder.backend, config, params, (prompts, width), slots, total
+        )
+        plan = plan_call(
+            self.model,
+            holder.backend,
+            config,
+            params,
+            generator,
+            batch_size=slots,
+            total_len=total,
+            prompt_width=width,
+            sampler=holder.sampler_for(call.per_prompt),
+            disabled_reason=holder.disabled_reason,
+            scan=call.scan,
+        )
+        total = plan.signature.total_len  # whole blocks on a block table
+        stats = RolloutStats(path="continuous_eager")
+        stats.batch_size, stats.total_len = slots, total
+        self._stats = stats
+        stats.fallback_reason = plan.reason
+        stats.recapture_reason = holder.release_stale(plan.signature)
+
+        mask = call.attention_mask
+        queue = _Queue(call.input_ids, mask, repeats, limits, (width - mask.sum(-1)).tolist())
+        self._rows = RowPlan.build(call.per_prompt, repeats, len(limits))
+        rows = len(limits)
+        device = holder.backend.device
+        out_seq = torch.full((rows, width + max_new), int(params.pad_token_id), device=device)
+        out_resp = torch.zeros((rows, max_new), dtype=torch.bool, device=device)
+        out_logp = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        out_hit = torch.full((rows,), -1, dtype=torch.long, device=device)
+        table = SlotTable.empty(slots)
+        first = queue.take(slots)
+        prefill = self._prefill(queue, first)
+        vocab = prefill.logits.shape[-1]
+        step = holder.step_for(
+            plan.signature,
+            prefill.specs,
+            lambda: ContinuousStep.build(self.model, prefill.specs, plan, vocab, params, generator),
+        )
+        assert isinstance(step, ContinuousStep)
+        step.state.set_stop_ids(params.stop_ids)
+        step.state.set_stop_sequences(
+            params.stop_sequences or (), params.include_stop_str_in_output
+        )
+        if isinstance(step.cache, BlockKVCache):
+            step.cache.reset()
+        clear_slots(step, range(slots))
+        self._fill(step, table, queue, first, 0, prefill)
+        outputs = (out_seq, out_resp, out_logp, out_hit)
+        if table.due_by(0):  # budget-1 requests are done at their first token
+            self._service(step, table, queue, outputs, 0, align, trim, read=False)
+        stats.prefill_s = time.perf_counter() - start
+
+        runner: Runner = step
+        interval = config.eos_check_interval
+        if config.enable_graph_capture and max_new > 1:
+            runner = start_runner(holder, plan, step, stats, max_new - 1)
+        if isinstance(step.cache, BlockKVCache):
+            runner = BlockRunner(
+                holder, step, plan, stats, runner, lambda _: _columns(table), interval
+            )
+        t_decode = time.perf_counter()
+        narrow = runner is step and (align or trim)
+        attended = 0
+        # every request finishes within its limit and is seen within one interval after
+        bound = sum(limits) + interval * (len(limits) + 1)
+        while table.occupied():
+            if stats.steps > bound:
+                raise DecodeStalledError(
+                    f"continuous decoding ran {stats.steps} steps, more than its {len(limits)} "
+                    f"requests can take ({bound}), with requests still unfinished: the decode "
+                    f"step changes nothing (on backend {holder.backend.name!r}, path "
+                    f"{stats.path}); run the conformance suite on this backend"
+                )
+            if narrow:
+                step.span = self._span(table, queue, total)
+            attended += step.span[1] - step.span[0] if narrow else total
+            runner()
+            stats.steps += 1
+            for slot in table.occupied():
+                table.column[slot] = min(table.column[slot] + 1, total - 2)
+            check = stats.steps % interval == 0
+            if check or self._due(table, queue, stats.steps):
+                self._service(step, table, queue, outputs, stats.steps, align, trim, read=check)
+        holder.backend.synchronize()
+        stats.decode_s = time.perf_counter() - t_decode
+        record_kv(stats, step)
+        step.span = None
+        stats.slots_refilled = table.refilled
+        stats.moved_columns = table.moved_columns
+        stats.mean_span = attended / stats.steps if stats.steps else float(total)
+        return _result(outputs, width, params, stats, slots)
+
+    def _fill(
+        self,
+        step: ContinuousStep,
+        table: SlotTable,
+        queue: _Queue,
+        requests: list[int],
+        now: int,
+        prefill: Prefill | None = None,
+        front: int | None = None,
+    ) -> None:
+        """Put ``requests`` into free slots after decode step ``now`` (prefilled together,
+        first token chosen)."""
+        if not requests:
+            return
+        if prefill is None:
+            prefill = self._prefill(queue, requests)
+        free = table.free()[: len(requests)]
+        device = step.state.finished.device
+        rows = torch.tensor(free, dtype=torch.long, device=device)
+        prompts = [queue.prompt(r) for r in requests]
+        # each slot copies its prompt's prefill row (a prompt's samples share one prefill)
+        sources = torch.tensor(
+            [list(dict.fromkeys(prompts)).index(p) for p in prompts], device=device
+        )
+        width = queue.ids.shape[1]
+        s = step.state
+        if isinstance(step.cache, BlockKVCache):
+            columns = [width if slot in free else None for slot in range(len(table.request))]
+            grow_blocks(self.holder, step, columns, self.config.eos_check_interval, self._stats)
+            step.reach[rows] = width
+        step.cache.load_prefill(prefill.cache, rows=rows, source_rows=sources)
+        step.masks.reset(queue.mask[prompts], rows=rows)
+        s.sequences[rows, :width] = queue.ids[prompts]
+        s.positions[rows] = prefill.next_positions[sources].view(-1, 1)
+        s.finished[rows] = False
+        s.generated[rows] = 0
+        step.limits[rows] = torch.tensor(
+            [queue.limits[r] for r in requests], dtype=torch.long, device=device
+        )
+        for slot, request in zip(free, requests, strict=True):
+            table.request[slot] = request
+            table.start[slot] = 0
+            table.column[slot] = width
+            table.due[slot] = now + queue.limits[request] - 1  # the first token is chosen here
+            if front is not None:
+                _shift(step, table, slot, front - width)
+        plan = self._rows
+        step.configure_rows(
+            rows, [plan.params[r] for r in requests], [plan.samples[r] for r in requests]
+        )
+        step.commit_rows(prefill.logits[sources], rows)
+
+    def _prefill(self, queue: _Queue, requests: list[int]) -> Prefill:
+        """One prefill row per distinct prompt among ``requests``, in first-seen order."""
+        prompts = list(dict.fromkeys(queue.prompt(r) for r in requests))
+        return run_prefill(self.model, queue.ids[prompts], queue.mask[prompts])
+
+    @staticmethod
+    def _due(table: SlotTable, queue: _Queue, now: int) -> bool:
+        """Whether to retire between checks: a slot's budget ran out and a queued request can
+        take it, or every busy slot is done (the call ends without waiting for a check). With
+        an empty queue and others still busy, retiring early would free nothing useful."""
+        due = table.due_by(now)
+        return bool(due) and (not queue.empty or len(due) == len(table.occupied()))
+
+    def _service(
+        self,
+        step: ContinuousStep,
+        table: SlotTable,
+        queue: _Queue,
+        outputs: tuple[torch.Tensor, ...],
+        now: int,
+        align: bool,
+        trim: bool,
+        read: bool,
+    ) -> None:
+        """Retire finished slots after decode step ``now``, then refill them from the queue.
+
+        Slots whose budget ran out are known on the host; with ``read`` (the refill check) the
+        device ``finished`` flags add those stopped early. Requests of budget 1 are done at their
+        first token, so their slots are retired and refilled again at once.
+        """
+        done = table.due_by(now)
+        if read:
+            # the one device read of the check; agreed over a process group (a row retires once
+            # it is finished on every rank, so on the same step everywhere)
+            finished = self.holder.agreement.finished_rows(step.state.finished)
+            done = [i for i in table.occupied() if finished[i] or i in done]
+        while True:
+            if done:
+                self._retire(step, table, done, outputs, queue)
+            requests = queue.take(len(table.free()))
+            front = None
+            if align:
+                front = self._align(step, table, queue, trim, bool(requests))
+            elif trim:
+                self._trim(step, table, queue)
+            table.refilled += len(requests)
+            self._fill(step, table, queue, requests, now, front=front)
+            done = table.due_by(now)
+            if not done:
+                return
+
+    @staticmethod
+    def _retire(
+        step: ContinuousStep,
+        table: SlotTable,
+        done: list[int],
+        outputs: tuple[torch.Tensor, ...],
+        queue: _Queue,
+    ) -> None:
+        out_seq, out_resp, out_logp, out_hit = outputs
+        width, max_new = queue.ids.shape[1], out_resp.shape[1]
+        s = step.state
+        for slot in done:
+            request = table.request[slot]
+            first = table.start[slot] + width  # the first response column (start may be < 0
+            # once trimming dropped left padding; the prompt comes from the queue)
+            out_seq[request, :width] = queue.ids[queue.prompt(request)]
+            out_seq[request, width:] = s.sequences[slot, first : first + max_new]
+            out_resp[request] = s.response[slot, first : first + max_new]
+            out_logp[request] = s.logprobs[slot, first : first + max_new]
+            if s.stop_hit is not None:
+                out_hit[request] = s.stop_hit[slot]
+            table.request[slot] = -1
+            table.start[slot] = 0
+        clear_slots(step, done)
+
+    @staticmethod
+    def _span(table: SlotTable, queue: _Queue, total: int) -> tuple[int, int]:
+        """Columns any busy slot may attend to: from the first real prompt token to the
+        furthest write column (host bookkeeping, no device read)."""
+        busy = table.occupied()
+        lo = min(table.start[i] + queue.pads[queue.prompt(table.request[i])] for i in busy)
+        hi = max(table.column[i] for i in busy) + 1
+        return max(lo, 0), min(hi, total - 1)
+
+    @staticmethod
+    def _trim(step: ContinuousStep, table: SlotTable, queue: _Queue) -> None:
+        """Drop the leading columns no active slot attends to (shift every active slot left):
+        columns left of every row's first real prompt token (left padding, dead space)."""
+        busy = table.occupied()
+        if not busy:
+            return
+        lead = min(table.start[i] + queue.pads[queue.prompt(table.request[i])] for i in busy)
+        for slot in busy:
+            _shift(step, table, slot, -lead)
+
+    def _align(
+        self, step: ContinuousStep, table: SlotTable, queue: _Queue, trim: bool, refilling: bool
+    ) -> int:
+        """Right-align every active slot at one write column; return it for the newcomers.
+
+        Rows only move right here, so without trimming the front never moves back; it compacts
+        (drops dead leading columns) only when a row could otherwise run into the sink.
+        """
+        if trim:
+            self._trim(step, table, queue)
+        busy = table.occupied()
+        width = queue.ids.shape[1]
+        sink = step.cache.max_len - 1  # host int: no device read
+        max_new = (sink - width) // 2  # the buffers were sized W + 2 * max_new + 1
+        front = max([table.column[i] for i in busy] + ([width] if refilling else []), default=width)
+        if front + max_new >= sink:
+            self._trim(step, table, queue)
+            front = max([table.column[i] for i in busy] + [width])
+        for slot in busy:
+            _shift(step, table, slot, front - table.column[slot])
+        return front
+
+
+def _result(
+    outputs: tuple[torch.Tensor, ...],
+    width: int,
+    params: SamplingParams,
+    stats: RolloutStats,
+    slots: int,
+) -> RolloutResult:
+    out_seq, out_resp, out_logp, out_hit = outputs
+    lengths = out_resp.sum(-1)
+    last = (lengths - 1).clamp(min=0)
+    last_token = out_seq[:, width:].gather(1, last[:, None]).squeeze(1)
+    stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=out_seq.device)
+    stopped = ((last_token[:, None] == stop_ids).any(-1) & (lengths > 0)).tolist()
+    reasons, stops, matched = finish_details(
+        out_seq,
+        out_resp.to(torch.long),
+        stopped,
+        params.eos_ids,
+        out_hit.tolist(),
+        params.stop_sequences or (),
+    )
+    useful = int((lengths - 1).clamp(min=0).sum())
+    stats.occupancy = useful / (slots * stats.steps) if stats.steps else 1.0
+    return RolloutResult(
+        sequences=out_seq,
+        response_mask=out_resp.to(torch.long),
+        response_lengths=lengths,
+        finish_reasons=reasons,
+        logprobs=out_logp if params.return_logprobs else None,
+        stats=stats,
+        stop_token_ids=stops,
+        stop_sequences=matched,
+    )
+
+
+def _limits(
+    per_request: Sequence[int] | None, prompts: int, repeats: int, params: SamplingParams
+) -> list[int]:
+    """Each request's own max_new_tokens (default: the sampling settings' for every one)."""
+    if per_request is None:
+        return [params.max_new_tokens] * (prompts * repeats)
+    values = [int(v) for v in per_request]
+    if len(values) != prompts:
+        raise ValueError(
+            f"request_max_new_tokens has {len(values)} entries for {prompts} prompts; give one "
+            "per prompt row"
+        )
+    bad = [v for v in values if not 1 <= v <= params.max_new_tokens]
+    if bad:
+        raise ValueError(
+            f"request_max_new_tokens values must be in [1, max_new_tokens="
+            f"{params.max_new_tokens}] (max_new_tokens sizes the cache), got {bad[:5]}"
+        )
+    return [v for v in values for _ in range(repeats)]
+
+
+def _columns(table: SlotTable) -> list[int | None]:
+    """Each slot's write column of the next step (host bookkeeping), ``None`` for free slots."""
+    return [c if r >= 0 else None for r, c in zip(table.request, table.column, strict=True)]
+
+
+def _shift(step: ContinuousStep, table: SlotTable, slot: int, by: int) -> None:
+    shift_row(step, slot, by)
+    table.start[slot] += by
+    table.column[slot] += by
+    table.moved_columns += abs(by)

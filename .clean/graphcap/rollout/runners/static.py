@@ -1,0 +1,177 @@
+"""The static path: every row decodes in lock-step over one set of buffers (DESIGN.md, paths
+1, 2 and 4). Plan, prefill, buffers from the holder, runner, decode, collect."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from graphcap.rollout.cache.blocks import BlockKVCache
+from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
+from graphcap.rollout.holder.agreement import RankAgreement
+from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.plan.inputs import Call, check_request
+from graphcap.rollout.plan.plan import plan_call
+from graphcap.rollout.prefill import run_prefill
+from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
+from graphcap.rollout.runners.runners import (
+    BlockRunner,
+    Runner,
+    grow_blocks,
+    record_kv,
+    start_runner,
+)
+from graphcap.rollout.sampling import RowPlan
+from graphcap.rollout.step.step import DecodeState, DecodeStep
+
+
+class StaticRollout:
+    """Runs calls on the static, per-position or eager path of one engine."""
+
+    def __init__(self, model: torch.nn.Module, config: RolloutConfig, holder: GraphHolder):
+        self.model, self.config, self.holder = model, config, holder
+
+    def run(self, call: Call, start: float) -> RolloutResult:
+        input_ids, attention_mask, params = call.input_ids, call.attention_mask, call.params
+        generator = call.generator
+        if call.request_max_new_tokens is not None:
+            raise ValueError(
+                "request_max_new_tokens needs the continuous path: set "
+                "RolloutConfig(continuous_batch_size=N)"
+            )
+        rows, width = input_ids.shape
+        repeats = params.num_return_sequences
+        batch, total = rows * repeats, width + params.max_new_tokens
+        padded_batch = bucket_size(batch, self.config.batch_buckets)
+        padded_total = bucket_size(total, self.config.length_buckets)
+        check_request(
+            self.model,
+            call.scan,
+            self.holder.backend,
+            self.config,
+            params,
+            (rows, width),
+            padded_batch,
+            padded_total,
+        )
+        plan = plan_call(
+            self.model,
+            self.holder.backend,
+            self.config,
+            params,
+            generator,
+            batch_size=padded_batch,
+            total_len=padded_total,
+            prompt_width=width,
+            sampler=self.holder.sampler_for(call.per_prompt),
+            disabled_reason=self.holder.disabled_reason,
+            scan=call.scan,
+        )
+        stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
+        stats.fallback_reason = plan.reason
+        stats.recapture_reason = self.holder.release_stale(plan.signature)
+
+        prefill = run_prefill(self.model, input_ids, attention_mask)
+        # prefill row of each batch row: samples of a prompt, then bucket padding rows
+        sources = torch.arange(rows, device=input_ids.device).repeat_interleave(repeats)
+        sources = torch.cat([sources, sources[-1:].expand(padded_batch - batch)])
+        logits = prefill.logits.index_select(0, sources)
+        step = self.holder.step_for(
+            plan.signature,
+            prefill.specs,
+            lambda: DecodeStep.build(
+                self.model, prefill.specs, plan, logits.shape[-1], params, generator
+            ),
+        )
+        interval = self.config.eos_check_interval
+        step.cache.reset()
+        # every row writes column width + i at decode step i (host arithmetic, no device read)
+        grow_blocks(self.holder, step, [width] * padded_batch, interval, stats)
+        step.cache.load_prefill(prefill.cache, source_rows=sources)
+        step.masks.reset(attention_mask.index_select(0, sources))
+        step.state.reset(
+            input_ids.index_select(0, sources),
+            prefill.next_positions.index_select(0, sources),
+            RowPlan.build(call.per_prompt, repeats, padded_batch),
+        )
+        step.commit(logits)
+        stats.prefill_s = time.perf_counter() - start
+
+        steps = params.max_new_tokens - 1
+        runner: Runner = step
+        if self.config.enable_graph_capture and steps > 0:
+            runner = start_runner(self.holder, plan, step, stats, steps)
+        if isinstance(step.cache, BlockKVCache):
+            runner = BlockRunner(
+                self.holder,
+                step,
+                plan,
+                stats,
+                runner,
+                lambda i: [width + i] * padded_batch,
+                interval,
+            )
+        t_decode = time.perf_counter()
+        stats.steps = decode(runner, steps, step.state, interval, self.holder.agreement)
+        self.holder.backend.synchronize()
+        record_kv(stats, step)
+        stats.decode_s = time.perf_counter() - t_decode
+        if plan.path == "per_position_graph":  # its captures happen inside the decode loop
+            stats.decode_s -= stats.capture_s
+        return collect(step.state, batch, width, total, params, stats)
+
+
+def decode(
+    runner: Runner, max_steps: int, state: DecodeState, interval: int, agreement: RankAgreement
+) -> int:
+    """Run up to ``max_steps`` steps; stop early when the device says all rows finished (read
+    every ``interval`` steps, agreed over the process group). With ``interval`` 1 the flag is
+    also read before the first step, so the call stops where ``generate`` stops (and draws as
+    many random numbers) even when the prefill's token ended every row."""
+    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):
+        return 0
+    for step in range(1, max_steps + 1):
+        runner()
+        if step % interval == 0 and step < max_steps and agreement.all_finished(state.all_finished):
+            return step
+    return max_steps
+
+
+def collect(
+    state: DecodeState,
+    batch: int,
+    width: int,
+    total: int,
+    params: SamplingParams,
+    stats: RolloutStats,
+) -> RolloutResult:
+    """The caller's rows and columns (bucket padding cut off), copied out of the buffers."""
+    response = state.response[:batch, width:total].to(torch.long)
+    sequences = state.sequences[:batch, :total].clone()
+    finished = state.finished[:batch].tolist()
+    hits = state.stop_hit[:batch].tolist() if state.stop_hit is not None else None
+    reasons, stops, matched = finish_details(
+        sequences, response, finished, params.eos_ids, hits, params.stop_sequences or ()
+    )
+    logprobs = state.logprobs[:batch, width:total].clone() if params.return_logprobs else None
+    k = params.top_logprobs
+    top = (state.top_values, state.top_ids) if k else (None, None)
+    top = tuple(None if t is None else t[:batch, width:total, :k].clone() for t in top)
+    decoded = stats.steps + 1  # the prefill's token and one a step
+    scores = state.scores[:batch, :decoded].clone() if params.output_scores else None
+    logits = state.logits[:batch, :decoded].clone() if params.output_logits else None
+    return RolloutResult(
+        sequences=sequences,
+        response_mask=response,
+        response_lengths=response.sum(-1),
+        finish_reasons=reasons,
+        logprobs=logprobs,
+        stats=stats,
+        stop_token_ids=stops,
+        scores=scores,
+        logits=logits,
+        stop_sequences=matched,
+        top_logprobs=top[0],
+        top_logprob_ids=top[1],
+    )

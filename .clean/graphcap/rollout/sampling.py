@@ -1,0 +1,451 @@
+"""Token selection with transformers' generate() math, per row, written to run inside a graph.
+
+Every sampling setting (greedy or sample, temperature, top-k, top-p, min-p, repetition penalty,
+min_new_tokens, seed, log-prob mode) is a per-row device tensor of :class:`RowSettings`, written
+before each call, so one captured step serves any mix of settings, also within one batch. Only
+four facts shape the graph (:class:`SamplerShape`): whether it can sample at all (the vocabulary
+sort, the draws), whether it computes log-probs, whether it applies the repetition penalty and
+whether it blocks stop ids before ``min_new_tokens``.
+
+The order and the arithmetic follow ``generate`` (repetition penalty, min_new_tokens,
+temperature, top-k, top-p, min-p, then ``multinomial(softmax(scores), 1)`` or argmax), which is
+what makes samples equal to generate's for a fixed seed of the shared generator. Rows with their
+own ``seed`` draw instead from a counter-based hash of (seed, sample index, token index, token
+id) with Gumbel-max selection: reproducible, independent of the other rows of the batch, and
+never touching a torch generator. One deliberate difference from generate: the repetition
+penalty looks only at written positions (prompt and generated tokens), never at left-pad slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphcap.rollout.config import LOGPROBS_MODES, SamplingParams
+
+if TYPE_CHECKING:
+    from graphcap.backend import Backend
+
+MASK32 = 0xFFFFFFFF
+GOLDEN32 = 0x9E3779B9
+
+
+@dataclass(frozen=True)
+class SamplerShape:
+    """What the sampler adds to the graph signature: facts that only ever grow per engine.
+
+    ``samples``: the step contains the sampling branch (one vocabulary sort per step for top-k /
+    top-p, the shared generator's draw, the hash draw). A greedy-only engine never pays for it;
+    the first call with a sampled row captures once more, and from then on every call, greedy
+    or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty`` /
+    ``min_new``: the step applies the repetition penalty / blocks stop ids before
+    ``min_new_tokens`` (some row had one; likewise); ``output_penalty``: vLLM's presence and
+    frequency penalties (likewise); ``top_logprobs``: how many alternatives per token the step
+    records (the most any call asked for; a call asking fewer reads the first ones).
+    ``records``: the step records every step's scores and logits (some call asked for them).
+    ``stops``: (sequences, longest) of the stop-sequence table the step matches against,
+    (0, 0) = none; a call's own list is written into it, so only a longer or larger list
+    recaptures.
+    """
+
+    samples: bool = False
+    logprobs: bool = False
+    penalty: bool = False
+    min_new: bool = False
+    records: bool = False
+    stops: tuple[int, int] = (0, 0)
+    output_penalty: bool = False
+    top_logprobs: int = 0
+
+    def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
+        """The shape that serves both what this one served and every row of ``rows``."""
+        return SamplerShape(
+            samples=self.samples or any(p.do_sample for p in rows),
+            logprobs=self.logprobs or any(p.return_logprobs for p in rows),
+            penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
+            min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
+            records=self.records or any(p.output_scores or p.output_logits for p in rows),
+            top_logprobs=max([self.top_logprobs, *(p.top_logprobs for p in rows)]),
+            output_penalty=self.output_penalty
+            or any(p.presence_penalty or p.frequency_penalty for p in rows),
+            stops=(
+                max([self.stops[0], *(len(p.stop_sequences or ()) for p in rows)]),
+                max([self.stops[1], *(len(q) for p in rows for q in p.stop_sequences or ())]),
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The settings of each batch row of one call (host side), and the call's stop ids."""
+
+    params: tuple[SamplingParams, ...]  # one per batch row (samples of a prompt adjacent)
+    samples: tuple[int, ...]  # each row's sample index within its prompt
+    active: int  # rows from here on are bucket padding
+
+    @classmethod
+    def build(cls, per_prompt: Sequence[SamplingParams], repeats: int, batch_size: int) -> RowPlan:
+        """Expand per-prompt settings to ``repeats`` samples each, then pad to ``batch_size``
+        with copies of the last row (padding rows start finished and only ever emit pad)."""
+        params = [p for p in per_prompt for _ in range(repeats)]
+        samples = [j for _ in per_prompt for j in range(repeats)]
+        active = len(params)
+        params += [params[-1]] * (batch_size - active)
+        samples += [0] * (batch_size - active)
+        return cls(tuple(params), tuple(samples), active)
+
+    @property
+    def draws(self) -> bool:
+        """Whether any real row samples from the shared generator (sampled, no seed)."""
+        return any(p.do_sample and p.seed is None for p in self.params[: self.active])
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.params[0].stop_ids
+
+    @property
+    def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+        return self.params[0].stop_sequences or ()
+
+    @property
+    def keep_stop_sequences(self) -> bool:
+        return self.params[0].include_stop_str_in_output
+
+
+def per_prompt_params(call: SamplingParams | Sequence[SamplingParams], rows: int) -> list:
+    """One :class:`SamplingParams` per prompt row: a list as given, or the call's settings
+    repeated, where a call ``seed`` ``s`` gives prompt row ``i`` the seed ``s + i`` (distinct
+    streams per prompt; run a row alone with ``seed=s + i`` to reproduce it)."""
+    if isinstance(call, SamplingParams):
+        if call.seed is None:
+            return [call] * rows
+        return [replace(call, seed=(call.seed + i) % 2**64) for i in range(rows)]
+    if len(call) != rows:
+        raise ValueError(
+            f"sampling has {len(call)} SamplingParams but input_ids has {rows} prompt rows; give "
+            "one per prompt row (or a single SamplingParams for all)"
+        )
+    return list(call)
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in ``[0, 2**32)``.
+
+    Products are split into 16-bit halves so no intermediate exceeds 2**49: well defined on
+    every backend (no reliance on wrapping signed overflow).
+    """
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def row_key(seed: int, sample: int) -> int:
+    """The 32-bit key of a seeded row's stream: a hash of its seed and sample index."""
+    words = torch.tensor([seed & MASK32, seed >> 32, (sample + GOLDEN32) & MASK32])
+    h = hash32(words)
+    return int(hash32(hash32(h[0:1] ^ h[1:2]) ^ h[2:3]))
+
+
+@dataclass
+class RowSettings:
+    """Per-row device inputs of the sampler, shape ``(B,)``; written per call, read by replays."""
+
+    sample: torch.Tensor  # bool: sampled (else greedy)
+    seeded: torch.Tensor  # bool: draws from its hash stream (else the shared generator)
+    key: torch.Tensor  # long: 32-bit hash key of (seed, sample index)
+    temperature: torch.Tensor  # float32: warper temperature (1 for greedy rows)
+    top_k: torch.Tensor  # long: 0 = off
+    top_p_floor: torch.Tensor  # float32: 1 - top_p, computed in double as generate does
+    min_p: torch.Tensor  # float32: 0 = off
+    penalty: torch.Tensor  # float32: repetition penalty (1 = off)
+    presence: torch.Tensor  # float32: presence penalty (0 = off)
+    frequency: torch.Tensor  # float32: frequency penalty (0 = off)
+    min_new: torch.Tensor  # long: min_new_tokens
+    logprobs_mode: torch.Tensor  # long: index into LOGPROBS_MODES
+    logprob_temperature: torch.Tensor  # float32: the row's temperature, greedy rows too
+    token_mix: torch.Tensor  # (V,) long: hash32 of each token id (fixed)
+
+    @classmethod
+    def allocate(cls, batch_size: int, vocab_size: int, device: torch.device) -> RowSettings:
+        def full(value: float | int | bool, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((batch_size,), value, dtype=dtype, device=device)
+
+        tokens = torch.arange(vocab_size, dtype=torch.long, device=device)
+        return cls(
+            sample=full(False, torch.bool),
+            seeded=full(False, torch.bool),
+            key=full(0, torch.long),
+            temperature=full(1.0, torch.float32),
+            top_k=full(0, torch.long),
+            top_p_floor=full(0.0, torch.float32),
+            min_p=full(0.0, torch.float32),
+            penalty=full(1.0, torch.float32),
+            presence=full(0.0, torch.float32),
+            frequency=full(0.0, torch.float32),
+            min_new=full(0, torch.long),
+            logprobs_mode=full(0, torch.long),
+            logprob_temperature=full(1.0, torch.float32),
+            token_mix=hash32((tokens + GOLDEN32) & MASK32),
+        )
+
+    def write(
+        self,
+        params: Sequence[SamplingParams],
+        samples: Sequence[int],
+        rows: torch.Tensor | None = None,
+    ) -> None:
+        """Set rows ``rows`` (all when ``None``) to ``params`` / sample indices (host -> device
+        copies, outside any graph). Greedy rows get neutral warpers, as generate ignores them."""
+        values = {
+            "sample": [p.do_sample for p in params],
+            "seeded": [p.do_sample and p.seed is not None for p in params],
+            "key": [
+                0 if p.seed is None else row_key(p.seed, j)
+                for p, j in zip(params, samples, strict=True)
+            ],
+            "temperature": [p.temperature if p.do_sample else 1.0 for p in params],
+            "top_k": [p.effective_top_k for p in params],
+            "top_p_floor": [1.0 - p.top_p if p.do_sample else 0.0 for p in params],
+            "min_p": [p.min_p if p.do_sample else 0.0 for p in params],
+            "penalty": [p.repetition_penalty for p in params],
+            "presence": [p.presence_penalty for p in params],
+            "frequency": [p.frequency_penalty for p in params],
+            "min_new": [p.min_new_tokens for p in params],
+            "logprobs_mode": [LOGPROBS_MODES.index(p.logprobs_mode) for p in params],
+            "logprob_temperature": [p.temperature for p in params],
+        }
+        for name, column in values.items():
+            target = getattr(self, name)
+            source = torch.tensor(column, dtype=target.dtype).to(target.device)
+            if rows is None:
+                target.copy_(source)
+            else:
+                target[rows] = source
+
+
+def repetition_penalty(
+    scores: torch.Tensor, tokens: torch.Tensor, written: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """Penalise every token id present at a written position of ``tokens`` (B, L), per row.
+
+    transformers' own method and math: gather the scores of the present ids, penalise them
+    (``score < 0 ? score * p : score / p``; a penalty of 1 is exact identity) and scatter them
+    back, so a repeated id is penalised once. It touches ``B x L`` scores, not ``B x V``.
+    Unwritten or pad slots, which hold arbitrary ids, are routed to one extra column that is
+    dropped, so they cannot collide with written ones.
+    """
+    vocab = scores.shape[-1]
+    index = torch.where(written, tokens, vocab)
+    widened = torch.nn.functional.pad(scores, (0, 1))
+    present = widened.gather(1, index)
+    p = penalty[:, None]
+    widened.scatter_(1, index, torch.where(present < 0, present * p, present / p))
+    return widened[:, :vocab]
+
+
+def output_penalties(
+    scores: torch.Tensor,
+    tokens: torch.Tensor,
+    response: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's presence and frequency penalties, per row, over the generated tokens of
+    ``tokens`` (B, L) (``response`` marks them; the prompt is not counted):
+    ``score - frequency * count - presence * (count > 0)``. The counts come from the step's
+    own buffers, so no counter has to be kept; other slots land in one dropped column."""
+    vocab = scores.shape[-1]
+    index = torch.where(response, tokens, vocab)
+    counts = scores.new_zeros((scores.shape[0], vocab + 1))
+    counts.scatter_add_(1, index, response.to(scores.dtype))
+    counts = counts[:, :vocab]
+    return scores - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def stops_blocked(
+    stop_vocab: torch.Tensor, generated: torch.Tensor, min_new: torch.Tensor
+) -> torch.Tensor:
+    """(B, V) True at stop ids in rows that generated fewer than their ``min_new`` tokens
+    (``generated`` is the step counter: one for all rows, or one per row)."""
+    return stop_vocab[None, :] & (generated.view(-1) < min_new)[:, None]
+
+
+def process_scores(
+    logits: torch.Tensor,
+    rows: RowSettings,
+    tokens: torch.Tensor,
+    written: torch.Tensor,
+    response: torch.Tensor,
+    stop_vocab: torch.Tensor,
+    generated: torch.Tensor,
+    shape: SamplerShape,
+) -> torch.Tensor:
+    """generate()'s logits processors (penalty, min_new_tokens), with vLLM's presence and
+    frequency penalties after the repetition penalty (vLLM's order), on float32 scores: what
+    greedy rows take the argmax of. A processor no row of the engine has used (``shape``) is
+    skipped: it would be the identity for every row. After a penalty's fresh output the stop
+    block is written in place, so one copy serves both."""
+    scores = logits.float()
+    if shape.penalty:
+        scores = repetition_penalty(scores, tokens, written, rows.penalty)
+    if shape.output_penalty:
+        scores = output_penalties(scores, tokens, response, rows.presence, rows.frequency)
+    if shape.min_new:
+        blocked = stops_blocked(stop_vocab, generated, rows.min_new)
+        fresh = shape.penalty or shape.output_penalty
+        fill = scores.masked_fill_ if fresh else scores.masked_fill  # fresh, or logits'
+        scores = fill(blocked, -float("inf"))
+    return scores
+
+
+@torch.compiler.disable
+def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:
+    """``probs.cumsum(-1)``, never compiled: torch 2.11's inductor fails to generate the split
+    scan it picks for rows over 128 columns when the scan is fused with a broadcast (the
+    softmax before it; pytorch issue 180221, fixed after 2.11). Eager, it is one kernel."""
+    return probs.cumsum(dim=-1)
+
+
+def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p per row, each off where its setting is neutral.
+
+    One ascending sort serves top-k and top-p: the k-th largest value is ``sorted[V - k]``, and
+    the top-k-filtered scores sorted are the same sort with a prefix set to -inf, so top-p sees
+    exactly the values (in the same order) that generate's own sort gives it.
+    """
+    neg_inf = -float("inf")
+    vocab = scores.shape[-1]
+    scores = scores / rows.temperature[:, None]
+    ordered, order = torch.sort(scores, descending=False)
+    k = rows.top_k.clamp(max=vocab)
+    kth = ordered.gather(1, (vocab - k.clamp(min=1))[:, None])
+    use_k = (k > 0)[:, None]
+    scores = scores.masked_fill(use_k & (scores < kth), neg_inf)
+    ordered = ordered.masked_fill(use_k & (ordered < kth), neg_inf)
+    cumulative = cumulative_sum(ordered.softmax(dim=-1))
+    remove_sorted = cumulative <= rows.top_p_floor[:, None]
+    remove_sorted[..., -1:] = False
+    remove = remove_sorted.scatter(1, order, remove_sorted)
+    scores = scores.masked_fill(remove & (rows.top_p_floor > 0)[:, None], neg_inf)
+    probs = scores.softmax(dim=-1)
+    below = probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return scores.masked_fill(below, neg_inf)
+
+
+def sanitise(scores: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+    """Make every row a distribution ``multinomial`` accepts.
+
+    A row with ``+inf`` scores (a tiny temperature or repetition penalty overflowing float32, or
+    an fp16 model's logits overflowing) draws uniformly among its ``+inf`` tokens, the limit of
+    its distribution; finished rows, and rows with NaN or nothing finite, get flat logits. A
+    NaN, ``+inf`` or all-zero distribution reaching ``multinomial`` is a device-side assert on
+    some devices. The replacement changes no other row's draw: ``multinomial(p, 1)`` consumes
+    the same random numbers whatever the values.
+    """
+    bad = finished | torch.isnan(scores).any(dim=-1) | torch.isneginf(scores).all(dim=-1)
+    top = torch.isposinf(scores)
+    scores = scores.masked_fill(top.any(dim=-1, keepdim=True) & ~top, -float("inf"))
+    return scores.masked_fill(top, 0.0).masked_fill(bad[:, None], 0.0)
+
+
+def gumbel(rows: RowSettings, generated: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise (B, V) from each row's hash stream at its token index ``generated``.
+
+    ``-log(E)`` with ``E = -log1p(-u)`` exponential: u near 0 (E small, the draws that decide a
+    winner) keeps full float32 precision.
+    """
+    counter = hash32((generated.view(-1) + GOLDEN32) & MASK32)
+    step_key = hash32(rows.key ^ counter)
+    bits = hash32(step_key[:, None] ^ rows.token_mix[None, :])
+    u = ((bits.float() + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
+    return -torch.log(-torch.log1p(-u))
+
+
+#: Columns per chunk of :func:`argmax_rows`'s first pass.
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(scores, dim=-1)`` of (B, V) scores in two passes: the maximum of each
+    chunk of :data:`ARGMAX_CHUNK` columns, then the first chunk that holds the row's maximum.
+    The index is one pass's (maxima are exact, and both passes take the first of equal
+    values), but the first pass spreads a row over many programs where one pass reads it with
+    one: a compiled batch-1 argmax over llama-8b's 128,256 scores took 31.5 µs of a 4.24 ms step
+    on the H200; with two passes the step measured 4.204 ms against 4.222 ms
+    (benchmarks/results/profiles/profile-llama-8b-bs1-one-pass-argmax-e7ff14a.json)."""
+    rows, vocab = scores.shape
+    chunks = vocab // ARGMAX_CHUNK
+    if chunks < 2:
+        return torch.argmax(scores, dim=-1)
+    split = chunks * ARGMAX_CHUNK
+    head = scores[:, :split].reshape(rows, chunks, ARGMAX_CHUNK).max(dim=-1)
+    starts = torch.arange(0, split, ARGMAX_CHUNK, device=scores.device)
+    values, where = head.values, head.indices + starts
+    if split < vocab:
+        tail = scores[:, split:].max(dim=-1, keepdim=True)
+        values = torch.cat([values, tail.values], dim=1)
+        where = torch.cat([where, tail.indices + split], dim=1)
+    return where.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def select(
+    scores: torch.Tensor,
+    rows: RowSettings,
+    finished: torch.Tensor,
+    generated: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen token per row, and the scores of the distribution it was chosen from.
+
+    Greedy rows: argmax of ``scores`` (the processed scores, bitwise). Sampled rows: warped,
+    then one ``multinomial`` draw over all rows from the shared generator (as generate draws,
+    so it consumes the generator identically), replaced by the hash draw for seeded rows.
+    """
+    warped = sanitise(warp(scores, rows), finished)
+    drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    hashed = argmax_rows(warped + gumbel(rows, generated))
+    sampled = torch.where(rows.seeded, hashed, drawn)
+    chosen = torch.where(rows.sample, sampled, argmax_rows(scores))
+    return chosen, torch.where(rows.sample[:, None], warped, scores)
+
+
+def logprob_distribution(
+    drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
+) -> torch.Tensor:
+    """(B, V) log-probs under the row's ``logprobs_mode``: the distribution the token was
+    drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides by 1
+    (exact), so one division and one selection serve the three modes."""
+    mode = rows.logprobs_mode[:, None]
+    divisor = torch.where(mode == 1, rows.logprob_temperature[:, None], 1.0)
+    source = torch.where(mode == 0, drawn_from, logits.float() / divisor)
+    return torch.log_softmax(source, dim=-1)
+
+
+@contextmanager
+def generator_kept(
+    backend: Backend, generator: torch.Generator | None, keep: bool
+) -> Iterator[None]:
+    """Put the shared generator (``generator``, else the backend's) back as it was after a call
+    in which no row drew from it: a sampling graph draws for every row, but greedy and seeded
+    calls must leave the training side's RNG untouched."""
+    if not keep:
+        yield
+        return
+    state = generator.get_state() if generator is not None else backend.get_rng_state()
+    try:
+        yield
+    finally:
+        if generator is not None:
+            generator.set_state(state)
+        else:
+            backend.set_rng_state(state)

@@ -1,0 +1,1 @@
+"""The conformance checks. Collected with ``--pyargs graphcap.testing.conformance``."""

@@ -1,0 +1,170 @@
+"""Every declared capability checked against what the backend does.
+
+``rng_in_graph`` is checked in test_rng (replays draw what eager draws) and test_engine (a
+backend declaring False gets sampled calls run eagerly, with the reason). Here: the capture
+stream (``capture_needs_side_stream`` and the explicit ``stream=`` the engine passes),
+``collectives_in_graph`` (a one-rank group of the backend's own distributed backend, captured and
+replayed), the plugin's attention (``graph_attention`` and every implementation the plugin
+offers, run by the engine's decode step with masks in the declared ``mask_form``, against SDPA),
+and the backend's one-row product (against ``F.linear``, eagerly and replayed).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from graphcap.backend import Backend
+from graphcap.registry import attention_implementations, register_attention_implementations
+from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.rollout.holder.capture import capture_step
+from graphcap.testing import models
+from graphcap.testing.conformance.replay import replay
+
+
+def test_capture_stream_is_the_one_passed(gc_graph_backend: Backend) -> None:
+    """Where a side stream is declared, the engine's capture_step warms up and captures on
+    ``backend.capture_stream()``, passing it as ``stream=``: the backend must capture on exactly
+    that stream and give the caller's stream back."""
+    backend = gc_graph_backend
+    x = torch.ones(4, device=backend.device)
+    out: dict[str, torch.Tensor] = {}
+    seen: list[object] = []
+    before = backend.current_stream()
+
+    def step() -> None:
+        seen.append(backend.current_stream())
+        out["result"] = x * 3
+
+    graph = capture_step(backend, step, [], None)
+    assert backend.current_stream() == before, "capture left another stream current"
+    replay(backend, graph)
+    assert out["result"].cpu().tolist() == [3.0] * 4
+    if not backend.capabilities.capture_needs_side_stream:
+        assert seen == [before, before], "without a side stream, work stays on the caller's"
+        return
+    side = backend.capture_stream()
+    assert side != before, "capture_stream() must not be the caller's current stream"
+    assert seen == [side, side], (
+        "the warm-up and the capture must run on the stream passed as stream= "
+        f"(capture_stream()); saw {seen}, expected {side}"
+    )
+
+
+@pytest.fixture
+def one_rank_group(gc_graph_backend: Backend, tmp_path: object) -> Iterator[object]:
+    import torch.distributed as dist
+
+    if not gc_graph_backend.capabilities.collectives_in_graph:
+        pytest.skip(
+            f"backend {gc_graph_backend.name!r} declares collectives_in_graph=False: the engine "
+            "keeps tensor-parallel collectives out of graphs there"
+        )
+    if not dist.is_available():
+        pytest.fail("collectives_in_graph is declared but torch.distributed is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process; run the suite on its own")
+    name = gc_graph_backend.communication_backend_name()
+    store = dist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[operator]
+    dist.init_process_group(
+        name, store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_capture_and_replay(gc_graph_backend: Backend, one_rank_group: object) -> None:
+    import torch.distributed as dist
+
+    backend = gc_graph_backend
+    total = torch.zeros(4, device=backend.device)
+    ones = torch.ones(4, device=backend.device)
+    dist.all_reduce(total.clone(), group=one_rank_group)  # one collective before capture
+
+    def step() -> None:
+        total.add_(ones)
+        dist.all_reduce(total, group=one_rank_group)
+
+    graph = capture_step(backend, step, [total], None)
+    replay(backend, graph, times=3)
+    assert total.cpu().tolist() == [3.0] * 4, (
+        "a captured all_reduce on a one-rank group did not replay with the work around it"
+    )
+
+
+def _offered(backend: Backend) -> list[str]:
+    names = register_attention_implementations(backend)
+    if not names:
+        pytest.skip(f"the plugin of {backend.name!r} offers no attention implementations")
+    return names
+
+
+def test_graph_attention_is_offered(gc_backend: Backend) -> None:
+    wanted = gc_backend.capabilities.graph_attention
+    if wanted is None:
+        pytest.skip(f"backend {gc_backend.name!r} keeps the model's attention in graphs")
+    assert wanted in attention_implementations(gc_backend), (
+        f"graph_attention {wanted!r} is not among the implementations the plugin offers"
+    )
+
+
+@pytest.mark.parametrize("name", list(models.MODELS))
+def test_offered_attention_matches_sdpa(gc_backend: Backend, name: str) -> None:
+    """Each offered attention, run by the engine (graphs on where the backend captures, so its
+    decode step renders masks in ``mask_form`` for it), gives SDPA's tokens and log-probs."""
+    backend = gc_backend
+    params = SamplingParams(max_new_tokens=6, return_logprobs=True)
+    ids, mask = models.prompts(3, backend.device)
+    results = {}
+    for attn in ["sdpa", *_offered(backend)]:
+        model = models.build(name, backend.device, attn)
+        config = RolloutConfig(backend=backend, enable_graph_capture=attn != "sdpa")
+        engine = RolloutEngine(model, config)
+        results[attn] = engine.generate(ids, mask, params)
+        engine.shutdown()
+    reference = results.pop("sdpa")
+    for attn, result in results.items():
+        assert torch.equal(result.sequences.cpu(), reference.sequences.cpu()), (
+            f"attention {attn!r} chose other tokens than SDPA"
+        )
+        torch.testing.assert_close(
+            result.logprobs.cpu(), reference.logprobs.cpu(), rtol=1e-3, atol=1e-3
+        )
+
+
+def test_one_row_product_matches_linear(gc_backend: Backend) -> None:
+    """A backend's ``one_row_product`` equals ``F.linear`` (fp32, to rounding) for one row, for
+    a row slice of a joined buffer and with a bias; hands other inputs to ``F.linear``; and,
+    where the backend captures, replays reading an input updated in place."""
+    backend = gc_backend
+    product = backend.one_row_product()
+    if product is None:
+        pytest.skip(f"backend {backend.name!r} offers no one-row product (F.linear is used)")
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(backend.device)
+
+    joined, bias = rand(96, 200), rand(40)
+    for x, weight, b in [
+        (rand(1, 1, 200), joined, None),
+        (rand(1, 200), joined[24:64], bias),  # a joined group's member: rows of a buffer
+        (rand(3, 1, 200), joined[:40], bias),  # three rows: F.linear's job
+    ]:
+        torch.testing.assert_close(
+            product(x, weight, b), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5
+        )
+    if not backend.capabilities.graph_capture:
+        return
+    x = rand(1, 1, 200)
+    out: dict[str, torch.Tensor] = {}
+    graph = capture_step(backend, lambda: out.update(y=product(x, joined, None)), [], None)
+    x.copy_(rand(1, 1, 200))
+    replay(backend, graph)
+    expected = torch.nn.functional.linear(x, joined)
+    torch.testing.assert_close(out["y"], expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,656 @@
+"""Plant known bugs one at a time and check that the tests meant to catch each one fail.
+
+    python tests/mutants.py            # every plant (a few minutes on 2 cores)
+    python tests/mutants.py NAME ...   # only these
+
+Each plant replaces one exact snippet of the source (the run fails loudly if the snippet is gone,
+so the list cannot rot silently), runs the tests named for it, and restores the file. A plant
+whose tests still pass is a hole in the suite. Not part of CI (each plant is a pytest run);
+docs/testing.md lists the plants and when to run this.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The tests import the tree's graphcap, graphcap_cuda and graphcap_npu, not the installed copies
+#: (the plugins are installed without -e), so plants in any of them are seen.
+SOURCES = os.environ | {
+    "PYTHONPATH": os.pathsep.join(
+        str(ROOT / part) for part in ("", "backends/cuda", "backends/npu")
+    )
+}
+
+
+@dataclass(frozen=True)
+class Plant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+NORM_FORMS = (
+    "backends/cuda/tests/test_epilogues.py::test_norm_and_sum_prologues_equal_transformers_norms"
+)
+
+KV_BLOCKS = "tests/test_kv_blocks.py"
+NPU_ENGINE = "backends/npu/tests/test_npu_engine.py"
+
+HOOKED_COMPILE = (
+    "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
+)
+
+PLANTS = (
+    Plant(
+        "mask not cleared on reuse",
+        "graphcap/rollout/cache/masks.py",
+        "            self.valid.zero_()\n",
+        "            pass\n",
+        ("tests/test_rollout_graph.py",),
+    ),
+    Plant(
+        "prefill K/V copied to the first sample row only",
+        "graphcap/rollout/runners/static.py",
+        "step.cache.load_prefill(prefill.cache, source_rows=sources)",
+        "step.cache.load_prefill(prefill.cache, source_rows=sources[:1].expand_as(sources))",
+        (
+            "tests/test_rollout_equivalence.py::test_num_return_sequences_shares_prefill_and_matches_generate",
+        ),
+    ),
+    Plant(
+        "position ids frozen by the graph",
+        "graphcap/rollout/step/step.py",
+        "        self.state.positions.add_(1)\n",
+        "        self.state.positions.copy_(self.state.positions + 0)\n",
+        ("tests/test_rollout_equivalence.py::test_greedy_graph_equals_eager_equals_generate",),
+    ),
+    Plant(
+        "write column read as a host int",
+        "graphcap/rollout/step/step.py",
+        "        column = self.cache.write_pos[:, None]\n",
+        "        column = torch.full_like(self.cache.write_pos, int(self.cache.write_pos[0]))"
+        "[:, None]\n",
+        ("tests/test_rollout_equivalence.py::test_greedy_graph_equals_eager_equals_generate",),
+    ),
+    Plant(
+        "warm-up leaves its trace (no rollback before capture)",
+        "graphcap/rollout/holder/capture.py",
+        '            timings["warmup_s"] = time.perf_counter() - start\n        rollback()\n',
+        '            timings["warmup_s"] = time.perf_counter() - start\n',
+        ("tests/test_rollout_equivalence.py",),
+    ),
+    Plant(
+        "compile-cache file never loaded",
+        "graphcap/rollout/holder/compile_cache.py",
+        "        loaded = _load(path)\n",
+        "        loaded = None\n",
+        (
+            "tests/test_compile_cache.py::test_a_compile_writes_the_file_and_the_next_session_loads_it",
+        ),
+    ),
+    Plant(
+        "captured steps never compile by default",
+        "graphcap/rollout/config.py",
+        "            return self.process_group is None"
+        " and backend.capabilities.compile_by_default\n",
+        "            return False\n",
+        ("tests/test_compile_default.py",),
+    ),
+    Plant(
+        "compiled code kept across a host-state change",
+        "graphcap/rollout/holder/holder.py",
+        "                    torch.compiler.reset()\n",
+        "                    pass\n",
+        ("tests/test_compile_default.py",),
+    ),
+    Plant(
+        "drop-in output not cut to generate's width",
+        "graphcap/rollout/drop_in.py",
+        "        sequences = result.sequences[:, : width + int(result.response_lengths.max())]\n",
+        "        sequences = result.sequences\n",
+        ("tests/test_drop_in.py::test_rows_that_all_stop_early_give_generates_shorter_output",),
+    ),
+    Plant(
+        "drop-in checks for finished rows every 16 steps",
+        "graphcap/rollout/drop_in.py",
+        "length_buckets=buckets or None, eos_check_interval=1",
+        "length_buckets=buckets or None, eos_check_interval=16",
+        ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
+    ),
+    Plant(
+        "finished flag not read before the first step",
+        "graphcap/rollout/runners/static.py",
+        "    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):\n",
+        "    if False:\n",
+        ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
+    ),
+    Plant(
+        "checkpointing hook kept in the host state",
+        "graphcap/rollout/plan/fingerprint.py",
+        "    live = {h: hook for h, hook in hooks.items() if hook_name(hook) not in INERT_HOOKS}\n",
+        "    live = dict(hooks)\n",
+        (
+            "tests/test_drop_in.py::test_the_checkpointing_hook_left_out_of_the_host_state_still_exists_and_does_nothing",
+        ),
+    ),
+    Plant(
+        "scores recorded before the repetition penalty",
+        "graphcap/rollout/step/step.py",
+        "            processed = torch.where(s.rows.sample[:, None], warped, scores)\n",
+        "            processed = torch.where(s.rows.sample[:, None], warped, logits.float())\n",
+        ("tests/test_rollout_scores.py::test_scores_match_generate_per_step",),
+    ),
+    Plant(
+        "retired slot's mask row kept",
+        "graphcap/rollout/step/slots.py",
+        "    step.masks.valid[rows] = False\n",
+        "",
+        ("tests/test_rollout_continuous.py",),
+    ),
+    Plant(
+        "budget-finished slots wait for the refill check",
+        "graphcap/rollout/runners/continuous.py",
+        "            if check or self._due(table, queue, stats.steps):\n",
+        "            if check:\n",
+        (
+            "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
+        ),
+    ),
+    Plant(
+        "queue taken in request order",
+        "graphcap/rollout/runners/continuous.py",
+        "key=lambda r: -self.limits[r]",
+        "key=lambda r: 0",
+        (
+            "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
+        ),
+    ),
+    Plant(
+        "budget refills read the device flags",
+        "graphcap/rollout/runners/continuous.py",
+        "align, trim, read=check)",
+        "align, trim, read=True)",
+        (
+            "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
+        ),
+    ),
+    Plant(
+        "slot retired one step before its budget is used",
+        "graphcap/rollout/runners/continuous.py",
+        "now + queue.limits[request] - 1",
+        "now + queue.limits[request] - 2",
+        (
+            "tests/test_rollout_continuous.py::test_eos_and_stop_token_rows_retire_at_the_check_graph_equals_eager_equals_alone",
+        ),
+    ),
+    Plant(
+        "one attention span for every per-position graph",
+        "graphcap/rollout/runners/runners.py",
+        "step = self.eager.with_span((0, self.width + position + 1))",
+        "step = self.eager.with_span((0, self.width + 1))",
+        ("tests/test_rollout_per_position.py",),
+    ),
+    Plant(
+        "strides left out of the signature",
+        "graphcap/rollout/plan/scan.py",
+        "tuple(t.shape), tuple(t.stride()), t.dtype",
+        "tuple(t.shape), (), t.dtype",
+        ("tests/test_rollout_stale_state.py",),
+    ),
+    Plant(
+        "model's own attention not restored after capture",
+        "graphcap/rollout/holder/holder.py",
+        "        model.set_attn_implementation(own)\n",
+        "        pass\n",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "rng_in_graph=False ignored",
+        "graphcap/rollout/plan/plan.py",
+        "    if params.do_sample and not caps.rng_in_graph:",
+        "    if False:",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "repetition penalty counts left-pad slots",
+        "graphcap/rollout/sampling.py",
+        "    index = torch.where(written, tokens, vocab)\n",
+        "    index = tokens\n",
+        ("tests/test_rollout_penalty.py",),
+    ),
+    Plant(
+        "penalty left out of the step",
+        "graphcap/rollout/sampling.py",
+        "            penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),\n",
+        "            penalty=False,\n",
+        ("tests/test_rollout_penalty.py",),
+    ),
+    Plant(
+        "min_new_tokens stop block left out of the step",
+        "graphcap/rollout/sampling.py",
+        "            min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),\n",
+        "            min_new=False,\n",
+        ("tests/test_rollout_equivalence.py",),
+    ),
+    Plant(
+        "refilled slot keeps the previous request's settings",
+        "graphcap/rollout/runners/continuous.py",
+        "        step.configure_rows(\n",
+        "        (lambda *args: None)(\n",
+        ("tests/test_rollout_penalty.py",),
+    ),
+    Plant(
+        "concurrent calls not serialised",
+        "graphcap/rollout/engine.py",
+        "        self._lock = threading.Lock()\n",
+        "        self._lock = __import__('contextlib').nullcontext()\n",
+        (
+            "tests/test_rollout_stale_state.py::test_three_threads_on_one_engine_get_correct_results_or_a_clear_error",
+        ),
+    ),
+    Plant(
+        "joined projection's later layer returns its slice for any input",
+        "graphcap/rollout/plan/fusion.py",
+        "                if x is not self._input:\n",
+        "                if x is None:\n",
+        ("tests/test_rollout_fusion.py",),
+    ),
+    Plant(
+        "replaced parameter storage never joined again",
+        "graphcap/rollout/plan/fusion.py",
+        "        moved = [group for group in self.groups if not group.joined()]\n",
+        "        moved = [group for group in self.groups if group.weight.numel() == 0]\n",
+        ("tests/test_rollout_fusion.py",),
+    ),
+    Plant(
+        "non-resident parameters joined",
+        "graphcap/rollout/plan/fusion.py",
+        "        if scan.non_resident is not None:\n            return False\n",
+        "",
+        ("tests/test_rollout_fusion.py",),
+    ),
+    Plant(
+        "compiled blocks stay compiled after capture",
+        "graphcap/rollout/cache/swap.py",
+        "                delattr(obj, name)\n",
+        "                pass\n",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "compiled captures keep the eager K/V write",
+        "graphcap/rollout/plan/regions.py",
+        " else cache.puts_through(compiled(put_columns))\n",
+        " else contextlib.nullcontext()\n",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "the decoder stack's final norm and rotary embedding not compiled",
+        "graphcap/rollout/plan/regions.py",
+        "        for parent in stacks\n",
+        "        for parent in []\n",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "the attention compiled with its decoder layer",
+        "graphcap/rollout/plan/regions.py",
+        '(a, "forward", torch.compiler.disable(a.forward))',
+        '(a, "forward", a.forward)',
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "joined groups left out of the one-row product",
+        "graphcap/rollout/plan/regions.py",
+        " else fusion.products_through(product)\n",
+        " else contextlib.nullcontext()\n",
+        ("tests/test_rollout_one_row.py",),
+    ),
+    Plant(
+        "the one-row product used in uncompiled captures",
+        "graphcap/rollout/holder/holder.py",
+        "        product = self.backend.one_row_product() if compiled else None\n",
+        "        product = self.backend.one_row_product()\n",
+        ("tests/test_rollout_one_row.py",),
+    ),
+    Plant(
+        "compiled regions ignore the backend's inductor options",
+        "graphcap/rollout/plan/regions.py",
+        "functools.partial(torch.compile, options=options or None)",
+        "functools.partial(torch.compile, options=None)",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "inductor's kernels launched without dependent launch",
+        "backends/cuda/graphcap_cuda/backend.py",
+        '({"triton.enable_pdl": True} if launch.ENABLED else {})',
+        "{}",
+        ("backends/cuda/tests/test_cuda_backend.py",),
+    ),
+    Plant(
+        "a capture leaves its BLAS library set after it",
+        "backends/cuda/graphcap_cuda/backend.py",
+        "    finally:\n        torch.backends.cuda.preferred_blas_library(before)\n",
+        "    finally:\n        pass\n",
+        ("backends/cuda/tests/test_cuda_backend.py",),
+    ),
+    Plant(
+        "plain captures run under the backend's compiled-capture settings",
+        "graphcap/rollout/holder/holder.py",
+        "            if compiled:\n                state = ",
+        "            stack.enter_context(self.backend.compiled_capture_context())\n"
+        "            if compiled:\n                state = ",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "split-KV blocks sized in columns whatever the head size",
+        "backends/cuda/graphcap_cuda/kernels/split_kv.py",
+        "max(16, BLOCK_BYTES // block_bytes)",
+        "64",
+        ("backends/cuda/tests/test_split_kv.py",),
+    ),
+    Plant(
+        "split-KV launches several waves of programs at a few rows",
+        "backends/cuda/graphcap_cuda/kernels/split_kv.py",
+        "    wanted = PROGRAMS_PER_SM * sms // (rows * kv_heads)\n",
+        "    wanted = triton.cdiv(2 * sms, rows * kv_heads)\n",
+        ("backends/cuda/tests/test_split_kv.py::test_launch_is_one_wave_of_programs",),
+    ),
+    Plant(
+        "functions held as module attributes left out of the host state",
+        "graphcap/rollout/plan/fingerprint.py",
+        "    if kind in _CALLABLES or issubclass(kind, type):\n",
+        "    if False:\n",
+        (
+            "tests/test_rollout_stale_state.py::test_instance_forward_wrapped_after_capture_recaptures",
+            "tests/test_rollout_stale_state.py::test_function_attribute_swapped_after_capture_recaptures",
+        ),
+    ),
+    Plant(
+        "each module's class left out of the host state",
+        "graphcap/rollout/plan/fingerprint.py",
+        "        (path, type(module), _hooks(module, keep), _attributes(module, keep))\n",
+        "        (path, torch.nn.Module, _hooks(module, keep), _attributes(module, keep))\n",
+        ("tests/test_rollout_stale_state.py::test_submodule_swapped_for_another_class_recaptures",),
+    ),
+    Plant(
+        "swapped attributes keep their swapped value after the block",
+        "graphcap/rollout/cache/swap.py",
+        "            else:\n                setattr(obj, name, value)\n",
+        "            else:\n                pass\n",
+        ("tests/test_rollout_units.py", "tests/test_rollout_one_row.py"),
+    ),
+    Plant(
+        "compiled captures leave the step's own work eager",
+        "graphcap/rollout/holder/holder.py",
+        "                stack.enter_context(compiled_bookkeeping(step, options))\n",
+        "",
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "the compiled step's random draws left to inductor's generator",
+        "graphcap/rollout/plan/regions.py",
+        'BOOKKEEPING_OPTIONS = {"fallback_random": True}',
+        'BOOKKEEPING_OPTIONS = {"fallback_random": False}',
+        ("tests/test_rollout_plan.py",),
+    ),
+    Plant(
+        "the two-pass argmax drops the columns after the last whole chunk",
+        "graphcap/rollout/sampling.py",
+        "    if split < vocab:\n",
+        "    if False:\n",
+        ("tests/test_rollout_units.py",),
+    ),
+    Plant(
+        "the two-pass argmax forgets where each chunk starts",
+        "graphcap/rollout/sampling.py",
+        "head.indices + starts",
+        "head.indices + 0 * starts",
+        ("tests/test_rollout_units.py",),
+    ),
+    Plant(
+        "several new K/V columns written to the first one",
+        "graphcap/rollout/cache/cache.py",
+        "columns = columns + torch.arange(",
+        "columns = columns + 0 * torch.arange(",
+        ("tests/test_rollout_units.py",),
+    ),
+    Plant(
+        "the gated product reads W's rows as the gate's",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "rows, gate_ptr + n[:, None] * stride_gn)",
+        "rows, rows)",
+        (
+            "backends/cuda/tests/test_epilogues.py::test_gated_and_residual_forms_equal_the_eager_ops",
+        ),
+    ),
+    Plant(
+        "the residual added to the unrounded product",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "out = out.to(dtype).to(tl.float32) + residual",
+        "out = out + residual",
+        (
+            "backends/cuda/tests/test_epilogues.py::test_gated_and_residual_forms_equal_the_eager_ops",
+        ),
+    ),
+    Plant(
+        "the epilogue pass fuses a product that has another use",
+        "backends/cuda/graphcap_cuda/kernels/epilogues.py",
+        "    return all(user in inside for node in nodes for user in node.users)",
+        "    return True",
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
+    Plant(
+        "the epilogue pass fuses a broadcasting add",
+        "backends/cuda/graphcap_cuda/kernels/epilogues.py",
+        "        if not _same_static_shape(mine, theirs) or mine.dtype != theirs.dtype:",
+        "        if mine.dtype != theirs.dtype:",
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
+    Plant(
+        "the gated product computes SiLU whatever its activation",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "        if ACTIVATION == 0:  # silu",
+        "        if True:  # silu",
+        (
+            "backends/cuda/tests/test_epilogues.py::test_gated_and_residual_forms_equal_the_eager_ops",
+        ),
+    ),
+    Plant(
+        "the epilogue pass takes any elementwise function for an activation",
+        "backends/cuda/graphcap_cuda/kernels/epilogues.py",
+        "if got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol):",
+        "if True:",
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
+    Plant(
+        "the product's norm leaves eps out",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "tl.rsqrt(total / k_cols + eps)",
+        "tl.rsqrt(total / k_cols)",
+        (NORM_FORMS,),
+    ),
+    Plant(
+        "the product computes Gemma's norm as Llama's",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "    if NORM == 1:  # w * (x * rstd).to(dtype)",
+        "    if True:  # w * (x * rstd).to(dtype)",
+        (NORM_FORMS,),
+    ),
+    Plant(
+        "the product drops the sum before its residual",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "            residual = (residual + other).to(dtype).to(tl.float32)",
+        "            residual = residual",
+        (NORM_FORMS,),
+    ),
+    Plant(
+        "the epilogue pass moves a sum that something else reads",
+        "backends/cuda/graphcap_cuda/kernels/epilogues.py",
+        "        args = _arguments(user) if _is(user, GEMV) else {}",
+        '        args = _arguments(user) if _is(user, GEMV) else {"residual": source}',
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
+    Plant(
+        "the epilogue pass takes a norm whatever its eps",
+        "backends/cuda/graphcap_cuda/kernels/epilogues.py",
+        "            want = [define(p, w, eps).float() for p in probes]",
+        "            want = [define(p, w, 1e-6).float() for p in probes]",
+        ("backends/cuda/tests/test_epilogues.py",),
+    ),
+    Plant(
+        "the norm's sum of squares changes type in its loop (the interpreter runs it)",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "    squares = tl.zeros([BLOCK_K], tl.float32)",
+        "    squares = 0.0",
+        ("backends/cuda/tests/test_kernels_compile.py",),
+    ),
+    Plant(
+        "the norm's one load reads the first block of the row only",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "tl.arange(0, ROW), k_cols, False, HAS_ADDEND)",
+        "tl.arange(0, BLOCK_K), k_cols, False, HAS_ADDEND)",
+        (NORM_FORMS,),
+    ),
+    Plant(
+        "the norm is never read in one load",
+        "backends/cuda/graphcap_cuda/kernels/gemv.py",
+        "    return row if NORM_ONE_LOAD and row <= MAX_NORM_ROW else 0",
+        "    return 0",
+        ("backends/cuda/tests/test_kernels_compile.py",),
+    ),
+    Plant(
+        "stop sequences match prompt tokens",
+        "graphcap/rollout/step/step.py",
+        "        ours = self.response.gather(1, index) & inside\n",
+        "        ours = inside\n",
+        ("tests/test_rollout_vllm.py",),
+    ),
+    Plant(
+        "a stop sequence ends a row before min_new_tokens",
+        "graphcap/rollout/step/step.py",
+        "        hit = hits.any(-1) & allowed\n",
+        "        hit = hits.any(-1)\n",
+        ("tests/test_rollout_vllm.py",),
+    ),
+    Plant(
+        "a module's forward hook does not turn compiling off",
+        "graphcap/rollout/plan/fingerprint.py",
+        'return next((path or "<root>" for path, _, hooks, _ in self.modules if hooks), None)',
+        "return None",
+        (HOOKED_COMPILE,),
+    ),
+    Plant(
+        "a global module hook does not turn compiling off",
+        "graphcap/rollout/plan/fingerprint.py",
+        "        if any(self.global_hooks):\n",
+        "        if False:\n",
+        (HOOKED_COMPILE,),
+    ),
+    Plant(
+        "the block table is not grown between steps",
+        "graphcap/rollout/runners/runners.py",
+        "        grow_blocks(self.holder, self.step, columns, self.ahead, self.stats)\n",
+        "        pass\n",
+        (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
+    ),
+    Plant(
+        "freed blocks are handed out again unzeroed",
+        "graphcap/rollout/cache/blocks.py",
+        "            layer.keys[picked] = 0\n            layer.values[picked] = 0\n",
+        "            pass\n",
+        (KV_BLOCKS + "::test_freed_blocks_are_handed_out_again_zeroed",),
+    ),
+    Plant(
+        "the step does not update the block table's lengths",
+        "graphcap/rollout/step/step.py",
+        "            self.cache.set_lengths(self.furthest())\n",
+        "            pass\n",
+        (KV_BLOCKS + "::test_auto_follows_the_backend_and_block_aware_attention_reads_pools",),
+    ),
+    Plant(
+        "block pools keep doubling past every row's whole table",
+        "graphcap/rollout/cache/blocks.py",
+        "self.batch_size * self.table.shape[1] + _RESERVED)\n",
+        "10**9)\n",
+        (KV_BLOCKS + "::test_growth_stops_at_every_rows_whole_table",),
+    ),
+    Plant(
+        "NPU graphs captured without auto_dispatch_capture (not updatable)",
+        "backends/npu/graphcap_npu/backend.py",
+        '    graph_options: ClassVar[dict[str, Any]] = {"auto_dispatch_capture": True}\n',
+        "    graph_options: ClassVar[dict[str, Any]] = {}\n",
+        (
+            NPU_ENGINE
+            + "::test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay",
+        ),
+    ),
+    Plant(
+        "NPU lengths never reach the captured graph",
+        "backends/npu/graphcap_npu/backend.py",
+        '        graph.update(cpu_update_input=[{"actual_seq_lengths_kv": list(lengths)}])\n',
+        "        pass\n",
+        (NPU_ENGINE + "::test_half_precision_conformance_check_passes_every_npu_attention",),
+    ),
+    Plant(
+        "NPU eager steps pass page attention the placeholder lengths",
+        "backends/npu/graphcap_npu/attention.py",
+        "        lengths = view.lengths.tolist()  # a host read: eager steps only\n",
+        "        lengths = [view.max_len] * batch\n",
+        (
+            NPU_ENGINE
+            + "::test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay",
+        ),
+    ),
+    Plant(
+        "NPU page attention reads a gather instead of the pools",
+        "backends/npu/graphcap_npu/attention.py",
+        "    if view is not None and _pages(view, query, attention_mask, dropout, kwargs):\n",
+        "    if False:\n",
+        (
+            NPU_ENGINE
+            + "::test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay",
+        ),
+    ),
+)
+
+
+def caught(plant: Plant) -> bool:
+    """Whether the plant's tests fail with the plant in place."""
+    path = ROOT / plant.path
+    source = path.read_text()
+    if source.count(plant.old) != 1:
+        raise SystemExit(f"{plant.name}: the snippet to replace is not in {plant.path} once")
+    path.write_text(source.replace(plant.old, plant.new))
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *plant.tests],
+            cwd=ROOT,
+            env=SOURCES,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        path.write_text(source)
+    return run.returncode != 0
+
+
+def main(names: list[str]) -> int:
+    plants = [p for p in PLANTS if not names or p.name in names]
+    holes = []
+    for plant in plants:
+        ok = caught(plant)
+        print(f"{'caught' if ok else 'MISSED':7} {plant.name}", flush=True)
+        if not ok:
+            holes.append(plant.name)
+    print(f"{len(plants) - len(holes)} of {len(plants)} plants caught")
+    return 1 if holes else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

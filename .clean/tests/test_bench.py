@@ -1,0 +1,483 @@
+"""graphcap bench: structure, bookkeeping and invariants (never timing values).
+
+The runs use the tiny presets with a handful of tokens on the CPU reference backend, so they
+check what the bench reports (statuses, captures, agreement, spreads, JSON), not how fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from graphcap.bench import command, config, models, modes, report
+from graphcap.bench.config import BenchConfig, resolve
+from graphcap.bench.modes import MODES, Workload, default_modes, parse_modes
+from graphcap.bench.report import ModeResult, RLLoopResult
+from graphcap.bench.rl_loop import make_optimizer, rl_warnings, run_rl_loop
+from graphcap.bench.run import fill_ratios, run_benchmark, token_agreement
+from graphcap.cpu.backend import CPUBackend
+
+CPU = torch.device("cpu")
+#: A few tokens are enough to exercise every path; timings are never asserted.
+SMALL = {"model": "tiny-llama", "prompt_len": 4, "new_tokens": 3, "repeats": 2, "warmup": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    # Tiny models gain nothing from intra-op threads; on a busy 2-core machine two threads per
+    # process make these runs several times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def backend() -> CPUBackend:
+    return CPUBackend()
+
+
+def tiny(batch: int = 1, backend: Any = None, new_tokens: int = 4) -> Workload:
+    model = models.build_model("tiny-llama", dtype=torch.float32, device=CPU)
+    ids, mask = models.make_prompts(model.config.vocab_size, batch, 4, seed=0, device=CPU)
+    return Workload(model, backend or CPUBackend(), ids, mask, new_tokens)
+
+
+class NoGraphBackend(CPUBackend):
+    """A backend that cannot capture: graph modes must be refused, never faked."""
+
+    name = "no-graph"
+
+    def create_graph(self) -> None:
+        return None
+
+
+class FailingCaptureBackend(CPUBackend):
+    """Hands out graphs, but every capture fails: the engine must finish eagerly."""
+
+    name = "failing-capture"
+
+    def capture_to_graph(self, graph: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("capture exploded")
+
+
+class MemoryReportingBackend(CPUBackend):
+    """Reports device memory like an accelerator, from a scripted allocator."""
+
+    name = "memory-reporting"
+
+    def memory_allocated(self) -> int:
+        return 1000
+
+    def max_memory_allocated(self) -> int:
+        return 5000
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+
+# ---- models and the roofline ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_tiny_presets_build_in_eval_mode_without_eos(name: str) -> None:
+    model = models.build_model(name, dtype=torch.float32, device=CPU)
+    assert not model.training and model.generation_config.eos_token_id is None
+    assert model.generation_config.pad_token_id == 0
+    assert models.describe_model(model)["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "billions", "tied"),
+    [("gpt2-medium", 0.355, True), ("llama-1b", 1.236, True), ("llama-8b", 8.030, False)],
+)
+def test_large_presets_have_the_real_checkpoint_shapes(
+    name: str, billions: float, tied: bool
+) -> None:
+    with torch.device("meta"):
+        model = models.AutoModelForCausalLM.from_config(models.preset_config(name))
+    assert models.describe_model(model)["parameters"] == pytest.approx(billions * 1e9, rel=0.01)
+    assert bool(model.config.tie_word_embeddings) is tied
+
+
+def test_preset_outputs_are_varied_and_local_directories_load(tmp_path: Any) -> None:
+    work = tiny(batch=2)
+    out = work.model.generate(work.input_ids, max_new_tokens=24, disable_compile=True)[:, 4:]
+    # Degenerate (one repeated token) output would make token agreement vacuous.
+    assert out.shape == (2, 24) and all(len(set(row.tolist())) >= 8 for row in out)
+    work.model.save_pretrained(tmp_path)
+    loaded = models.build_model(str(tmp_path), dtype=torch.float32, device=CPU)
+    assert torch.equal(loaded.lm_head.weight, work.model.lm_head.weight)
+    shapes = models.build_model(str(tmp_path), dtype=torch.float32, device=torch.device("meta"))
+    assert models.describe_model(shapes) == models.describe_model(loaded)
+    assert models.weight_bytes_per_step(shapes) == models.weight_bytes_per_step(loaded)
+    with pytest.raises(ValueError, match="neither a preset"):
+        models.build_model(str(tmp_path / "missing"), dtype=torch.float32, device=CPU)
+
+
+def test_default_dtypes_weight_bytes_and_peak_bandwidth() -> None:
+    assert models.default_dtype_name("llama-8b", "cpu") == "fp32"
+    assert models.default_dtype_name("gpt2-medium", "cuda") == "fp16"
+    assert models.default_dtype_name("llama-1b", "cuda") == "bf16"
+    llama = tiny().model  # untied: the input embedding is a lookup table, not read whole
+    embed = llama.get_input_embeddings().weight.numel() * 4
+    assert (
+        models.weight_bytes_per_step(llama)
+        == sum(p.numel() * 4 for p in llama.parameters()) - embed
+    )
+    gpt2 = models.build_model(
+        "tiny-gpt2", dtype=torch.float16, device=CPU
+    )  # wte tied: counted once
+    positions = gpt2.transformer.wpe.weight.numel() * 2
+    assert (
+        models.weight_bytes_per_step(gpt2)
+        == sum(p.numel() * 2 for p in gpt2.parameters()) - positions
+    )
+    assert models.peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert models.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert models.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert models.peak_bandwidth("Some Future GPU") is None
+    assert models.peak_bandwidth("NVIDIA H200", override=1e12) == 1e12
+    assert models.parse_bandwidth("4.8TB/s") == pytest.approx(4.8e12)
+    assert models.parse_bandwidth("3350GB/s") == pytest.approx(3.35e12)
+    with pytest.raises(ValueError, match="cannot read bandwidth"):
+        models.parse_bandwidth("fast")
+
+
+# ---- timing and bookkeeping -------------------------------------------------------------------
+def test_step_clock_reports_prefill_and_median_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    times = iter([10.0, 10.5, 10.6, 10.8, 10.9])
+    monkeypatch.setattr(modes.time, "perf_counter", lambda: next(times))
+    clock = modes.StepClock(sync=lambda: None)
+
+    class Model:
+        def generate(self, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            for _ in range(4):
+                assert not kwargs["stopping_criteria"][0](ids, None).any()
+            return torch.zeros((3, 6), dtype=torch.long)
+
+    work = Workload(Model(), CPUBackend(), torch.zeros((3, 2), dtype=torch.long), None, 4)  # type: ignore[arg-type]
+    out = clock.generate(work)
+    assert out.prefill_s == pytest.approx(0.5) and out.decode_step_s == pytest.approx(0.1)
+    assert out.tokens.shape == (3, 4) and out.stats is None
+
+
+def test_spread_agreement_and_ratios() -> None:
+    assert modes.spread([3.0, None, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert modes.spread([None]) == (None, None, None)
+    ref = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    other = ref.clone()
+    other[0] = 0
+    assert token_agreement(ref.clone(), ref) == 1.0 and token_agreement(other, ref) == 0.5
+    assert token_agreement(ref[:, :2], ref) is None
+    results = [
+        ModeResult("hf-eager", 1, steady_median_s=4.0),
+        ModeResult("hf-static-compile", 1, steady_median_s=2.0, recompiles_steady=0),
+        ModeResult("graphcap-graph", 1, steady_median_s=1.0),
+        ModeResult("hf-eager", 8, steady_median_s=8.0),
+        ModeResult("hf-static-compile", 8, steady_median_s=1.0, recompiles_steady=3),
+        ModeResult("graphcap-graph", 8, steady_median_s=2.0),
+    ]
+    fill_ratios(results)
+    assert (results[2].speedup_vs_hf_eager, results[2].speedup_vs_hf_static_compile) == (4.0, 2.0)
+    assert results[5].speedup_vs_hf_eager == 4.0
+    assert results[5].speedup_vs_hf_static_compile is None  # that baseline recompiled
+
+
+# ---- whole runs on the CPU reference backend --------------------------------------------------
+def test_run_reports_every_mode_with_spreads_progress_and_json(
+    backend: CPUBackend, tmp_path: Any
+) -> None:
+    lines: list[str] = []
+    names = [m for m in MODES if m != "hf-static-compile"]
+    result = run_benchmark(
+        BenchConfig(batch_sizes=[1, 2], modes=names, **SMALL),
+        backend=backend,
+        progress=lines.append,
+    )
+    assert result.reference_mode == "graphcap-eager" and len(result.results) == 12
+    pairs = [line for line in lines if " left] " in line]
+    assert pairs[0].startswith("[1/12, 11 left]") and pairs[-1].startswith("[12/12, 0 left]")
+    expected = {
+        "graphcap-graph": ("static_graph", 1),
+        "graphcap-graph-uncompiled": ("static_graph", 1),
+        "graphcap-continuous": ("continuous_graph", 1),
+    }
+    expected["graphcap-per-position"] = ("per_position_graph", SMALL["new_tokens"] - 1)
+    for bs in (1, 2):
+        for name, (path, captures) in expected.items():
+            r = result.result(name, bs)
+            assert r.status == "ok", r.reason
+            assert (r.path, r.captures) == (path, captures)
+            assert r.tokens_identical and r.first_call_tokens_identical
+            assert r.first_call_s > 0 and len(r.steady_s) == SMALL["repeats"]
+            assert r.steady_min_s <= r.steady_median_s <= r.steady_max_s
+            assert r.decode_step_min_s <= r.decode_step_s <= r.decode_step_max_s
+            assert r.speedup_vs_hf_eager is not None and r.peak_memory_bytes is None
+        assert result.result("graphcap-graph", bs).replays_per_call == SMALL["new_tokens"] - 1
+        assert 0 < result.result("graphcap-continuous", bs).occupancy <= 1
+        assert result.result("hf-eager", bs).tokens_identical
+        assert (
+            result.result("hf-eager", bs).path == "hf"
+            and result.result("hf-eager", bs).captures is None
+        )
+        assert result.result("graphcap-eager", bs).captures == 0
+    data = json.loads(result.write_json(tmp_path / "r" / "bench.json").read_text())
+    assert data["schema_version"] == 4 and data["config"]["dtype"] == "fp32"
+    for r in result.results:  # graphcap's graph modes say where their first call went
+        if r.mode.startswith("graphcap-") and r.path != "eager":
+            phases = r.first_call_phases
+            assert phases["warmup_s"] > 0 and phases["capture_s"] > 0, (r.mode, phases)
+            assert sum(phases.values()) == pytest.approx(r.first_call_s, rel=1e-6)
+            assert r.compiled is False and r.compile_cache is None
+    assert data["peak_bandwidth_gbps"] is None  # no roofline on the host without --peak-bandwidth
+    assert {f.name for f in dataclasses.fields(ModeResult)} == set(data["results"][0])
+    table = report.format_table(result)
+    assert "steady ms [min-max]" in table and "first calls (s): prefill + warmup" in table
+    graph = result.result("graphcap-graph", 1)
+    assert f"{graph.steady_median_s * 1e3:.1f} [{graph.steady_min_s * 1e3:.1f}-" in table
+
+
+def test_memory_and_roofline_figures_reach_the_report() -> None:
+    cfg = BenchConfig(batch_sizes=[1], modes=["graphcap-graph"], peak_bandwidth=50e9, **SMALL)
+    result = run_benchmark(cfg, backend=MemoryReportingBackend())
+    graph = result.result("graphcap-graph", 1)
+    assert graph.peak_memory_bytes == 5000 and graph.engine_memory_bytes == 0
+    assert result.peak_bandwidth_gbps == 50.0
+    achieved = result.weight_bytes_per_step / graph.decode_step_s
+    assert graph.weight_bandwidth_gbps == pytest.approx(achieved / 1e9)
+    assert graph.bandwidth_fraction == pytest.approx(achieved / 50e9)
+
+
+def test_continuous_mode_queues_rows_through_fewer_slots(backend: CPUBackend) -> None:
+    cfg = BenchConfig(
+        batch_sizes=[5],
+        modes=["graphcap-eager", "graphcap-continuous"],
+        continuous_slots=2,
+        **SMALL,
+    )
+    result = run_benchmark(cfg, backend=backend)
+    continuous = result.result("graphcap-continuous", 5)
+    assert continuous.status == "ok" and continuous.tokens_identical, continuous.reason
+    # 5 rows through 2 slots take three waves of decode steps, not one.
+    assert continuous.replays_per_call > 2 * (SMALL["new_tokens"] - 1)
+    assert result.config["continuous_slots"] == 2
+
+
+def test_graph_modes_are_refused_on_a_backend_without_graphs() -> None:
+    names = ["graphcap-eager", "graphcap-graph", "graphcap-continuous"]
+    result = run_benchmark(
+        BenchConfig(batch_sizes=[1], modes=names, threads=2, **SMALL), backend=NoGraphBackend()
+    )
+    assert torch.get_num_threads() == 1 and result.config["threads"] == 2  # restored after
+    for name in names[1:]:
+        r = result.result(name, 1)
+        assert r.status == "unsupported" and "cannot capture" in r.reason and r.tokens_per_s is None
+
+
+def test_graph_mode_that_ran_eagerly_is_a_fallback_not_a_graph_result() -> None:
+    cfg = BenchConfig(batch_sizes=[1], modes=["graphcap-eager", "graphcap-graph"], **SMALL)
+    with pytest.warns(RuntimeWarning, match="capture exploded"):
+        result = run_benchmark(cfg, backend=FailingCaptureBackend())
+    graph = result.result("graphcap-graph", 1)
+    assert graph.status == "fallback" and "capture exploded" in graph.reason
+    assert graph.path == "eager" and graph.captures == 0
+    assert graph.tokens_identical  # the eager completion still gives the reference tokens
+    assert "[fallback]" in report.format_table(result)
+
+
+def test_static_compile_that_compiled_nothing_and_compile_limits_and_budget(
+    backend: CPUBackend,
+) -> None:
+    # transformers compiles static-cache decode only on some accelerators, not on the CPU.
+    modes_ = ["hf-static-compile", "graphcap-eager"]
+    cfg = BenchConfig(
+        batch_sizes=[1, 2], compile_batch_sizes=[2], modes=modes_, **{**SMALL, "model": "tiny-gpt2"}
+    )
+    result = run_benchmark(cfg, backend=backend)
+    assert [(r.mode, r.batch_size) for r in result.results] == [
+        ("graphcap-eager", 1), ("hf-static-compile", 2), ("graphcap-eager", 2)
+    ]  # fmt: skip
+    static = result.result("hf-static-compile", 2)
+    assert static.status == "fallback" and static.compiled_graphs_first_call == 0
+    assert "compiled nothing" in static.reason
+    spent = run_benchmark(replace(cfg, budget_s=1e-9), backend=backend)
+    assert {r.status for r in spent.results} == {"skipped"} and "budget" in spent.results[0].reason
+
+
+def test_isolated_pairs_run_in_fresh_processes_and_fill_the_same_report(
+    backend: CPUBackend,
+) -> None:
+    lines: list[str] = []
+    names = ["graphcap-eager", "graphcap-graph"]
+    cfg = BenchConfig(batch_sizes=[1], modes=names, isolate=True, **{**SMALL, "repeats": 1})
+    result = run_benchmark(cfg, backend=backend, progress=lines.append)
+    assert [(r.mode, r.batch_size) for r in result.results] == [(n, 1) for n in names]
+    for r in result.results:
+        assert r.status == "ok" and r.first_call_s > 0 and len(r.steady_s) == 1, r.reason
+        assert r.decode_step_s > 0 and r.weight_bandwidth_gbps > 0
+        # The tokens came back from the children: fp32 graph replay equals the eager reference.
+        assert r.tokens_identical and r.first_call_tokens_identical and r.distinct_tokens
+    assert result.result("graphcap-graph", 1).captures == 1
+    # Each child builds its own model and reports its calls; the parent describes the model
+    # after them from one built on the meta device (no weights).
+    builds = [i for i, line in enumerate(lines) if line.startswith("building ")]
+    pairs = [i for i, line in enumerate(lines) if " left] bs 1: " in line]
+    assert len(builds) == 3 and pairs[0] < builds[0] < pairs[1] < builds[1] < builds[2]
+    assert lines[builds[2]].endswith(" on meta") and "on meta" not in lines[builds[0]]
+    assert result.model["parameters"] > 0 and result.weight_bytes_per_step > 0
+    assert any(line.startswith("  steady 1: ") for line in lines)
+    assert result.config["isolate"] and "a fresh process per mode" in report.format_table(result)
+
+
+def test_a_failed_child_gives_its_pair_an_error_with_its_last_lines() -> None:
+    # The child looks the backend up by name: one only the parent has cannot be found there.
+    cfg = BenchConfig(batch_sizes=[1], modes=["graphcap-eager"], isolate=True, **SMALL)
+    (r,) = run_benchmark(cfg, backend=NoGraphBackend()).results
+    assert r.status == "error" and r.reason.startswith("child process exited with status 1")
+    assert "BackendSelectionError" in r.reason and "'no-graph'" in r.reason
+
+
+@pytest.mark.parametrize(("optimizer", "lr"), [("sgd", 1e-2), ("adamw", 1e-3)])
+def test_rl_loop_keeps_one_capture_across_in_place_updates(optimizer: str, lr: float) -> None:
+    work = tiny(batch=2)
+    before = {n: p.data_ptr() for n, p in work.model.named_parameters()}
+    weight = work.model.lm_head.weight.clone()
+    (eager, graph), warnings = run_rl_loop(work, iterations=3, optimizer=optimizer, lr=lr)
+    assert (eager.mode, graph.mode) == ("graphcap-eager", "graphcap-graph") and warnings == []
+    assert graph.captures_final == 1 and eager.captures_final == 0
+    assert [it.captures for it in graph.iterations] == [1, 1, 1]
+    assert all(it.path == "static_graph" for it in graph.iterations)
+    # The graph sees the updated weights: same tokens as eager on the same weights...
+    assert all(it.tokens_match_eager for it in graph.iterations)
+    # ...and the updates did change what the model generates.
+    assert any(it.tokens_changed for it in graph.iterations[1:])
+    assert not graph.parameters_reallocated and graph.steady_generate_median_s is not None
+    assert {n: p.data_ptr() for n, p in work.model.named_parameters()} == before
+    assert not work.model.training and not torch.equal(work.model.lm_head.weight, weight)
+
+
+def test_rl_warnings_and_adamw_on_fp16() -> None:
+    assert rl_warnings([RLLoopResult("graphcap-graph", 2, "sgd", captures_final=1)]) == []
+    bad = RLLoopResult("graphcap-graph", 2, "sgd", captures_final=3, parameters_reallocated=True)
+    text = " ".join(rl_warnings([bad]))
+    assert "captured 3 times" in text and "reallocated" in text
+    with pytest.raises(ValueError, match="fp16"):
+        make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], 1e-3)
+
+
+class CompilingBackend(CPUBackend):
+    """Declares that compiled captures pay, as CUDA does (the CPU graph would refuse them)."""
+
+    captures_compiled = True
+    compiles_by_default = True
+
+
+def test_the_graph_mode_is_the_default_config_and_compiles_where_that_pays(
+    backend: CPUBackend,
+) -> None:
+    # graphcap-graph is RolloutConfig(enable_graph_capture=True): it compiles where the backend
+    # declares that compiling pays; graphcap-graph-uncompiled is compile=False, a default mode
+    # only where it differs from graphcap-graph.
+    compiling = CompilingBackend()
+    graph, uncompiled = MODES["graphcap-graph"], MODES["graphcap-graph-uncompiled"]
+    assert graph.compiles(compiling) and not graph.compiles(backend)
+    assert not uncompiled.compiles(compiling) and not MODES["graphcap-eager"].compiles(compiling)
+    assert "graphcap-graph-uncompiled" in default_modes(compiling)
+    assert "graphcap-graph-uncompiled" not in default_modes(backend)
+    with uncompiled.session(tiny(backend=compiling)) as call:
+        out = call()
+    assert out.stats.path == "static_graph" and not out.stats.compiled
+
+
+# ---- configuration and command line -----------------------------------------------------------
+def test_defaults_come_from_the_fields(backend: CPUBackend) -> None:
+    resolved = resolve(BenchConfig(), backend)
+    for f in dataclasses.fields(BenchConfig):
+        if "cpu" in f.metadata:
+            assert getattr(resolved, f.name) == f.metadata["cpu"]
+    assert resolved.dtype == "fp32" and resolved.modes == default_modes(backend)
+    assert "hf-static-compile" not in resolved.modes and resolved.rl_batch_size == 1
+    for bad, message in [
+        ({"new_tokens": 1}, "new tokens"),
+        ({"repeats": 0}, "repeats"),
+        ({"modes": ["x"]}, "unknown mode"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            resolve(BenchConfig(**bad), backend)
+
+
+def test_every_option_is_a_config_field() -> None:
+    parser = argparse.ArgumentParser()
+    config.add_fields(parser, BenchConfig)
+    for f in dataclasses.fields(BenchConfig):
+        assert "--" + f.name.replace("_", "-") in parser.format_help()
+    argv = "--model llama-8b --dtype bf16 --batch-sizes 1,8,32,64 --modes hf-eager,graphcap-graph"
+    args = parser.parse_args([*argv.split(), "--peak-bandwidth", "4.8TB/s", "--rl-loop", "3"])
+    cfg = config.from_args(BenchConfig, args)
+    assert cfg.batch_sizes == [1, 8, 32, 64] and cfg.modes == ["hf-eager", "graphcap-graph"]
+    assert cfg.peak_bandwidth == pytest.approx(4.8e12) and cfg.rl_loop == 3
+    assert parse_modes("graphcap-graph, hf-eager") == ["graphcap-graph", "hf-eager"]
+
+
+@pytest.mark.parametrize(
+    "bad", [["--batch-sizes", "1,x"], ["--batch-sizes", "0"], ["--modes", "turbo"]]
+)
+def test_bad_options_are_usage_errors_that_say_why(bad: list[str], capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        command.main(bad)
+    assert "comma-separated positive integers" in capsys.readouterr().err or "turbo" in bad
+
+
+def test_command_writes_json_and_prints_table(tmp_path: Any, capsys: Any) -> None:
+    out = tmp_path / "r" / "bench.json"
+    argv = "--batch-sizes 1 --prompt-len 4 --new-tokens 3 --repeats 1 --warmup 0 --quiet "
+    argv += f"--rl-loop 1 --modes graphcap-eager,graphcap-graph --json {out}"
+    assert command.main(argv.split()) == 0
+    text = capsys.readouterr().out
+    assert "graphcap-graph" in text and "rl-loop graphcap-graph" in text
+    data = json.loads(out.read_text())
+    assert data["results"][1]["captures"] == 1 and [
+        r["captures_final"] for r in data["rl_loop"]
+    ] == [0, 1]
+    assert command.main(["--model", "no-such-model", "--quiet"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+
+
+def test_graph_attention_option_reaches_the_engine_and_is_recorded(backend: CPUBackend) -> None:
+    config = BenchConfig(batch_sizes=[1], modes=["graphcap-graph"], **SMALL)
+    own = run_benchmark(replace(config, graph_attention="model"), backend=backend).results[0]
+    assert own.status == "ok" and own.attention == "sdpa"  # the preset's own
+    typo = run_benchmark(replace(config, graph_attention="no-such"), backend=backend).results[0]
+    assert typo.status == "error" and "graph_attention='no-such'" in typo.reason
+
+
+def _plot_script() -> Any:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plot_report.py"
+    spec = importlib.util.spec_from_file_location("plot_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        _plot_script().plot_throughput({"config": {}, "results": []}, "out.png")
+
+
+def test_plot_writes_png_when_matplotlib_is_installed(tmp_path: Any, backend: CPUBackend) -> None:
+    pytest.importorskip("matplotlib")
+    result = run_benchmark(
+        BenchConfig(batch_sizes=[1, 2], modes=["graphcap-eager"], **SMALL), backend=backend
+    )
+    written = _plot_script().plot_throughput(dataclasses.asdict(result), tmp_path / "tps.png")
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

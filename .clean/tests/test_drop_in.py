@@ -1,0 +1,419 @@
+"""``accelerate_generate``: graphcap under a model's own ``generate``.
+
+Every served call must return exactly what ``model.generate`` returns (type, shape, values;
+for sampled calls under the same seed, and leaving the random generator where generate leaves
+it); every call graphcap does not serve goes to ``generate`` with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from rollout_models import EOS, FAMILIES, prompts, tiny_model
+from transformers import GenerationConfig, LogitsProcessorList, TopKLogitsWarper
+
+from graphcap.cpu.torch_internals import TorchDispatchMode
+from graphcap.errors import GenerateFallbackWarning
+from graphcap.rollout import AcceleratedGenerate, accelerate_generate, restore_generate
+from graphcap.rollout.config import GENERATE_DEFAULTS
+from graphcap.rollout.drop_in import PENALISES_PADDING
+from graphcap.rollout.plan.fingerprint import INERT_HOOKS, hook_name, host_state
+
+SETTINGS = {
+    "greedy": {"max_new_tokens": 9},
+    "beam-settings-without-beams": {"max_new_tokens": 9, "early_stopping": True, "num_beams": 1},
+    "greedy-eos-list": {"max_new_tokens": 9, "eos_token_id": [EOS, 7, 11]},
+    "sampled": {"max_new_tokens": 9, "do_sample": True},
+    "sampled-warped": {
+        "max_new_tokens": 9,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.9,
+        "min_p": 0.02,
+    },
+    "samples-per-prompt": {"max_new_tokens": 7, "do_sample": True, "num_return_sequences": 3},
+    "min-new-tokens": {"max_new_tokens": 9, "min_new_tokens": 5, "eos_token_id": [EOS, 7]},
+    "max-length": {"max_length": 13},
+    "min-length": {"max_new_tokens": 8, "min_length": 10, "eos_token_id": [EOS, 7]},
+    "generate-default-length": {},
+    "dict-output": {"max_new_tokens": 6, "return_dict_in_generate": True},
+    "scores-and-logits": {
+        "max_new_tokens": 6,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+        "output_logits": True,
+    },
+    "sampled-scores": {
+        "max_new_tokens": 6,
+        "do_sample": True,
+        "top_k": 12,
+        "top_p": 0.8,
+        "temperature": 0.7,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+    },
+    "scores-without-a-dict": {"max_new_tokens": 6, "output_scores": True},
+}
+
+
+def both(model, call, seed: int = 0):
+    """``call()``'s result from generate, then from graphcap under generate (same seed), and
+    the generator's state after each."""
+    torch.manual_seed(seed)
+    expected = call()
+    after_expected = torch.get_rng_state()
+    accelerated = accelerate_generate(model)
+    try:
+        torch.manual_seed(seed)
+        got = call()
+        after_got = torch.get_rng_state()
+    finally:
+        restore_generate(model)
+    return expected, got, accelerated, torch.equal(after_expected, after_got)
+
+
+def assert_same_output(expected, got) -> None:
+    """The same type, shapes and tokens; per-step scores and logits equal within fp32
+    rounding (the graph's attention sums over a padded cache in another order: differences of
+    2e-5 were seen on OPT), -inf where generate's are."""
+    assert type(got) is type(expected)
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (got, expected)
+        return
+    assert torch.equal(got.sequences, expected.sequences)
+    for name in ("attentions", "hidden_states", "past_key_values"):
+        assert getattr(got, name) is None
+    for name in ("scores", "logits"):
+        mine, theirs = getattr(got, name), getattr(expected, name)
+        assert (mine is None) == (theirs is None), name
+        if theirs is None:
+            continue
+        assert len(mine) == len(theirs)
+        for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, step)
+            assert torch.equal(torch.isinf(a), torch.isinf(b)), (name, step)
+            finite = torch.isfinite(b)
+            torch.testing.assert_close(a[finite], b[finite], rtol=1e-4, atol=1e-4)
+
+
+#: Every setting on Llama; on the other families the ones that exercise different code.
+CASES = [("llama", name) for name in SETTINGS] + [
+    (family, name)
+    for family in FAMILIES
+    if family != "llama"
+    for name in ("greedy-eos-list", "sampled-warped", "samples-per-prompt", "scores-and-logits")
+]
+
+
+@pytest.mark.parametrize(("family", "name"), CASES)
+def test_served_calls_return_what_generate_returns(family, name):
+    model = tiny_model(family)
+    ids, mask = prompts(3)
+    kwargs = SETTINGS[name]
+    expected, got, accelerated, same_rng = both(
+        model, lambda: model.generate(ids, attention_mask=mask, **kwargs)
+    )
+    assert_same_output(expected, got)
+    assert same_rng, "the drop-in left the random generator elsewhere than generate does"
+    stats = accelerated.stats
+    assert stats.served == 1 and not stats.fallbacks, dict(stats.fallbacks)
+    assert stats.last.path == "static_graph" and stats.last.replays >= 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_the_repetition_penalty_is_served_on_unpadded_prompts(family, do_sample):
+    model = tiny_model(family)
+    ids, mask = prompts(3, padded=False)
+    kwargs = {"max_new_tokens": 9, "repetition_penalty": 1.3, "do_sample": do_sample}
+    expected, got, accelerated, same_rng = both(
+        model, lambda: model.generate(ids, attention_mask=mask, **kwargs)
+    )
+    assert_same_output(expected, got)
+    assert same_rng and accelerated.stats.served == 1
+
+
+@pytest.mark.skipif(not PENALISES_PADDING, reason="this transformers ignores left padding too")
+def test_the_penalty_on_padded_prompts_goes_to_generate_where_it_penalises_padding():
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+
+    def call():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, repetition_penalty=1.3)
+
+    with pytest.warns(GenerateFallbackWarning, match="left-padding"):
+        expected, got, accelerated, _ = both(model, call)
+    assert torch.equal(got, expected) and accelerated.stats.served == 0
+
+
+def test_rows_that_all_stop_early_give_generates_shorter_output():
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=12)
+    third = free[:, ids.shape[1] + 2].tolist()  # every row's third token ends it
+    eos = sorted({EOS, *third})
+
+    def call():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
+
+    expected, got, accelerated, same_rng = both(model, call)
+    assert got.shape[1] < free.shape[1] and same_rng
+    assert_same_output(expected, got)
+    assert accelerated.stats.served == 1
+
+
+@pytest.mark.parametrize("position", [0, 2], ids=["first-token", "third-token"])
+def test_sampled_rows_that_all_end_early_draw_what_generate_draws(position):
+    """Every row ends at its first (the prefill's) or third token: the call stops where
+    generate stops, so it draws as many random numbers and the next call samples alike."""
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    torch.manual_seed(0)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True)
+    eos = sorted({EOS, *free[:, ids.shape[1] + position].tolist()})
+
+    def call():
+        first = model.generate(
+            ids, attention_mask=mask, max_new_tokens=12, do_sample=True, eos_token_id=eos
+        )
+        then = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=True)
+        return torch.cat([first, then], 1)
+
+    expected, got, accelerated, same_rng = both(model, call)
+    assert got.shape[1] <= ids.shape[1] * 2 + position + 1 + 5
+    assert_same_output(expected, got)
+    assert same_rng and accelerated.stats.served == 2
+
+
+def test_a_generation_config_object_and_keywords_resolve_as_generate_resolves_them():
+    model = tiny_model("qwen2")
+    ids, mask = prompts(4)
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=0, eos_token_id=[EOS])
+    config.disable_compile = True  # what TRL's GRPOTrainer passes
+
+    def call():
+        return model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, temperature=0.8
+        )
+
+    expected, got, accelerated, _ = both(model, call)
+    assert_same_output(expected, got)
+    assert accelerated.stats.served == 1
+
+
+def test_prompts_of_new_widths_reuse_the_graph_of_their_length_bucket():
+    model = tiny_model("llama")
+    accelerated = accelerate_generate(model)
+    try:
+        for width in (4, 6, 9):
+            ids, mask = prompts(2, width=width, seed=width)
+            model.generate(ids, attention_mask=mask, max_new_tokens=8)
+        assert accelerated.stats.served == 3 and accelerated.stats.captures == 1
+        assert accelerated.stats.replays == 3 * 7
+    finally:
+        restore_generate(model)
+
+
+FALLBACKS = {
+    "beam search": ({"num_beams": 2}, "num_beams"),
+    "attentions": (
+        {"output_attentions": True, "return_dict_in_generate": True},
+        "output_attentions",
+    ),
+    "logits processor": (
+        {"logits_processor": LogitsProcessorList([TopKLogitsWarper(5)]), "do_sample": True},
+        "logits_processor",
+    ),
+    "model input": ({"inputs_embeds": "embeds"}, "inputs_embeds"),
+    "autocast weight cache": ({"autocast": True}, "autocast"),
+}
+
+
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_calls_graphcap_does_not_serve_go_to_generate_with_the_reason(name):
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    extra, reason = FALLBACKS[name]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+    extra = {k: embeds if v == "embeds" else v for k, v in extra.items()}
+    autocast = extra.pop("autocast", False)  # as verl's HF rollout calls generate
+
+    def call():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return model.generate(ids, attention_mask=mask, max_new_tokens=6, **extra)
+
+    with pytest.warns(GenerateFallbackWarning, match=reason):
+        expected, got, accelerated, _ = both(model, call)
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(got, expected)
+    else:
+        assert torch.equal(got.sequences, expected.sequences)
+    stats = accelerated.stats
+    assert stats.served == 0 and stats.calls == 1
+    (recorded,) = stats.fallbacks
+    assert reason in recorded
+
+
+def test_a_max_length_within_the_prompt_goes_to_generate_and_its_error():
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    with pytest.raises(ValueError, match="max_length") as expected:
+        model.generate(ids, attention_mask=mask, max_length=4)
+    accelerated = accelerate_generate(model)
+    try:
+        with (
+            pytest.warns(GenerateFallbackWarning, match="no tokens to generate"),
+            pytest.raises(ValueError, match="max_length") as got,
+        ):
+            model.generate(ids, attention_mask=mask, max_length=4)
+    finally:
+        restore_generate(model)
+    assert str(got.value) == str(expected.value) and accelerated.stats.served == 0
+
+
+def test_right_padded_prompts_go_to_generate_with_the_engines_reason():
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    ids, mask = ids.flip(1), mask.flip(1)
+
+    def call():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=5)
+
+    with pytest.warns(GenerateFallbackWarning, match="refused"):
+        expected, got, accelerated, _ = both(model, call)
+    assert torch.equal(got, expected) and accelerated.stats.served == 0
+
+
+def test_a_fallback_warns_once_per_reason():
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    accelerated = accelerate_generate(model)
+    try:
+        with pytest.warns(GenerateFallbackWarning) as seen:
+            for _ in range(3):
+                model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2)
+        assert len(seen) == 1 and accelerated.stats.fallbacks.total() == 3
+    finally:
+        restore_generate(model)
+
+
+def test_training_state_is_kept_and_in_place_updates_are_seen():
+    """A trainer's model: train() with gradient checkpointing on, weights updated in place by
+    an optimizer between rollouts. Each rollout equals generate's on the current weights (on a
+    copy with checkpointing off: transformers 5.17's generate with it on feeds one token at a
+    time without a cache), the graph is captured once, the training state stays as it was."""
+    model = tiny_model("llama", fresh=True)
+    model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids, mask = prompts(3)
+    accelerated = accelerate_generate(model)
+    try:
+        outputs = []
+        for _ in range(3):
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+            assert model.training and model.is_gradient_checkpointing
+            reference = copy.deepcopy(model)
+            reference.gradient_checkpointing_disable()
+            del reference.generate  # the copy's own generate, not graphcap's
+            assert torch.equal(got, reference.generate(ids, attention_mask=mask, max_new_tokens=8))
+            outputs.append(got)
+            model(input_ids=got, labels=got).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert accelerated.stats.captures == 1 and accelerated.stats.served == 3
+        assert not torch.equal(outputs[0], outputs[-1])  # the updates changed the rollouts
+    finally:
+        restore_generate(model)
+
+
+def test_a_peft_model_is_served_through_its_base_model():
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama", fresh=True)
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # LoRA B starts at zero: make the adapter change the output
+    ids, mask = prompts(3)
+
+    def call():
+        return lora.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
+
+    torch.manual_seed(0)
+    expected = call()
+    accelerated = accelerate_generate(lora)
+    try:
+        assert accelerated.model is model  # installed where PeftModel.generate ends up
+        assert torch.equal(call(), expected)
+        assert accelerated.stats.served == 1
+    finally:
+        assert restore_generate(lora)
+    with torch.no_grad(), lora.disable_adapter():
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=8)
+    assert not torch.equal(plain, expected)
+
+
+def test_an_accelerate_prepared_model_is_served():
+    accelerate = pytest.importorskip("accelerate")
+    model = tiny_model("llama", fresh=True)
+    prepared = accelerate.Accelerator(cpu=True).prepare(model)
+    ids, mask = prompts(2)
+    expected = prepared.generate(ids, attention_mask=mask, max_new_tokens=6)
+    accelerated = accelerate_generate(prepared)
+    try:
+        assert torch.equal(prepared.generate(ids, attention_mask=mask, max_new_tokens=6), expected)
+        assert accelerated.stats.served == 1
+    finally:
+        restore_generate(prepared)
+
+
+def test_install_and_restore():
+    model = tiny_model("llama", fresh=True)
+    accelerated = accelerate_generate(model)
+    assert isinstance(accelerated, AcceleratedGenerate) and "generate" in model.__dict__
+    with pytest.raises(RuntimeError, match="restore_generate"):
+        accelerate_generate(model)
+    assert restore_generate(model) and "generate" not in model.__dict__
+    assert not restore_generate(model)
+    with pytest.raises(TypeError, match="no generate"):
+        accelerate_generate(torch.nn.Linear(2, 2))
+
+
+def test_generate_defaults_table_matches_transformers():
+    """graphcap keeps its own copy of the values generate gives unset fields (transformers'
+    table is private); this names it to fail loudly when transformers changes it."""
+    assert GenerationConfig._get_default_generation_params() == GENERATE_DEFAULTS
+
+
+def test_the_checkpointing_hook_left_out_of_the_host_state_still_exists_and_does_nothing():
+    """``INERT_HOOKS`` names transformers' input-grad hook: re-enabling checkpointing (as TRL
+    does around every generate) adds one each time, and it must neither change the host state
+    nor issue any operation inside a captured step."""
+    model = tiny_model("llama", fresh=True)
+    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_disable()  # what a trainer's generate sees, step after step
+    before = host_state(model)
+    model.gradient_checkpointing_enable()
+    hooks = list(model.get_input_embeddings()._forward_hooks.values())
+    assert hooks and all(hook_name(h) in INERT_HOOKS for h in hooks), hooks
+    model.gradient_checkpointing_disable()  # transformers 5.17 leaves the hooks in place
+    assert host_state(model) == before
+    seen = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    out = torch.zeros(2, 3)
+    with torch.no_grad(), Recorder():
+        for hook in hooks:
+            hook(model.get_input_embeddings(), (), out)
+    assert seen == []

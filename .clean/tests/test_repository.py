@@ -1,0 +1,64 @@
+"""The repository tracks sources only: build artefacts are ignored (.gitignore), and this check
+fails CI when one is committed anyway (``git add -f``, or a .gitignore that lost a line)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Paths a build, an install or a test run leaves behind.
+ARTEFACT = re.compile(
+    r"(^|/)(__pycache__|build|dist|\.tox|\.eggs|[^/]+\.egg-info)(/|$)|\.py[cod]$|\.whl$"
+)
+
+
+def tracked_files() -> list[str]:
+    """Every path git tracks under the repository root; skips outside a git checkout."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed")
+    run = subprocess.run(
+        [git, "-C", str(ROOT), "ls-files", "-z"], capture_output=True, text=True, check=False
+    )
+    if run.returncode != 0:
+        pytest.skip(f"{ROOT} is not a git checkout: {run.stderr.strip()}")
+    return [path for path in run.stdout.split("\0") if path]
+
+
+def test_no_build_artefact_is_tracked():
+    tracked = [path for path in tracked_files() if ARTEFACT.search(path)]
+    assert not tracked, "build artefacts are tracked (git rm -r --cached them):\n" + "\n".join(
+        tracked[:20]
+    )
+
+
+ARTEFACTS = ["graphcap.egg-info/PKG-INFO", "build/lib/graphcap/__init__.py", ".tox/cpu/log"]
+ARTEFACTS += ["dist/graphcap-0.1.0.whl", "graphcap/__pycache__/cli.cpython-312.pyc"]
+
+
+@pytest.mark.parametrize("path", ARTEFACTS)
+def test_the_check_recognises_artefacts(path):
+    assert ARTEFACT.search(path)
+
+
+@pytest.mark.parametrize("path", ["graphcap/bench/run.py", "docs/build-notes.md", "tests/dist.py"])
+def test_the_check_leaves_sources_alone(path):
+    assert not ARTEFACT.search(path)
+
+
+def test_gitignore_covers_the_artefacts():
+    ignored = (ROOT / ".gitignore").read_text().split()
+    assert {
+        "__pycache__/",
+        "*.py[cod]",
+        "*.egg-info/",
+        ".eggs/",
+        "build/",
+        "dist/",
+        ".tox/",
+    } <= set(ignored)
