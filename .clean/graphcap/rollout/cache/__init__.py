@@ -1,1 +1,0 @@
-"""Request path, device buffers: the static KV cache, attention masks, attribute swaps."""

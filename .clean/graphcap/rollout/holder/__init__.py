@@ -1,1 +1,0 @@
-"""Request path, holder: buffers and graphs kept across calls, capture, rank agreement."""

@@ -1,1 +1,0 @@
-"""Request path, plan: input checks, model scan, graph signature, compiled regions, path."""

@@ -1,1 +1,0 @@
-"""Request path, step: the decode step the eager loop calls and a graph captures."""

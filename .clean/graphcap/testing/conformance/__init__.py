@@ -1,1 +1,0 @@
-"""The conformance checks. Collected with ``--pyargs graphcap.testing.conformance``."""
