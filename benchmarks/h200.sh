@@ -20,11 +20,12 @@
 #                    and graphcap compile caches, then graphcap-graph again with the caches the
 #                    first process left; the report splits each first call into its phases
 #                    (GRAPHCAP_FIRST_CALL_MODELS: the models, default "llama-8b llama-1b")
-#   first-call-triage  where a warm first call goes: first_call_profile.py (llama-8b, batch 1,
-#                    128 + 128) from empty caches, then twice from the caches it left, with
-#                    Python's bytecode cache in a fresh PYTHONPYCACHEPREFIX (written by the
-#                    first warm process, read by the second), each listing the Triton kernels it
-#                    compiled; and the time to import inductor with and without that cache
+#   first-call-triage  where a first call goes: first_call_profile.py (llama-8b, batch 1,
+#                    128 + 128, cProfile) from empty caches, then from the caches it left, each
+#                    listing the Triton kernels it compiled and dynamo's and inductor's cache
+#                    counters (not in the default list)
+#   bs1-ratio        llama-8b at batch 1: graphcap-graph and hf-static-compile, each in a fresh
+#                    process from empty caches (not in the default list)
 #   joined-steps-llama-8b  the steps-llama-8b workload (graphcap-graph at batch 1, 64, 256)
 #                    with --fuse-projections and with --no-fuse-projections (not in the default
 #                    list; the evidence for CUDA's joins_projections_by_default)
@@ -70,6 +71,11 @@ LIMIT=${GRAPHCAP_PART_LIMIT_S:-530} # seconds a part may take
 #: graphcap bench's workload for every step figure: the default configuration (no options)
 STEP=(--dtype bf16 --prompt-len 128 --new-tokens 512 --repeats 2 --warmup 1)
 
+# Python's bytecode cache in the environment: the machine's torch ships no .pyc files, which a pip
+# install writes, so without it every process compiled torch's sources again (1.6 s of a warm
+# first call on llama-8b, benchmarks/results/profiles/first-call-profile-llama-8b-warm-b4ce2c0.txt).
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${GRAPHCAP_ENV:-/tmp/graphcap-h200-env}/pycache
 export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -175,22 +181,20 @@ part_first_call() {
 
 part_first_call_triage() {
     cold_caches
-    local name pyc=$CACHE/pycache
-    local profile=("$py" benchmarks/first_call_profile.py --new-tokens 128 --warm-forward
-        --compile-cache "$COMPILE_CACHE")
-    for name in cold warm warm-pyc-written warm-pyc-read; do
-        case $name in
-        warm-pyc*) set -- env PYTHONPYCACHEPREFIX="$pyc" ;;
-        *) set -- ;;
-        esac
-        run "first-call-triage-llama-8b-$name" 150 "$@" "${profile[@]}" \
+    local name
+    for name in cold warm; do
+        run "first-call-triage-llama-8b-$name" 150 "$py" benchmarks/first_call_profile.py \
+            --new-tokens 128 --warm-forward --compile-cache "$COMPILE_CACHE" \
             "$OUT/first-call-triage-llama-8b-$name.txt"
     done
-    local imports='import time; t = time.perf_counter(); import torch; a = time.perf_counter()
-import torch._inductor.compile_fx; b = time.perf_counter()
-print(f"import torch {a - t:.2f} s, then torch._inductor.compile_fx {b - a:.2f} s")'
-    run import-inductor-no-pyc 60 env PYTHONDONTWRITEBYTECODE=1 "$py" -c "$imports"
-    run import-inductor-pyc 60 env PYTHONPYCACHEPREFIX="$pyc" "$py" -c "$imports"
+}
+
+# bs1-ratio: llama-8b's default step at batch 1 and HF's static cache + compile, each in a fresh
+# process from empty caches (the ratio in one run, without the other batch sizes' time)
+part_bs1_ratio() {
+    cold_caches
+    bench bs1-ratio-llama-8b 100 --model llama-8b --batch-sizes 1 "${STEP[@]}" --isolate \
+        --modes graphcap-graph,hf-static-compile --compile-cache "$COMPILE_CACHE"
 }
 
 # joined MODEL LONGEST: the default configuration's steps of MODEL at batch 1, 64 and 256 with
@@ -312,7 +316,7 @@ part_distributed() {
 for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
-    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
+    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | checks | profile | continuous | logits | trl | gemm-levers | distributed)
         parts=("${part//-/_}")
         ;;

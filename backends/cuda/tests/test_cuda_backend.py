@@ -57,6 +57,28 @@ def test_dependent_launch_only_on_a_gpu(monkeypatch) -> None:
         assert not launch.dependent(torch.device("cuda"))
 
 
+def test_kernels_compile_with_inductors_ptxas(monkeypatch) -> None:
+    """The plugin's kernel modules set Triton's ptxas through inductor's own setter before
+    their first compile, so a process that compiled from scratch and one that loaded compiled
+    code key Triton's cache alike (the H200 triage found 13 kernels compiled again otherwise).
+    The setter is torch's private: this fails when a torch release moves it."""
+    from torch._inductor.runtime import compile_tasks  # private: the setter under test
+
+    calls = []
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: calls.append(1))
+    launch.use_inductors_ptxas.cache_clear()
+    launch.use_inductors_ptxas()
+    launch.use_inductors_ptxas()
+    launch.use_inductors_ptxas.cache_clear()
+    assert calls == [1]
+
+
+def test_the_default_joins_projections_and_compiles() -> None:
+    """CUDA declares both speed defaults (measured in docs/benchmarks.md): joined q/k/v and
+    gate/up products and compiled captured steps."""
+    assert CUDABackend.joins_projections_by_default and CUDABackend.compiles_by_default
+
+
 def test_selected_before_the_cpu_backend() -> None:
     registry = discover(refresh=True)
     assert registry.backends["cuda"].cls.priority > registry.backends["cpu"].cls.priority

@@ -31,6 +31,8 @@ import triton.language as tl
 
 from graphcap_cuda.kernels import launch
 
+launch.use_inductors_ptxas()
+
 #: Launch settings, from a sweep over llama-8b's and llama-1b's ten batch-1 products on an
 #: H200: rows of W per program the power of two nearest to
 #: N / (6 programs per multiprocessor), within [2, 8], and 512 columns a load. Over a step's

@@ -36,6 +36,24 @@ def _supported(device: torch.device) -> bool:
     )
 
 
+@functools.cache
+def use_inductors_ptxas() -> None:
+    """Compile this process's Triton kernels with the ptxas inductor uses, from the start.
+
+    Triton keys its kernel cache on the ptxas version it compiles with. Inductor points
+    ``TRITON_PTXAS_PATH`` at torch's own ptxas, but only once it compiles a kernel in this
+    process: a process whose compiled code came from the compile cache does so at once, while
+    one compiling from scratch does its compiling in worker processes and leaves this process
+    on Triton's bundled ptxas. The two then keyed the plugin's kernels (and 7 of inductor's)
+    differently, so the second process compiled 13 kernels again from a warm cache (llama-8b on
+    the H200, benchmarks/results/first-call/first-call-triage-*). Setting it before the first
+    kernel compiles, as inductor would, gives every process the same keys."""
+    # private: inductor's own setter, so the path and its checks stay torch's
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+
+    _set_triton_ptxas_path()
+
+
 def multiprocessors(device: torch.device) -> int:
     """The device's multiprocessor count, which the kernels' launch shapes are sized by."""
     if device.type == "cuda":

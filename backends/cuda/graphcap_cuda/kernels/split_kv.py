@@ -39,6 +39,8 @@ import triton.language as tl
 
 from graphcap_cuda.kernels import launch
 
+launch.use_inductors_ptxas()
+
 #: Bytes of one K (or V) block (the unit of each load) when the rows and K/V heads alone fill
 #: the device: 32 columns at head_dim 128 in bf16, 64 at head_dim 64. Measured on an H200
 #: (640 columns, three fifths written): llama-8b batch 64 33.7 -> 28.3 µs a layer
