@@ -104,6 +104,43 @@ PLANTS = (
         ("tests/test_compile_default.py",),
     ),
     Plant(
+        "projections never joined by default",
+        "graphcap/rollout/config.py",
+        "            return self.enable_graph_capture"
+        " and backend.capabilities.fuse_projections_by_default\n",
+        "            return False\n",
+        (
+            "tests/test_rollout_fusion.py::test_the_default_joins_where_the_backend_declares_it_pays",
+        ),
+    ),
+    Plant(
+        "projections joined over another library's flat buffer",
+        "graphcap/rollout/plan/fusion.py",
+        "        foreign = [group for group in moved if not group.owns_storage()]\n",
+        "        foreign = []\n",
+        (
+            "tests/test_rollout_fusion.py::"
+            "test_parameters_viewing_another_librarys_buffer_are_never_joined",
+        ),
+    ),
+    Plant(
+        "projections joined by default in eager engines",
+        "graphcap/rollout/config.py",
+        "            return self.enable_graph_capture"
+        " and backend.capabilities.fuse_projections_by_default\n",
+        "            return backend.capabilities.fuse_projections_by_default\n",
+        (
+            "tests/test_rollout_fusion.py::test_the_default_joins_where_the_backend_declares_it_pays",
+        ),
+    ),
+    Plant(
+        "the plugin's kernels compile with Triton's own ptxas",
+        "backends/cuda/graphcap_cuda/kernels/launch.py",
+        "    _set_triton_ptxas_path()\n",
+        "    pass\n",
+        ("backends/cuda/tests/test_cuda_backend.py::test_kernels_compile_with_inductors_ptxas",),
+    ),
+    Plant(
         "compiled code kept across a host-state change",
         "graphcap/rollout/holder/holder.py",
         "                    torch.compiler.reset()\n",

@@ -205,3 +205,41 @@ def test_the_default_joins_where_the_backend_declares_it_pays(backend, graph, se
     )
     assert torch.equal(result.sequences, expected.sequences)
     assert torch.allclose(result.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+
+
+def test_parameters_viewing_another_librarys_buffer_are_never_joined():
+    """DeepSpeed ZeRO-1/2 and FSDP make parameters views of their own flat buffer and write
+    updates there: joining would leave the model reading stale copies. Such groups run
+    unjoined, and an update through the flat buffer reaches the next call."""
+    model = tiny_model("llama", fresh=True)
+    attention = model.model.layers[0].self_attn
+    group = [attention.q_proj, attention.k_proj, attention.v_proj]
+    flat = torch.cat([lin.weight.detach().flatten() for lin in group])
+    start = 0
+    for lin in group:  # as a flat-parameter library lays them out
+        lin.weight.data = flat[start : start + lin.weight.numel()].view_as(lin.weight)
+        start += lin.weight.numel()
+    ids, mask = prompts(2)
+    engine, result = joined(model, ids, mask)
+    assert result.stats.joined_projections == 3  # layer 0's q/k/v left as they are
+    assert all(lin.weight.untyped_storage().data_ptr() == flat.data_ptr() for lin in group)
+    assert torch.equal(result.sequences, run(model, ids, mask, False, **NO_EOS).sequences)
+    with torch.no_grad():
+        flat.mul_(-1.0)  # the library's optimizer step
+    after = engine.generate(ids, mask, SamplingParams(**NO_EOS))
+    assert torch.equal(after.sequences, run(model, ids, mask, False, **NO_EOS).sequences)
+    assert not torch.equal(after.sequences, result.sequences)
+
+
+def test_a_joined_model_saves_and_loads_as_before(tmp_path):
+    """Joined parameters are disjoint views of one buffer: ``save_pretrained`` (safetensors)
+    writes each as its own tensor and the saved model loads with the same weights."""
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2)
+    _, result = joined(model, ids, mask)
+    assert result.stats.joined_projections > 0
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    saved, before = loaded.state_dict(), model.state_dict()
+    assert saved.keys() == before.keys()
+    assert all(torch.equal(saved[k], before[k]) for k in before)

@@ -53,6 +53,23 @@ class JoinedGroup:
             for linear, row in zip(self.linears, self.rows, strict=True)
         )
 
+    def owns_storage(self) -> bool:
+        """Whether every parameter is the whole of its own storage or a view of this group's
+        buffers. One that is a view of a buffer another library holds (DeepSpeed ZeRO-1/2's
+        and FSDP's flat parameters) must not be joined: that library writes its updates into
+        its buffer, which the joined parameter would no longer read."""
+        ours = {b.untyped_storage().data_ptr() for b in (self.weight, self.bias) if b is not None}
+        return all(
+            p.untyped_storage().data_ptr() in ours
+            or (
+                p.storage_offset() == 0
+                and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+            )
+            for lin in self.linears
+            for p in (lin.weight, lin.bias)
+            if p is not None
+        )
+
     def join(self) -> None:
         """Copy the weights (and biases) into one buffer and make the parameters its views."""
         self.weight = torch.cat([linear.weight.detach() for linear in self.linears])
@@ -133,7 +150,8 @@ class ProjectionFusion:
     def join(self, scan: ModelScan) -> bool:
         """Join the groups that are not (the first call, or storage replaced since); whether any
         parameter moved (the caller scans again). Parameters gathered in forward hooks (FSDP,
-        ZeRO-3: ``scan.non_resident``) are never touched."""
+        ZeRO-3: ``scan.non_resident``) are never touched, nor are groups whose parameters are
+        views of another buffer (:meth:`JoinedGroup.owns_storage`); those run unjoined."""
         self.active = []
         if scan.non_resident is not None:
             return False
@@ -141,11 +159,13 @@ class ProjectionFusion:
         if [g.linears for g in self.groups] != linears:
             self.groups = [JoinedGroup(group) for group in linears]
         moved = [group for group in self.groups if not group.joined()]
+        foreign = [group for group in moved if not group.owns_storage()]
         with torch.no_grad():
             for group in moved:
-                group.join()
-        self.active = self.groups
-        return bool(moved)
+                if group not in foreign:
+                    group.join()
+        self.active = [group for group in self.groups if group not in foreign]
+        return len(moved) > len(foreign)
 
     def products_through(
         self, product: Callable[..., torch.Tensor]
