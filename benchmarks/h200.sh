@@ -32,6 +32,8 @@
 #   joined-steps-llama-1b  the same for llama-1b
 #   kernels          the CUDA plugin's kernels alone against PyTorch's (kernels_h200.py)
 #   split-kv-launch  every launch of the split-KV kernel at 1-32 rows (kernels_h200.py)
+#   default-checks   the device tests of the rollout paths and the drop-in, and the CUDA
+#                    attention function on a block table (a quicker checks; not in the default list)
 #   checks           the device tests, the plugin's tests on the GPU, the CUDA conformance suite
 #   profile          where a step's time goes (profile_decode.py, llama-8b at batch 1, 64,
 #                    256) and a first call's (first_call_profile.py, cold caches)
@@ -221,6 +223,15 @@ part_split_kv_launch() {
         --parts launch
 }
 
+# default-checks: the device tests of the rollout paths and the drop-in (default configuration:
+# compiled and joined on CUDA), and the CUDA attention function on a block table
+part_default_checks() {
+    cold_caches
+    run device-tests-default 300 "$py" -m pytest -q -rs -p no:cacheprovider -m device \
+        tests/test_device_rollout.py tests/test_device_drop_in.py \
+        "backends/cuda/tests/test_split_kv.py::test_the_attention_function_reads_the_table_in_decode_and_gathers_otherwise"
+}
+
 part_checks() {
     cold_caches
     run device-tests 330 "$py" -m pytest -q -rs -p no:cacheprovider -m device tests \
@@ -316,7 +327,7 @@ part_distributed() {
 for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
-    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | bs1-ratio | \
+    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | bs1-ratio | default-checks | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | checks | profile | continuous | logits | trl | gemm-levers | distributed)
         parts=("${part//-/_}")
         ;;
