@@ -73,17 +73,17 @@ LIMIT=${GRAPHCAP_PART_LIMIT_S:-530} # seconds a part may take
 #: graphcap bench's workload for every step figure: the default configuration (no options)
 STEP=(--dtype bf16 --prompt-len 128 --new-tokens 512 --repeats 2 --warmup 1)
 
-# Python's bytecode cache in the environment: the machine's torch ships no .pyc files, which a pip
-# install writes, so without it every process compiled torch's sources again (1.6 s of a warm
-# first call on llama-8b, benchmarks/results/profiles/first-call-profile-llama-8b-warm-b4ce2c0.txt).
-unset PYTHONDONTWRITEBYTECODE
-export PYTHONPYCACHEPREFIX=${GRAPHCAP_ENV:-/tmp/graphcap-h200-env}/pycache
 export GRAPHCAP_BACKEND=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 # An environment over the machine's python (a .pth file names its site-packages, which a venv's
 # system_site_packages cannot see when that python is itself a venv), this tree installed.
 ENV=${GRAPHCAP_ENV:-/tmp/graphcap-h200-env}
+# Python's bytecode cache in the environment: the machine's torch ships no .pyc files, which a pip
+# install writes, so without it every process compiled torch's sources again (1.6 s of a warm
+# first call on llama-8b, benchmarks/results/profiles/first-call-profile-llama-8b-warm-b4ce2c0.txt).
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=$ENV/pycache
 if [[ ! -x $ENV/bin/python ]]; then
     python3 -m venv --without-pip "$ENV" || exit 1 # pip, setuptools: the machine's
     purelib=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -327,8 +327,9 @@ part_distributed() {
 for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
-    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | bs1-ratio | default-checks | \
-        joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | checks | profile | continuous | logits | trl | gemm-levers | distributed)
+    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | bs1-ratio | \
+        joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
+        default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed)
         parts=("${part//-/_}")
         ;;
     *)
