@@ -4,7 +4,7 @@
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \\
         python3 benchmarks/first_call_profile.py OUT.txt [--model llama-8b] [--batch 1] \\
             [--new-tokens 512] [--attention auto] [--uncompiled] [--[no-]fuse-projections] \\
-            [--compile-cache DIR] [--warm-forward]
+            [--compile-cache DIR] [--warm-forward] [--no-profile]
 
 The engine is opened as ``graphcap bench``'s ``graphcap-graph`` mode opens it (the default
 configuration: compiled where the backend declares it pays; bf16, 128 prompt tokens);
@@ -17,8 +17,10 @@ caches only); ``--warm-forward`` runs the bench's one forward of 4 tokens before
 ``graphcap bench`` does. OUT.txt gets both calls' seconds, the engine's stats, the Triton
 kernels the first call compiled (entries it added to ``$TRITON_CACHE_DIR``: a kernel listed
 after an earlier process compiled it missed Triton's cache), dynamo's and inductor's cache
-counters, the 60 costliest functions by cumulative time, the 30 by own time, and what the
-prefill and the capture called.
+counters, dynamo's and inductor's own wall-clock phases (``compile_times``: tracing, cache
+look-ups, inductor's import, code loading), the 60 costliest functions by cumulative time, the 30
+by own time, and what the prefill and the capture called. ``--no-profile`` times the first call
+without cProfile (whose overhead more than doubles a warm call's seconds), for wall-clock phases.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters  # private: dynamo's cache counters have no public API
+
+# private: dynamo's cache counters and phase times have no public API
+from torch._dynamo.utils import compile_times, counters
 
 from graphcap.bench.models import build_model, make_prompts
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -62,6 +66,7 @@ def main() -> None:
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction)
     parser.add_argument("--compile-cache", default="auto", help="auto, a directory, or none")
     parser.add_argument("--warm-forward", action="store_true")
+    parser.add_argument("--no-profile", action="store_true", help="time the first call alone")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build_model(args.model, dtype=torch.bfloat16, device=device)
@@ -85,7 +90,7 @@ def main() -> None:
     before = triton_entries()
     for call in range(2):
         start = time.perf_counter()
-        if call == 0:
+        if call == 0 and not args.no_profile:
             out = profile.runcall(engine.generate, ids, mask, sampling=sampling)
         else:
             out = engine.generate(ids, mask, sampling=sampling)
@@ -95,10 +100,12 @@ def main() -> None:
         if call == 0:
             compiled = {k: v for k, v in triton_entries().items() if k not in before}
     text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    stats.sort_stats("cumulative").print_stats(60)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.print_callees("run_prefill|capture_step|holder.py.*capture")
+    text.write(f"dynamo and inductor phases (s):\n{compile_times(repr='str')}\n")
+    if not args.no_profile:
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.print_callees("run_prefill|capture_step|holder.py.*capture")
     kernels = sorted(name for names in compiled.values() for name in names)
     with open(args.out, "w") as handle:
         handle.write(f"first {seconds[0]:.3f} s, second {seconds[1]:.3f} s\n{out.stats}\n")

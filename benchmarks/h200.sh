@@ -24,6 +24,12 @@
 #                    128 + 128, cProfile) from empty caches, then from the caches it left, each
 #                    listing the Triton kernels it compiled and dynamo's and inductor's cache
 #                    counters (not in the default list)
+#   first-call-levers  a warm first call's wall-clock phases (first_call_profile.py --no-profile,
+#                    batch 1, 128 + 128): for llama-1b then llama-8b, one process from empty
+#                    caches, then fresh processes from the caches it left, as committed and with
+#                    each lever of GRAPHCAP_WARM_LEVERS (default "compile-threads-1": inductor
+#                    compiles in-process, no worker pool), twice each, alternating (not in the
+#                    default list)
 #   bs1-ratio        llama-8b at batch 1: graphcap-graph and hf-static-compile, each in a fresh
 #                    process from empty caches (not in the default list)
 #   joined-steps-llama-8b  the steps-llama-8b workload (graphcap-graph at batch 1, 64, 256)
@@ -42,8 +48,10 @@
 #   trl              TRL's GRPOTrainer on a llama-1b-shaped model (examples/trl_grpo.py), with
 #                    and without graphcap: rollout seconds per step, completions compared
 #   gemm-levers      llama-8b at batch 256, the default configuration as it is, with PyTorch's
-#                    TunableOp tuning its GEMMs, and with inductor's max-autotune of GEMMs (each
-#                    in a fresh process from empty caches; not in the default list)
+#                    TunableOp tuning its GEMMs, with inductor's max-autotune of GEMMs, and with
+#                    max-autotune offered inductor's persistent TMA templates too (each in a fresh
+#                    process from empty caches; GRAPHCAP_GEMM_LEVERS picks some, default all;
+#                    not in the default list)
 #   distributed      two GPUs (not in the default list): tensor parallelism (tensor_parallel.py)
 #                    and the data-parallel example at 1 and 2 ranks
 #
@@ -191,6 +199,30 @@ part_first_call_triage() {
     done
 }
 
+# first-call-levers: the warm first call's phases as committed and with each lever, alternating,
+# twice each, from the caches one cold process left (the cold one's phases too)
+part_first_call_levers() {
+    local model rep lever
+    for model in llama-1b llama-8b; do
+        cold_caches
+        run "first-call-levers-$model-cold" 150 "$py" benchmarks/first_call_profile.py \
+            --model $model --new-tokens 128 --warm-forward --no-profile \
+            --compile-cache "$COMPILE_CACHE" "$OUT/first-call-levers-$model-cold.txt"
+        for rep in 1 2; do
+            for lever in none ${GRAPHCAP_WARM_LEVERS:-compile-threads-1}; do
+                case $lever in
+                compile-threads-1) export TORCHINDUCTOR_COMPILE_THREADS=1 ;;
+                esac
+                run "first-call-levers-$model-warm-$lever-$rep" 60 "$py" \
+                    benchmarks/first_call_profile.py --model $model --new-tokens 128 \
+                    --warm-forward --no-profile --compile-cache "$COMPILE_CACHE" \
+                    "$OUT/first-call-levers-$model-warm-$lever-$rep.txt"
+                unset TORCHINDUCTOR_COMPILE_THREADS
+            done
+        done
+    done
+}
+
 # bs1-ratio: llama-8b's default step at batch 1 and HF's static cache + compile, each in a fresh
 # process from empty caches (the ratio in one run, without the other batch sizes' time)
 part_bs1_ratio() {
@@ -243,10 +275,11 @@ part_checks() {
 
 # gemm-levers: llama-8b batch 256 (the GEMM-bound step) in the default configuration, as it
 # is, with PyTorch's TunableOp tuning its GEMMs in the warm-up (results in OUT), and with
-# inductor's max-autotune of GEMMs (Triton templates, persistent and TMA ones on Hopper)
+# inductor's max-autotune of GEMMs (its Triton templates and cuBLAS), and with max-autotune
+# offered inductor's persistent TMA templates for Hopper too (off unless asked for)
 part_gemm_levers() {
     local lever
-    for lever in none tunableop max-autotune; do
+    for lever in ${GRAPHCAP_GEMM_LEVERS:-none tunableop max-autotune max-autotune-tma}; do
         cold_caches
         case $lever in
         tunableop)
@@ -254,11 +287,12 @@ part_gemm_levers() {
             export PYTORCH_TUNABLEOP_FILENAME=$OUT/gemm-levers-tunableop-results.csv
             ;;
         max-autotune) export TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 ;;
+        max-autotune-tma) export TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 ENABLE_PERSISTENT_TMA_MATMUL=1 ;;
         esac
         bench "gemm-levers-$lever-llama-8b-bs256" 150 --model llama-8b --batch-sizes 256 \
             "${STEP[@]}" --isolate --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
         unset PYTORCH_TUNABLEOP_ENABLED PYTORCH_TUNABLEOP_TUNING PYTORCH_TUNABLEOP_FILENAME \
-            TORCHINDUCTOR_MAX_AUTOTUNE_GEMM
+            TORCHINDUCTOR_MAX_AUTOTUNE_GEMM ENABLE_PERSISTENT_TMA_MATMUL
     done
 }
 
@@ -327,7 +361,8 @@ part_distributed() {
 for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
-    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | bs1-ratio | \
+    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
+        first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed)
         parts=("${part//-/_}")
