@@ -4,7 +4,7 @@
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \\
         python3 benchmarks/first_call_profile.py OUT.txt [--model llama-8b] [--batch 1] \\
             [--new-tokens 512] [--attention auto] [--uncompiled] [--[no-]fuse-projections] \\
-            [--compile-cache DIR] [--warm-forward] [--no-profile]
+            [--compile-cache DIR] [--warm-forward] [--no-profile] [--collect-first]
 
 The engine is opened as ``graphcap bench``'s ``graphcap-graph`` mode opens it (the default
 configuration: compiled where the backend declares it pays; bf16, 128 prompt tokens);
@@ -20,13 +20,16 @@ after an earlier process compiled it missed Triton's cache), dynamo's and induct
 counters, dynamo's and inductor's own wall-clock phases (``compile_times``: tracing, cache
 look-ups, inductor's import, code loading), the 60 costliest functions by cumulative time, the 30
 by own time, and what the prefill and the capture called. ``--no-profile`` times the first call
-without cProfile (whose overhead more than doubles a warm call's seconds), for wall-clock phases.
+without cProfile (whose overhead more than doubles a warm call's seconds), for wall-clock phases;
+``--collect-first`` collects Python's garbage and empties the allocator's cache before the clock,
+as ``graphcap bench`` does before each mode.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -67,6 +70,7 @@ def main() -> None:
     parser.add_argument("--compile-cache", default="auto", help="auto, a directory, or none")
     parser.add_argument("--warm-forward", action="store_true")
     parser.add_argument("--no-profile", action="store_true", help="time the first call alone")
+    parser.add_argument("--collect-first", action="store_true", help="gc and empty_cache first")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build_model(args.model, dtype=torch.bfloat16, device=device)
@@ -84,6 +88,9 @@ def main() -> None:
     )
     engine = RolloutEngine(model, config)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, pad_token_id=0)
+    if args.collect_first:
+        gc.collect()
+        torch.cuda.empty_cache()
     torch.cuda.synchronize()
     profile = cProfile.Profile()
     seconds = []
