@@ -230,17 +230,19 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
         )
         assert result.result("graphcap-eager", bs).captures == 0
     data = json.loads(result.write_json(tmp_path / "r" / "bench.json").read_text())
-    assert data["schema_version"] == 5 and data["config"]["dtype"] == "fp32"
+    assert data["schema_version"] == 6 and data["config"]["dtype"] == "fp32"
     for r in result.results:  # graphcap's graph modes say where their first call went
         if r.mode.startswith("graphcap-") and r.path != "eager":
             phases = r.first_call_phases
+            assert set(phases) == set(report.PHASES), (r.mode, phases)
             assert phases["warmup_s"] > 0 and phases["capture_s"] > 0, (r.mode, phases)
+            assert phases["compile_s"] == 0.0  # the CPU reference backend compiles nothing
             assert sum(phases.values()) == pytest.approx(r.first_call_s, rel=1e-6)
             assert r.compiled is False and r.compile_cache is None
     assert data["peak_bandwidth_gbps"] is None  # no roofline on the host without --peak-bandwidth
     assert {f.name for f in dataclasses.fields(ModeResult)} == set(data["results"][0])
     table = report.format_table(result)
-    assert "steady ms [min-max]" in table and "first calls (s): prefill + warmup" in table
+    assert "steady ms [min-max]" in table and "first calls (s): prefill + compile + warmup" in table
     graph = result.result("graphcap-graph", 1)
     assert f"{graph.steady_median_s * 1e3:.1f} [{graph.steady_min_s * 1e3:.1f}-" in table
 
@@ -481,3 +483,24 @@ def test_plot_writes_png_when_matplotlib_is_installed(tmp_path: Any, backend: CP
     )
     written = _plot_script().plot_throughput(dataclasses.asdict(result), tmp_path / "tps.png")
     assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_first_call_s_compiling_is_taken_out_of_its_warm_up() -> None:
+    stats = dataclasses.make_dataclass(
+        "Stats", ["prefill_s", "warmup_s", "capture_s", "decode_s"]
+    )(0.2, 1.5, 1.7, 0.1)
+    phases = report.first_call_phases(stats, 2.1, compile_s=1.2)
+    assert phases["compile_s"] == 1.2 and phases["warmup_s"] == pytest.approx(0.3)
+    assert phases["capture_s"] == pytest.approx(0.2)
+    assert sum(phases.values()) == pytest.approx(2.1)
+    # compiling counted outside the warm-up (a recapture's, a negative delta after a reset)
+    # never makes the warm-up negative nor the phases exceed the call
+    assert report.first_call_phases(stats, 2.1, compile_s=9.0)["warmup_s"] == 0.0
+    assert report.first_call_phases(stats, 2.1, compile_s=-1.0)["compile_s"] == 0.0
+
+
+def test_compile_seconds_counts_what_dynamo_compiles() -> None:
+    before = modes.compile_seconds()
+    compiled = torch.compile(lambda x: torch.sin(x) + 1, backend="eager", fullgraph=True)
+    compiled(torch.ones(3))
+    assert modes.compile_seconds() > before

@@ -41,6 +41,15 @@ def compile_counts() -> tuple[int, int]:
     return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
 
 
+def compile_seconds() -> float:
+    """Seconds dynamo has spent compiling frames so far in this process (inductor's part
+    included), by its own clock: what separates compiling from a warm-up's first kernel uses."""
+    # private: dynamo's phase times are torch's only record of how long compiling took
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+
+
 @dataclass
 class Workload:
     """What every mode generates from; ``continuous_slots`` None means one slot per row."""

@@ -57,17 +57,23 @@ class ModeResult:
 
 
 #: Where a graphcap mode's first call spends its time (``first_call_phases``): the prefill
-#: (input checks and the model scan included), the warm-up run before capture (compilation
-#: where the step compiles, and the first use of every kernel in this process), the capture
-#: itself, the decode loop, and the rest (collecting the result, the call's own setup).
-PHASES: tuple[str, ...] = ("prefill_s", "warmup_s", "capture_s", "decode_s", "other_s")
+#: (input checks and the model scan included), the warm-up run before capture split into
+#: compiling (dynamo's and inductor's, by dynamo's own clock; 0 where the step compiles
+#: nothing or finds its code cached in memory) and the rest of it (the first use of every
+#: kernel in this process, inductor's runtime choice among its kernels' launch settings), the
+#: capture itself, the decode loop, and the rest (collecting the result, the call's own setup).
+PHASES: tuple[str, ...] = ("prefill_s", "compile_s", "warmup_s", "capture_s", "decode_s", "other_s")
 
 
-def first_call_phases(stats: Any, total_s: float) -> dict[str, float]:
-    """The phases of a first call that took ``total_s`` from its engine ``stats``."""
+def first_call_phases(stats: Any, total_s: float, compile_s: float = 0.0) -> dict[str, float]:
+    """The phases of a first call that took ``total_s`` from its engine ``stats`` and the
+    seconds dynamo spent compiling during it (counted against the warm-up, where a capture
+    compiles)."""
+    compiling = min(max(compile_s, 0.0), stats.warmup_s)
     phases = {
         "prefill_s": stats.prefill_s,
-        "warmup_s": stats.warmup_s,
+        "compile_s": compiling,
+        "warmup_s": stats.warmup_s - compiling,
         "capture_s": stats.capture_s - stats.warmup_s,
         "decode_s": stats.decode_s,
     }
@@ -123,8 +129,9 @@ class BenchReport:
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
     #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention;
-    #: 4: compiled, compile_cache, first_call_phases; 5: joined_projections.
-    schema_version: int = 5
+    #: 4: compiled, compile_cache, first_call_phases; 5: joined_projections; 6: the phases'
+    #: compile_s (warmup_s is the rest of the warm-up).
+    schema_version: int = 6
 
     def write_json(self, path: str | Path) -> Path:
         (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")
