@@ -486,9 +486,9 @@ def test_plot_writes_png_when_matplotlib_is_installed(tmp_path: Any, backend: CP
 
 
 def test_the_first_call_s_compiling_is_taken_out_of_its_warm_up() -> None:
-    stats = dataclasses.make_dataclass(
-        "Stats", ["prefill_s", "warmup_s", "capture_s", "decode_s"]
-    )(0.2, 1.5, 1.7, 0.1)
+    stats = dataclasses.make_dataclass("Stats", ["prefill_s", "warmup_s", "capture_s", "decode_s"])(
+        0.2, 1.5, 1.7, 0.1
+    )
     phases = report.first_call_phases(stats, 2.1, compile_s=1.2)
     assert phases["compile_s"] == 1.2 and phases["warmup_s"] == pytest.approx(0.3)
     assert phases["capture_s"] == pytest.approx(0.2)
