@@ -100,7 +100,12 @@ fi
 "$ENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e . -e ./backends/cuda ||
     exit 1
 py=$ENV/bin/python
+# the tree's commit: GRAPHCAP_COMMIT, else git's HEAD, marked "-modified" where tracked files
+# differ from it (a copy of a working tree can carry an older HEAD than its files)
 COMMIT=${GRAPHCAP_COMMIT:-$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)}
+if [[ -z ${GRAPHCAP_COMMIT:-} ]] && ! git diff --quiet HEAD -- 2>/dev/null; then
+    COMMIT+=-modified
+fi
 FAILED=()
 
 # cold_caches: empty Inductor, Triton and graphcap compile caches for what follows (the scripts'
