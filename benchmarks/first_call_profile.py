@@ -92,12 +92,12 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    profile = cProfile.Profile()
+    profile = None if args.no_profile else cProfile.Profile()
     seconds = []
     before = triton_entries()
     for call in range(2):
         start = time.perf_counter()
-        if call == 0 and not args.no_profile:
+        if call == 0 and profile is not None:
             out = profile.runcall(engine.generate, ids, mask, sampling=sampling)
         else:
             out = engine.generate(ids, mask, sampling=sampling)
@@ -108,7 +108,7 @@ def main() -> None:
             compiled = {k: v for k, v in triton_entries().items() if k not in before}
     text = io.StringIO()
     text.write(f"dynamo and inductor phases (s):\n{compile_times(repr='str')}\n")
-    if not args.no_profile:
+    if profile is not None:
         stats = pstats.Stats(profile, stream=text)
         stats.sort_stats("cumulative").print_stats(60)
         stats.sort_stats("tottime").print_stats(30)

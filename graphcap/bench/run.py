@@ -241,9 +241,9 @@ def _run_mode(
 
     try:
         with mode.session(work) as call:
-            compiling = compile_seconds()
+            compiled_before = compile_seconds()
             first = timed("first")
-            compiling = compile_seconds() - compiling
+            first_compile_s = compile_seconds() - compiled_before
             graphs1, held = compile_counts()[0], backend.memory_allocated()
             for i in range(config.warmup):
                 timed(f"warmup {i + 1}")
@@ -269,7 +269,7 @@ def _run_mode(
         r.occupancy = spread(c.stats.occupancy for c in calls)[0]
         r.compiled, r.compile_cache = first.stats.compiled, first.stats.compile_cache
         r.joined_projections = stats.joined_projections
-        r.first_call_phases = first_call_phases(first.stats, first.seconds, compiling)
+        r.first_call_phases = first_call_phases(first.stats, first.seconds, first_compile_s)
     r.path = "hf" if stats is None else stats.path
     if mode.expected_path is not None and r.path != mode.expected_path:
         r.status = FALLBACK
