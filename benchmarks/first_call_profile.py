@@ -4,7 +4,8 @@
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \\
         python3 benchmarks/first_call_profile.py OUT.txt [--model llama-8b] [--batch 1] \\
             [--new-tokens 512] [--attention auto] [--uncompiled] [--[no-]fuse-projections] \\
-            [--compile-cache DIR] [--warm-forward] [--no-profile] [--collect-first]
+            [--compile-cache DIR] [--warm-forward] [--no-profile] [--collect-first] \\
+            [--capture-full-gc]
 
 The engine is opened as ``graphcap bench``'s ``graphcap-graph`` mode opens it (the default
 configuration: compiled where the backend declares it pays; bf16, 128 prompt tokens);
@@ -22,7 +23,10 @@ look-ups, inductor's import, code loading), the 60 costliest functions by cumula
 by own time, and what the prefill and the capture called. ``--no-profile`` times the first call
 without cProfile (whose overhead more than doubles a warm call's seconds), for wall-clock phases;
 ``--collect-first`` collects Python's garbage and empties the allocator's cache before the clock,
-as ``graphcap bench`` does before each mode.
+as ``graphcap bench`` does before each mode. OUT.txt also gets the first call's garbage
+collections (count and seconds by generation); ``--capture-full-gc`` lets the capture's entry
+collection scan every object (``graphcap.backend.SHIELD_OLD_OBJECTS = False``), as before
+graphcap shielded the older ones.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 # private: dynamo's cache counters and phase times have no public API
 from torch._dynamo.utils import compile_times, counters
 
+import graphcap.backend
 from graphcap.bench.models import build_model, make_prompts
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
@@ -58,6 +63,27 @@ def triton_entries() -> dict[str, list[str]]:
     }
 
 
+class CollectionTimes:
+    """A ``gc.callbacks`` entry: count and seconds of the collections, by generation."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.spent: dict[int, list[float]] = {}
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            seconds = time.perf_counter() - self.started
+            self.spent.setdefault(info["generation"], []).append(seconds)
+
+    def summary(self) -> dict[str, str]:
+        return {
+            f"generation {gen}": f"{len(times)} in {sum(times):.3f} s (longest {max(times):.3f})"
+            for gen, times in sorted(self.spent.items())
+        }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the profile, as text")
@@ -71,7 +97,9 @@ def main() -> None:
     parser.add_argument("--warm-forward", action="store_true")
     parser.add_argument("--no-profile", action="store_true", help="time the first call alone")
     parser.add_argument("--collect-first", action="store_true", help="gc and empty_cache first")
+    parser.add_argument("--capture-full-gc", action="store_true", help="no SHIELD_OLD_OBJECTS")
     args = parser.parse_args()
+    graphcap.backend.SHIELD_OLD_OBJECTS = not args.capture_full_gc
     device = torch.device("cuda")
     model = build_model(args.model, dtype=torch.bfloat16, device=device)
     ids, mask = make_prompts(model.config.vocab_size, args.batch, 128, 0, device)
@@ -95,6 +123,8 @@ def main() -> None:
     profile = None if args.no_profile else cProfile.Profile()
     seconds = []
     before = triton_entries()
+    collections = CollectionTimes()
+    gc.callbacks.append(collections)
     for call in range(2):
         start = time.perf_counter()
         if call == 0 and profile is not None:
@@ -106,6 +136,7 @@ def main() -> None:
         print(f"call {call + 1}: {seconds[-1]:.3f} s; stats {out.stats}", flush=True)
         if call == 0:
             compiled = {k: v for k, v in triton_entries().items() if k not in before}
+            gc.callbacks.remove(collections)
     text = io.StringIO()
     text.write(f"dynamo and inductor phases (s):\n{compile_times(repr='str')}\n")
     if profile is not None:
@@ -119,6 +150,7 @@ def main() -> None:
         handle.write(f"Triton kernels compiled in the first call ({len(kernels)}): {kernels}\n")
         found = {kind: dict(counters[kind]) for kind in ("inductor", "aot_autograd", "stats")}
         handle.write(f"counters: {json.dumps(found, sort_keys=True)}\n")
+        handle.write(f"garbage collections in the first call: {collections.summary()}\n")
         handle.write(text.getvalue())
     print(f"Triton kernels compiled in the first call ({len(kernels)}): {kernels}", flush=True)
 
