@@ -4,8 +4,7 @@
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \\
         python3 benchmarks/first_call_profile.py OUT.txt [--model llama-8b] [--batch 1] \\
             [--new-tokens 512] [--attention auto] [--uncompiled] [--[no-]fuse-projections] \\
-            [--compile-cache DIR] [--warm-forward] [--no-profile] [--collect-first] \\
-            [--capture-full-gc]
+            [--compile-cache DIR] [--warm-forward] [--no-profile] [--collect-first]
 
 The engine is opened as ``graphcap bench``'s ``graphcap-graph`` mode opens it (the default
 configuration: compiled where the backend declares it pays; bf16, 128 prompt tokens);
@@ -24,9 +23,7 @@ by own time, and what the prefill and the capture called. ``--no-profile`` times
 without cProfile (whose overhead more than doubles a warm call's seconds), for wall-clock phases;
 ``--collect-first`` collects Python's garbage and empties the allocator's cache before the clock,
 as ``graphcap bench`` does before each mode. OUT.txt also gets the first call's garbage
-collections (count and seconds by generation); ``--capture-full-gc`` lets the capture's entry
-collection scan every object (``graphcap.backend.SHIELD_OLD_OBJECTS = False``), as before
-graphcap shielded the older ones.
+collections (count and seconds by generation, from ``gc.callbacks``).
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ import torch
 # private: dynamo's cache counters and phase times have no public API
 from torch._dynamo.utils import compile_times, counters
 
-import graphcap.backend
 from graphcap.bench.models import build_model, make_prompts
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
@@ -97,9 +93,7 @@ def main() -> None:
     parser.add_argument("--warm-forward", action="store_true")
     parser.add_argument("--no-profile", action="store_true", help="time the first call alone")
     parser.add_argument("--collect-first", action="store_true", help="gc and empty_cache first")
-    parser.add_argument("--capture-full-gc", action="store_true", help="no SHIELD_OLD_OBJECTS")
     args = parser.parse_args()
-    graphcap.backend.SHIELD_OLD_OBJECTS = not args.capture_full_gc
     device = torch.device("cuda")
     model = build_model(args.model, dtype=torch.bfloat16, device=device)
     ids, mask = make_prompts(model.config.vocab_size, args.batch, 128, 0, device)

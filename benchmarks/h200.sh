@@ -28,9 +28,8 @@
 #                    batch 1, 128 + 128): for llama-1b then llama-8b, one process from empty
 #                    caches, then fresh processes from the caches it left, as committed and with
 #                    each lever of GRAPHCAP_WARM_LEVERS (default "compile-threads-1": inductor
-#                    compiles in-process, no worker pool; "capture-full-gc": the capture's entry
-#                    collection scans every object, as before SHIELD_OLD_OBJECTS), twice each,
-#                    alternating (not in the default list)
+#                    compiles in-process, no worker pool), twice each, alternating (not in the
+#                    default list)
 #   bs1-ratio        llama-8b at batch 1: graphcap-graph and hf-static-compile, each in a fresh
 #                    process from empty caches (not in the default list)
 #   joined-steps-llama-8b  the steps-llama-8b workload (graphcap-graph at batch 1, 64, 256)
@@ -216,14 +215,12 @@ part_first_call_levers() {
             --compile-cache "$COMPILE_CACHE" "$OUT/first-call-levers-$model-cold.txt"
         for rep in 1 2; do
             for lever in none ${GRAPHCAP_WARM_LEVERS:-compile-threads-1}; do
-                local extra=()
                 case $lever in
                 compile-threads-1) export TORCHINDUCTOR_COMPILE_THREADS=1 ;;
-                capture-full-gc) extra=(--capture-full-gc) ;;
                 esac
                 run "first-call-levers-$model-warm-$lever-$rep" 60 "$py" \
                     benchmarks/first_call_profile.py --model $model --new-tokens 128 \
-                    --warm-forward --no-profile --compile-cache "$COMPILE_CACHE" "${extra[@]}" \
+                    --warm-forward --no-profile --compile-cache "$COMPILE_CACHE" \
                     "$OUT/first-call-levers-$model-warm-$lever-$rep.txt"
                 unset TORCHINDUCTOR_COMPILE_THREADS
             done

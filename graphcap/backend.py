@@ -9,7 +9,6 @@ Capability is derived from behaviour (``create_graph()`` returning a graph), nev
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -22,10 +21,6 @@ from graphcap.errors import GraphcapError, GraphCaptureError, GraphUnsupportedEr
 MaskForm = Literal["additive", "bool"]
 #: Capture error modes of the ``graph`` context managers of torch's CUDA and NPU device modules.
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-#: Whether a capture keeps the objects alive before it out of the full garbage collection that
-#: the device modules' ``graph(...)`` runs on entry (torch.cuda's and torch_npu's do), so that
-#: only young objects are scanned. Benchmarks turn it off to measure what it saves.
-SHIELD_OLD_OBJECTS = True
 
 
 @dataclass(frozen=True)
@@ -432,13 +427,9 @@ def _guarded_capture(
     stream, and the error becomes a :class:`GraphCaptureError` carrying ``hint``."""
     previous = device_module.current_stream()
     try:
-        with contextlib.ExitStack() as capturing:
-            with _old_objects_shielded():
-                capturing.enter_context(
-                    device_module.graph(
-                        graph, pool=pool, stream=stream, capture_error_mode=mode, **options
-                    )
-                )
+        with device_module.graph(
+            graph, pool=pool, stream=stream, capture_error_mode=mode, **options
+        ):
             yield
     except GraphcapError:
         raise  # already says what went wrong
@@ -446,22 +437,3 @@ def _guarded_capture(
         raise GraphCaptureError(f"graph capture failed: {exc}\n{hint}") from exc
     finally:
         device_module.set_stream(previous)
-
-
-@contextlib.contextmanager
-def _old_objects_shielded() -> Iterator[None]:
-    """A full collection scans every object the process holds; after dynamo and inductor ran
-    that is most of a warm first call's second (0.23-0.26 s of llama-1b's on an H200), and the
-    per-position path pays it once a graph. The garbage that matters to a capture (the warm-up's
-    tensors) is young: it is collected first, then ``gc.freeze`` moves everything older out of
-    the collection's reach until the capture has begun. A process that froze objects itself is
-    left as it is (``gc.unfreeze`` would release its objects too)."""
-    if not SHIELD_OLD_OBJECTS or gc.get_freeze_count():
-        yield
-        return
-    gc.collect(1)
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
