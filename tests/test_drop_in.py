@@ -8,6 +8,7 @@ it); every call graphcap does not serve goes to ``generate`` with the reason rec
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from graphcap.cpu.torch_internals import TorchDispatchMode
 from graphcap.errors import GenerateFallbackWarning
 from graphcap.rollout import AcceleratedGenerate, accelerate_generate, restore_generate
 from graphcap.rollout.config import GENERATE_DEFAULTS
-from graphcap.rollout.drop_in import PENALISES_PADDING
+from graphcap.rollout.drop_in import PENALISES_PADDING, default_config
 from graphcap.rollout.plan.fingerprint import INERT_HOOKS, hook_name, host_state
 
 SETTINGS = {
@@ -59,13 +60,19 @@ SETTINGS = {
 }
 
 
+def generate_draws(model):
+    """The drop-in's default configuration with generate's own random numbers (the default
+    draws per row: same distribution, other numbers)."""
+    return replace(default_config(model), draws="generate")
+
+
 def both(model, call, seed: int = 0):
-    """``call()``'s result from generate, then from graphcap under generate (same seed), and
-    the generator's state after each."""
+    """``call()``'s result from generate, then from graphcap under generate (same seed, and
+    generate's own random numbers), and the generator's state after each."""
     torch.manual_seed(seed)
     expected = call()
     after_expected = torch.get_rng_state()
-    accelerated = accelerate_generate(model)
+    accelerated = accelerate_generate(model, generate_draws(model))
     try:
         torch.manual_seed(seed)
         got = call()
