@@ -69,9 +69,7 @@ def make_engine(model, graph: bool = True, backend=None, **config):
     return RolloutEngine(model, config)
 
 
-def run(
-    model, ids, mask, graph: bool, backend=None, generator=None, draws="per_row", **sampling
-):
+def run(model, ids, mask, graph: bool, backend=None, generator=None, draws="per_row", **sampling):
     """One ``generate`` call on a fresh engine (CPU reference backend unless given);
     ``draws="generate"`` where sampled tokens are compared with generate's."""
     from graphcap.rollout import SamplingParams

@@ -326,7 +326,9 @@ class DecodeStep:
                 s.top_ids.scatter_(1, at, ids[:, None].masked_fill(idle, 0))
         if self.sampler.records:
             # what generate returns as scores: processed, warped where the row samples
-            warped = warp(scores, s.rows, self.sampler.truncates) if self.sampler.samples else scores
+            warped = (
+                warp(scores, s.rows, self.sampler.truncates) if self.sampler.samples else scores
+            )
             processed = torch.where(s.rows.sample[:, None], warped, scores)
             at = s.generated.view(1)
             s.scores.index_copy_(1, at, processed[:, None])
