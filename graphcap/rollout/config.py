@@ -550,6 +550,12 @@ class RolloutConfig:
     model's within float rounding. ``None`` (the default) joins in graph engines where the
     backend declares that it pays (``Capabilities.fuse_projections_by_default``: CUDA),
     ``True`` always, ``False`` never.
+    ``batch_ladder``: the batch sizes a static graph call shrinks to as rows end, so a step
+    computes only rows still generating: ``"auto"`` (the default) every power of two below the
+    call's batch, a tuple those sizes, ``None`` never (docs/rollout.md, "The live-row
+    ladder"). Each size is one more graph, captured when a call first reaches it and kept.
+    Not with ``draws="generate"`` (moving rows would change how many numbers a step draws),
+    per-position graphs or ``process_group``.
     ``draws``: how sampled rows draw. ``"per_row"`` (the default): each row from its own
     counter-based stream (its ``seed``, or one number drawn from the shared generator per call
     plus its prompt index), so a row's tokens do not depend on the rest of the batch and a
@@ -576,6 +582,7 @@ class RolloutConfig:
     max_request_bytes: int | None = None
     kv_block_size: int | Literal["auto"] | None = "auto"
     draws: Literal["per_row", "generate"] = "per_row"
+    batch_ladder: tuple[int, ...] | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -606,6 +613,8 @@ class RolloutConfig:
         if self.eos_check_interval < 1:
             raise ValueError(f"eos_check_interval must be >= 1, got {self.eos_check_interval}")
         self.batch_buckets = _buckets("batch_buckets", self.batch_buckets)
+        if self.batch_ladder not in (None, "auto"):
+            self.batch_ladder = _buckets("batch_ladder", self.batch_ladder)
         self.length_buckets = _buckets("length_buckets", self.length_buckets)
         self._check_continuous()
         self._check_per_position()

@@ -26,6 +26,10 @@ class RolloutStats:
     ``"unreadable"``, ``"off"``; :mod:`graphcap.rollout.holder.compile_cache`), ``None`` when this
     call compiled nothing. ``joined_projections``: groups of
     projections that ran as one product (``RolloutConfig(fuse_projections=True)``).
+    ``batch_steps``: decode steps run at each batch size (the live-row ladder,
+    ``RolloutConfig.batch_ladder``; empty when the call did not use it), ``row_steps``: rows
+    those steps computed (their sum of sizes), ``rows_moved``: rows that changed places to let
+    a smaller size run them.
     ``kv_layout``: ``"static"`` (one K/V buffer per row) or ``"blocks"`` (the block table,
     ``RolloutConfig.kv_block_size``); ``kv_blocks_held``: the most blocks rows held at once in
     the call; ``kv_pool_growths``: times the block pools grew (each drops the graph reading
@@ -54,6 +58,9 @@ class RolloutStats:
     attention: str | None = None
     compiled: bool = False
     compile_cache: str | None = None
+    batch_steps: dict[int, int] = field(default_factory=dict)
+    row_steps: int = 0
+    rows_moved: int = 0
     joined_projections: int = 0
     kv_layout: str = "static"
     kv_blocks_held: int = 0

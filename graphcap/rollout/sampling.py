@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -231,6 +231,15 @@ class RowSettings:
             logprob_temperature=full(1.0, torch.float32),
             token_mix=hash32((tokens + GOLDEN32) & MASK32),
         )
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """The ``(B,)`` settings (what moves with a row; the token table does not)."""
+        return [t for f in fields(self) if f.name != "token_mix" for t in [getattr(self, f.name)]]
+
+    def leading(self, rows: int) -> RowSettings:
+        """The first ``rows`` rows' settings, as views (a step of a smaller batch size)."""
+        narrowed = {f.name: getattr(self, f.name)[:rows] for f in fields(self)}
+        return RowSettings(**{**narrowed, "token_mix": self.token_mix})
 
     def write(
         self,

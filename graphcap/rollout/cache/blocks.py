@@ -17,6 +17,7 @@ instead of a sink column at the end of a row it would read in full.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -234,6 +235,32 @@ class BlockKVCache(PreallocatedCache):
             put_columns(layer.keys, layer.values, (blocks, layer.heads, offsets), keys, values)
 
         return write
+
+    def leading(self, rows: int) -> BlockKVCache:
+        """The first ``rows`` rows' table, lengths and write positions, as views, over the same
+        pools: what a step of a smaller batch size reads and writes. Host bookkeeping (blocks
+        handed out, growth) stays with this cache; a growth replaces the pools, so a view is
+        taken again after one."""
+        view = copy.copy(self)
+        view.write_pos, view.table = self.write_pos[:rows], self.table[:rows]
+        view.lengths = self.lengths[:rows]
+        view.view = kv_blocks.BlockView(view.table, view.lengths, self.block_size)
+        view.layers = []
+        for layer in self.layers:
+            narrowed = copy.copy(layer)
+            narrowed.cache = view
+            view.layers.append(narrowed)
+        return view
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Swap rows ``dst`` and ``src``: their table rows, lengths, write positions and the
+        blocks each holds (no K/V moves: the table says where a row's blocks are). Between
+        replays."""
+        index, swapped = torch.cat([dst, src]), torch.cat([src, dst])
+        for tensor in (self.table, self.lengths, self.write_pos):
+            tensor[index] = tensor[swapped]
+        for a, b in zip(dst.tolist(), src.tolist(), strict=True):
+            self.owned[a], self.owned[b] = self.owned[b], self.owned[a]
 
     def nbytes(self) -> int:
         tensors = [t for layer in self.layers for t in (layer.keys, layer.values)]

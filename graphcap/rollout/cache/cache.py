@@ -14,6 +14,7 @@ zero-filled, and are allocated before any capture, never during one.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -114,6 +115,13 @@ class StaticKVLayer(PreallocatedLayer):
 
     def get_max_length(self) -> int:
         return self.max_len
+
+    def leading(self, rows: int, write_pos: torch.Tensor) -> StaticKVLayer:
+        """This layer's first ``rows`` rows, as views (see :meth:`StaticKVCache.leading`)."""
+        view = copy.copy(self)
+        view.keys, view.values = self.keys[:rows], self.values[:rows]
+        view.rows, view.write_pos, view.batch_size = self.rows[:rows], write_pos, rows
+        return view
 
 
 #: Writes one layer's prefill K/V (:meth:`PreallocatedCache.prefill_writer`).
@@ -230,6 +238,23 @@ class StaticKVCache(PreallocatedCache):
     def nbytes(self) -> int:
         tensors = (t for layer in self.layers for t in layer_tensors(layer))
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def leading(self, rows: int) -> StaticKVCache:
+        """This cache's first ``rows`` rows, as views of the same buffers: a step of a smaller
+        batch size reads and writes them in place (the live rows moved there first,
+        :meth:`move_rows`)."""
+        view = copy.copy(self)
+        view.write_pos = self.write_pos[:rows]
+        view.layers = [layer.leading(rows, view.write_pos) for layer in self.layers]
+        return view
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy rows ``src``'s K/V and write positions to rows ``dst`` (between replays; the
+        rows at ``dst`` have ended, so nothing of theirs is kept)."""
+        for layer in self.layers:
+            layer.keys[dst] = layer.keys[src]
+            layer.values[dst] = layer.values[src]
+        self.write_pos[dst] = self.write_pos[src]
 
 
 def scatter_columns(

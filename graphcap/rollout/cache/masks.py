@@ -16,6 +16,7 @@ which transformers builds its own per-layer-type masks.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 import torch
@@ -113,6 +114,17 @@ class MaskBuffers:
             fresh = torch.zeros_like(self.valid[rows])
             fresh[:, :width] = prompt_mask.bool()
             self.valid[rows] = fresh
+
+    def leading(self, rows: int) -> MaskBuffers:
+        """The first ``rows`` rows' buffers, as views (a step of a smaller batch size)."""
+        view = copy.copy(self)
+        view.valid = self.valid[:rows]
+        view.outputs = {name: out[:rows] for name, out in self.outputs.items()}
+        return view
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """The buffers with one row per batch row (what moves with a row)."""
+        return [self.valid, *self.outputs.values()]
 
     def attend(self, columns: torch.Tensor) -> None:
         """Mark column ``columns[b]`` of each row valid (the token being written there)."""

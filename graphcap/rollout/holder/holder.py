@@ -4,7 +4,8 @@ One holder per engine. It drops what it holds when a call's signature differs (b
 replacement is allocated), captures through the one capture routine
 (:func:`~graphcap.rollout.holder.capture.capture_step`) with the process group's agreement, and
 keeps graphs off for the engine after a failed capture. The static path holds one graph (key
-``None``); per-position graphs are keyed by position and share one memory pool.
+``None``) and one per size of the live-row ladder it reached; per-position graphs are keyed by
+position. Keyed graphs share one memory pool.
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.step.step import DecodeStep
 
 
+#: A held graph's key: ``None`` the static step, an int a per-position graph, ``("rows", n)``
+#: the live-row ladder's graph of batch size ``n`` (the step over the first ``n`` rows).
+GraphKey = int | tuple[str, int] | None
+
+
 @dataclass
 class Held:
     """What one signature owns: its decode step (with cache, masks and state) and graphs."""
 
     signature: GraphSignature
     step: DecodeStep
-    graphs: dict[int | None, object] = field(default_factory=dict)
+    graphs: dict[GraphKey, object] = field(default_factory=dict)
     pool: object | None = None
 
 
@@ -103,7 +109,7 @@ class GraphHolder:
             self._held = Held(signature, build())
         return self._held.step
 
-    def graph(self, key: int | None = None) -> object | None:
+    def graph(self, key: GraphKey = None) -> object | None:
         return None if self._held is None else self._held.graphs.get(key)
 
     @property
@@ -127,7 +133,7 @@ class GraphHolder:
         step: DecodeStep,
         attention: str,
         stats: RolloutStats,
-        key: int | None = None,
+        key: GraphKey = None,
         compiled: bool = False,
     ) -> object | None:
         """Capture ``step`` as graph ``key`` and agree on the outcome with the group; ``None``

@@ -12,11 +12,13 @@ from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.holder import GraphHolder
 from graphcap.rollout.plan.inputs import Call, check_request
-from graphcap.rollout.plan.plan import plan_call
+from graphcap.rollout.plan.plan import Plan, plan_call
 from graphcap.rollout.prefill import run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
+from graphcap.rollout.runners.ladder import LadderRunner, ladder_sizes
 from graphcap.rollout.runners.runners import (
     BlockRunner,
+    ReplayRunner,
     Runner,
     grow_blocks,
     record_kv,
@@ -102,7 +104,12 @@ class StaticRollout:
         runner: Runner = step
         if self.config.enable_graph_capture and steps > 0:
             runner = start_runner(self.holder, plan, step, stats, steps)
-        if isinstance(step.cache, BlockKVCache):
+        sizes = self._ladder(plan, padded_batch)
+        if sizes and isinstance(runner, ReplayRunner):
+            runner = LadderRunner(
+                self.holder, step, plan, stats, runner.graph, sizes, width, interval
+            )
+        elif isinstance(step.cache, BlockKVCache):
             runner = BlockRunner(
                 self.holder,
                 step,
@@ -114,6 +121,8 @@ class StaticRollout:
             )
         t_decode = time.perf_counter()
         stats.steps = decode(runner, steps, step.state, interval, self.holder.agreement)
+        if isinstance(runner, LadderRunner):
+            runner.restore()
         self.holder.backend.synchronize()
         record_kv(stats, step)
         stats.decode_s = time.perf_counter() - t_decode
@@ -122,19 +131,35 @@ class StaticRollout:
         return collect(step.state, batch, width, total, params, stats)
 
 
+    def _ladder(self, plan: Plan, batch: int) -> tuple[int, ...]:
+        """The smaller batch sizes this call may shrink to (none where moving rows would
+        change what a step does: the shared generator's draws, per-position graphs, ranks
+        that would have to agree on every move, records of every row's scores at every step)."""
+        sampler = plan.signature.sampler
+        if plan.path != "static_graph" or sampler.shared or sampler.records:
+            return ()
+        if self.config.process_group is not None:
+            return ()
+        return ladder_sizes(self.config.batch_ladder, batch)
+
+
 def decode(
     runner: Runner, max_steps: int, state: DecodeState, interval: int, agreement: RankAgreement
 ) -> int:
     """Run up to ``max_steps`` steps; stop early when the device says all rows finished (read
-    every ``interval`` steps, agreed over the process group). With ``interval`` 1 the flag is
-    also read before the first step, so the call stops where ``generate`` stops (and draws as
-    many random numbers) even when the prefill's token ended every row."""
+    every ``interval`` steps, agreed over the process group), else let a runner that follows
+    the live rows shrink. With ``interval`` 1 the flag is also read before the first step, so
+    the call stops where ``generate`` stops (and draws as many random numbers) even when the
+    prefill's token ended every row."""
     if interval == 1 and max_steps and agreement.all_finished(state.all_finished):
         return 0
     for step in range(1, max_steps + 1):
         runner()
-        if step % interval == 0 and step < max_steps and agreement.all_finished(state.all_finished):
-            return step
+        if step % interval == 0 and step < max_steps:
+            if agreement.all_finished(state.all_finished):
+                return step
+            if isinstance(runner, LadderRunner):
+                runner.shrink()
     return max_steps
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
@@ -99,6 +99,36 @@ class DecodeState:
         )
         state.set_stop_ids(eos_ids)
         return state
+
+    #: the buffers with one row per batch row, beside ``rows`` (None where not allocated)
+    ROW_FIELDS = (
+        "sequences",
+        "response",
+        "logprobs",
+        "tokens",
+        "positions",
+        "finished",
+        "scores",
+        "logits",
+        "stop_hit",
+        "top_values",
+        "top_ids",
+    )
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with one row per batch row (what moves with a row)."""
+        present = [getattr(self, name) for name in self.ROW_FIELDS]
+        return [t for t in present if t is not None] + self.rows.row_tensors()
+
+    def leading(self, rows: int) -> DecodeState:
+        """The first ``rows`` rows, as views of the same buffers; the counters, flags and
+        tables every row shares are the same tensors."""
+        narrowed = {
+            name: getattr(self, name)[:rows]
+            for name in self.ROW_FIELDS
+            if getattr(self, name) is not None
+        }
+        return replace(self, **narrowed, rows=self.rows.leading(rows))
 
     def record(self) -> None:
         """Allocate the scores and logits records (once; a ``(B, L, V)`` float32 pair)."""
@@ -376,6 +406,25 @@ class DecodeStep:
         """Move every row on, then choose and record the next token from ``logits``."""
         self.advance()
         self.commit(logits)
+
+    def leading(self, rows: int) -> DecodeStep:
+        """This step over its first ``rows`` rows only (views of the same buffers): the batch
+        size a smaller graph of the live-row ladder runs (:mod:`graphcap.rollout.runners.ladder`)."""
+        narrowed = copy.copy(self)
+        narrowed.state = self.state.leading(rows)
+        narrowed.cache = self.cache.leading(rows)
+        narrowed.masks = self.masks.leading(rows)
+        return narrowed
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Swap rows ``dst`` (ended) and ``src`` (live) in every per-row buffer, so the live
+        rows sit where a smaller batch size reads them; the cache moves its own way
+        (:meth:`StaticKVCache.move_rows` copies K/V, the block table swaps table rows). Between
+        replays only."""
+        index, swapped = torch.cat([dst, src]), torch.cat([src, dst])
+        for tensor in self.state.row_tensors() + self.masks.row_tensors():
+            tensor[index] = tensor[swapped]
+        self.cache.move_rows(dst, src)
 
     def with_span(self, span: tuple[int, int]) -> DecodeStep:
         """This step (the same buffers) attending over cache columns ``span`` only."""

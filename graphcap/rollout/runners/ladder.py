@@ -1,0 +1,140 @@
+"""The live-row ladder: a static call's steps run at the smallest batch size that holds the rows
+still generating.
+
+In an RL round most rows end long before the longest one, and a step costs what its batch size
+costs whether its rows are live or not. At each "all finished" check the runner reads which rows
+ended; when the live ones fit a smaller size of the ladder, live rows from beyond that size swap
+places with ended rows inside it (every per-row buffer, and the cache's own way: the static
+cache copies K/V rows, the block table swaps table rows), and the following steps replay the
+graph captured for that size over the first rows of the same buffers. Each size's graph is
+captured once per held signature and kept across calls. A row's tokens do not depend on where
+it sits: its settings, key and buffers move with it, and a step's per-row math is the same at
+every batch size. At the end the rows go back to their own places.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from graphcap.rollout.cache.blocks import BlockKVCache, reads_blocks
+from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.plan.plan import Plan
+from graphcap.rollout.results import RolloutStats
+from graphcap.rollout.runners.runners import grow_blocks
+from graphcap.rollout.step.step import DecodeStep
+
+
+def ladder_sizes(ladder: Sequence[int] | str | None, batch_size: int) -> tuple[int, ...]:
+    """The sizes below ``batch_size`` a call may shrink to, largest first: ``"auto"`` every
+    power of two, a tuple those of its sizes, ``None`` none."""
+    if ladder is None:
+        return ()
+    if ladder == "auto":
+        sizes = [1 << k for k in range(batch_size.bit_length())]
+    else:
+        sizes = list(ladder)
+    return tuple(sorted({s for s in sizes if s < batch_size}, reverse=True))
+
+
+class LadderRunner:
+    """Replays the graph of the current batch size; :meth:`shrink` moves to a smaller one.
+
+    ``graph``: the full size's graph (captured by :func:`start_runner`). ``width``: the prompt
+    width, so row ``b`` writes column ``width + i`` at decode step ``i`` (block tables hand
+    blocks out ``ahead`` steps on, for the rows the current size runs).
+    """
+
+    def __init__(
+        self,
+        holder: GraphHolder,
+        step: DecodeStep,
+        plan: Plan,
+        stats: RolloutStats,
+        graph: object,
+        sizes: tuple[int, ...],
+        width: int,
+        ahead: int,
+    ):
+        self.holder, self.full, self.plan, self.stats = holder, step, plan, stats
+        self.sizes, self.width, self.ahead = sizes, width, ahead
+        self.size = step.state.finished.shape[0]
+        self.step, self.key, self.graph = step, None, graph
+        self.slots = list(range(self.size))  # the original row each slot now holds
+        self.done = 0
+        self.blocks = isinstance(step.cache, BlockKVCache)
+        caps = holder.backend.capabilities
+        self.host_lengths = caps.graph_kv_lengths_on_host and reads_blocks(plan.attention)
+        stats.batch_steps = {}
+
+    def __call__(self) -> None:
+        column = self.width + self.done
+        self.done += 1
+        if self.blocks:
+            live = [column] * self.size + [None] * (len(self.slots) - self.size)
+            growths = self.full.cache.growths
+            grow_blocks(self.holder, self.full, live, self.ahead, self.stats)
+            if self.full.cache.growths != growths and self.key is not None:
+                self.step = self.full.leading(self.size)  # views of the new pools
+        if self.graph is None or self.holder.graph(self.key) is None:
+            self.graph = self._capture()
+        self.stats.batch_steps[self.size] = self.stats.batch_steps.get(self.size, 0) + 1
+        self.stats.row_steps += self.size
+        if self.graph is None:
+            self.full()
+            return
+        if self.host_lengths:
+            self.holder.backend.update_graph_kv_lengths(self.graph, [column + 1] * self.size)
+        self.holder.backend.replay_graph(self.graph)
+        self.stats.replays += 1
+
+    def _capture(self) -> object | None:
+        start = time.perf_counter()
+        graph = self.holder.capture(
+            self.step, self.plan.attention, self.stats, key=self.key, compiled=self.plan.compiled
+        )
+        self.stats.capture_s += time.perf_counter() - start
+        if graph is None:  # the rest of the call runs eagerly at the full size
+            self.stats.path = "eager"
+            self.stats.fallback_reason = self.holder.disabled_reason
+        return graph
+
+    def shrink(self) -> None:
+        """At an "all finished" check that found live rows: move to the smallest ladder size
+        that holds them, if it is smaller than the current one (one host read of the flags)."""
+        if self.graph is None:
+            return
+        finished = self.full.state.finished[: self.size].tolist()
+        live = [row for row, ended in enumerate(finished) if not ended]
+        target = min((s for s in self.sizes if len(live) <= s < self.size), default=None)
+        if target is None:
+            return
+        src = [row for row in live if row >= target]
+        dst = [row for row, ended in enumerate(finished[:target]) if ended][: len(src)]
+        if src:
+            device = self.full.state.finished.device
+            as_index = torch.tensor(dst + src, dtype=torch.long).to(device)
+            self.full.move_rows(as_index[: len(dst)], as_index[len(dst) :])
+            for a, b in zip(dst, src, strict=True):
+                self.slots[a], self.slots[b] = self.slots[b], self.slots[a]
+            self.stats.rows_moved += len(src)
+        if self.blocks:  # ended rows beyond the new size give their blocks back
+            self.full.cache.free_rows(range(target, self.size))
+        self.size, self.key = target, ("rows", target)
+        self.step = self.full.leading(target)
+        self.graph = self.holder.graph(self.key)
+
+    def restore(self) -> None:
+        """Put every row back in its own place (the caller's order), after the last step."""
+        if self.slots == sorted(self.slots):
+            return
+        state = self.full.state
+        where = [0] * len(self.slots)
+        for slot, row in enumerate(self.slots):
+            where[row] = slot
+        index = torch.tensor(where, dtype=torch.long).to(state.finished.device)
+        for tensor in state.row_tensors():
+            tensor.copy_(tensor[index])
+        self.slots = list(range(len(self.slots)))
