@@ -29,7 +29,6 @@ from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.step.step import DecodeStep
 
-
 #: A held graph's key: ``None`` the static step, an int a per-position graph, ``("rows", n)``
 #: the live-row ladder's graph of batch size ``n`` (the step over the first ``n`` rows).
 GraphKey = int | tuple[str, int] | None

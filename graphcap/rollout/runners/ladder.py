@@ -32,10 +32,8 @@ def ladder_sizes(ladder: Sequence[int] | str | None, batch_size: int) -> tuple[i
     power of two, a tuple those of its sizes, ``None`` none."""
     if ladder is None:
         return ()
-    if ladder == "auto":
-        sizes = [1 << k for k in range(batch_size.bit_length())]
-    else:
-        sizes = list(ladder)
+    auto = [1 << k for k in range(batch_size.bit_length())]
+    sizes = auto if ladder == "auto" else ladder
     return tuple(sorted({s for s in sizes if s < batch_size}, reverse=True))
 
 

@@ -130,7 +130,6 @@ class StaticRollout:
             stats.decode_s -= stats.capture_s
         return collect(step.state, batch, width, total, params, stats)
 
-
     def _ladder(self, plan: Plan, batch: int) -> tuple[int, ...]:
         """The smaller batch sizes this call may shrink to (none where moving rows would
         change what a step does: the shared generator's draws, per-position graphs, ranks

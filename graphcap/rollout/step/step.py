@@ -408,8 +408,8 @@ class DecodeStep:
         self.commit(logits)
 
     def leading(self, rows: int) -> DecodeStep:
-        """This step over its first ``rows`` rows only (views of the same buffers): the batch
-        size a smaller graph of the live-row ladder runs (:mod:`graphcap.rollout.runners.ladder`)."""
+        """This step over its first ``rows`` rows only (views of the same buffers): what a
+        smaller graph of the live-row ladder runs (:mod:`graphcap.rollout.runners.ladder`)."""
         narrowed = copy.copy(self)
         narrowed.state = self.state.leading(rows)
         narrowed.cache = self.cache.leading(rows)
