@@ -32,7 +32,7 @@ from graphcap_npu.probe import (
 
 #: Environment variable naming the attention captured decode steps run on this backend.
 ATTENTION_VAR = "GRAPHCAP_NPU_ATTENTION"
-#: torch_npu's task-queue setting, read once when the process starts; NPUGraph refuses every
+#: torch_npu's task-queue setting, read once per process; NPUGraph refuses every
 #: capture under its value 2.
 TASK_QUEUE_VAR = "TASK_QUEUE_ENABLE"
 
