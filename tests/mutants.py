@@ -42,6 +42,7 @@ NORM_FORMS = (
 
 KV_BLOCKS = "tests/test_kv_blocks.py"
 NPU_ENGINE = "backends/npu/tests/test_npu_engine.py"
+NPU_RULES = "backends/npu/tests/test_npu_hardware_rules.py"
 
 HOOKED_COMPILE = (
     "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
@@ -653,6 +654,58 @@ PLANTS = (
             NPU_ENGINE
             + "::test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay",
         ),
+    ),
+    Plant(
+        "NPU explicit generator never registered with the graph",
+        "backends/npu/graphcap_npu/backend.py",
+        "        graph.register_generator_state(generator)\n",
+        "        pass\n",
+        (NPU_RULES + "::test_sampling_from_an_explicit_generator_is_captured",),
+    ),
+    Plant(
+        "NPU capture placeholders need every row's whole table",
+        "backends/npu/graphcap_npu/attention.py",
+        "        lengths = [PLACEHOLDER_LENGTH] * batch\n",
+        "        lengths = [view.max_len] * batch\n",
+        (
+            NPU_RULES
+            + "::test_paged_graph_with_rows_of_several_blocks_is_captured_and_equals_eager",
+        ),
+    ),
+    Plant(
+        "NPU pools beyond int32 range reach the kernel",
+        "backends/npu/graphcap_npu/attention.py",
+        "    check_pool_size(key)\n",
+        "",
+        (NPU_RULES + "::test_pools_beyond_int32_range_are_refused_with_the_way_out",),
+    ),
+    Plant(
+        "NPU failed capture leaves torch_npu's dispatch mode on",
+        "backends/npu/graphcap_npu/backend.py",
+        "            mode.__exit__(None, None, None)\n",
+        "            pass\n",
+        (NPU_RULES + "::test_eager_fallback_after_a_failed_capture_equals_eager",),
+    ),
+    Plant(
+        "NPU graph updates not ordered after the replays before them",
+        "backends/npu/graphcap_npu/backend.py",
+        "        self.synchronize()\n        graph.update(",
+        "        graph.update(",
+        (NPU_RULES + "::test_continuous_retire_and_refill_inside_one_check_interval",),
+    ),
+    Plant(
+        "NPU torch_npu below the version floor taken as available",
+        "backends/npu/graphcap_npu/backend.py",
+        "    if too_old is not None:\n        return Availability(False, too_old)\n",
+        "",
+        (NPU_RULES + "::test_torch_npu_older_than_the_floor_makes_the_backend_unavailable",),
+    ),
+    Plant(
+        "NPU TASK_QUEUE_ENABLE=2 not detected",
+        "backends/npu/graphcap_npu/backend.py",
+        'if os.environ.get(TASK_QUEUE_VAR, "").strip() == "2":',
+        "if False:",
+        (NPU_RULES + "::test_task_queue_2_is_named_and_the_call_runs_eagerly",),
     ),
 )
 

@@ -17,8 +17,10 @@ layout is never used: its sequence lengths are host values that a capture would 
 ``npu_fused_infer_attention_score``'s page attention over the layer's pools, with the block
 table and per-row ``actual_seq_lengths_kv``, so it reads only the blocks a row holds and copies
 no cache. Those lengths are host ints: eager steps read them off the device, a capture records
-placeholders (every row's whole table) and the engine sets the real ones before each replay
-(``NPUBackend.update_graph_kv_lengths``, torch_npu's ``NPUGraph.update``). What page attention
+placeholders that the pool always holds (one column a row: the kernel refuses lengths needing
+more blocks than the pool has) and the engine sets the real ones before each replay
+(``NPUBackend.update_graph_kv_lengths``, torch_npu's ``NPUGraph.update``). Each pool holds at
+most int32-range elements (:func:`check_pool_size` refuses a larger one). What page attention
 cannot serve (fp32, which that kernel does not take; a block size that is not a multiple of 16;
 per-head masks) gets the pools gathered into contiguous K/V for v3 in BNSD; without a block
 table (prefill, ``kv_block_size=None``) it is v3 in BNSD.
@@ -67,6 +69,10 @@ ATTENTION_NAME = FA3_BSH
 PAGE_ALIGNMENT = 16
 #: ``inner_precise`` value that makes the kernels compute fully masked ("invalid") rows properly.
 INNER_PRECISE_INVALID_ROWS = 2
+#: The length a capture records for every row (see ``_attend_paged``).
+PLACEHOLDER_LENGTH = 1
+#: Page attention takes K and V pools of at most this many elements each (int32 range).
+MAX_POOL_ELEMENTS = 2**31 - 1
 _MAX_QUERY_HEADS = 256
 _MAX_HEAD_DIM = 768
 
@@ -198,11 +204,13 @@ def _attend_paged(
     if attention_mask is not None:
         masked_out = to_masked_out(attention_mask, batch, q_heads, 1, view.max_len)
         masked_out = _one_mask_for_all_heads(masked_out, batch, 1, view.max_len)
+    check_pool_size(key)
     module_npu = _torch_npu(IMPLEMENTATIONS[BLOCKS])
     if module_npu.npu.is_current_stream_capturing():
-        # placeholders (a row's whole table, which the mask keeps correct); the engine sets the
-        # real lengths before every replay, through the graph-update API
-        lengths = [view.max_len] * batch
+        # placeholders the pool always holds (one block a row; the rows' whole tables need not
+        # fit it, and the kernel refuses lengths that need more blocks than the pool has); the
+        # engine sets the real lengths before every replay, through the graph-update API
+        lengths = [PLACEHOLDER_LENGTH] * batch
     else:
         lengths = view.lengths.tolist()  # a host read: eager steps only
     out, _ = module_npu.npu_fused_infer_attention_score(
@@ -220,6 +228,20 @@ def _attend_paged(
         inner_precise=0,  # a decode row always attends to the column it has just written
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def check_pool_size(pool: torch.Tensor) -> None:
+    """Refuse a K/V pool page attention cannot address: its elements must stay in int32
+    range (with 8 K/V heads of 128 and 128-column blocks, 16,383 blocks)."""
+    if pool.numel() > MAX_POOL_ELEMENTS:
+        blocks, heads, block_size, head_dim = pool.shape
+        most = MAX_POOL_ELEMENTS // (heads * block_size * head_dim)
+        raise ValueError(
+            f"the K/V pool grew to {blocks} blocks of {heads} x {block_size} x {head_dim} "
+            f"({pool.numel():,} elements), beyond the int32 range npu_fused_infer_attention_score "
+            f"addresses (at most {most} such blocks); generate fewer rows per call (a smaller "
+            "batch or continuous_batch_size) or fewer new tokens"
+        )
 
 
 #: The registered functions, by name.

@@ -8,26 +8,33 @@ with the probe's reason instead of failing somewhere deep inside torch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from graphcap.backend import Availability, GraphBackend, MaskForm
-from graphcap.errors import BackendSelectionError
+from graphcap.errors import BackendSelectionError, GraphCaptureError
 from graphcap_npu.attention import BLOCKS, IMPLEMENTATIONS
 from graphcap_npu.probe import (
     INSTALL_HINT,
     VISIBLE_DEVICES_VAR,
     probe_torch_npu,
     torch_npu_installed,
+    version_problem,
 )
 
 #: Environment variable naming the attention captured decode steps run on this backend.
 ATTENTION_VAR = "GRAPHCAP_NPU_ATTENTION"
+#: torch_npu's task-queue setting, read once per process; NPUGraph refuses every
+#: capture under its value 2.
+TASK_QUEUE_VAR = "TASK_QUEUE_ENABLE"
 
 HINT = (
     "Work inside an ACL graph capture must not synchronise with the host (.item(), printing a "
@@ -62,6 +69,9 @@ def npu_availability() -> Availability:
                 False,
                 f"torch_npu imported in a probe process but not here: {type(exc).__name__}: {exc}",
             )
+    too_old = version_problem(str(getattr(sys.modules["torch_npu"], "__version__", "unknown")))
+    if too_old is not None:
+        return Availability(False, too_old)
     npu = getattr(torch, "npu", None)
     if npu is None:
         return Availability(False, "torch_npu was imported but did not create torch.npu")
@@ -93,9 +103,10 @@ class NPUBackend(GraphBackend):
     device_type: ClassVar[str] = "npu"
     graph_class: ClassVar[str] = "NPUGraph"
     capture_hint: ClassVar[str] = HINT
-    # torch_npu keeps graph-safe generator state (registered with a graph when an RNG op first
-    # runs during capture, as CUDA does), so sampling can live inside the graph. Declared from
-    # torch_npu's source; the conformance suite checks it on hardware.
+    # torch_npu keeps graph-safe generator state (NPUGraph registers the default generator at
+    # capture_begin; register_generator registers an explicit one), so sampling can live
+    # inside the graph. Declared from torch_npu's source; the conformance suite checks it on
+    # hardware.
     rng_in_graph: ClassVar[bool] = True
     # HCCL collectives inside an ACL graph are not relied upon: tensor-parallel steps run eagerly.
     collectives_in_graph: ClassVar[bool] = False
@@ -143,9 +154,38 @@ class NPUBackend(GraphBackend):
             return False  # torch_npu never loaded in this process: nothing can be capturing
         return super().is_current_stream_capturing()
 
+    def capture_to_graph(
+        self,
+        graph: Any,
+        pool: Any | None = None,
+        stream: Any | None = None,
+        capture_error_mode: str | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """The base capture, refused up front under ``TASK_QUEUE_ENABLE=2`` (NPUGraph's
+        ``capture_begin`` refuses it), and leaving torch_npu's graph dispatch mode as it found
+        it when the capture fails (:func:`_without_stale_dispatch_mode`)."""
+        if os.environ.get(TASK_QUEUE_VAR, "").strip() == "2":
+            raise GraphCaptureError(
+                f"{TASK_QUEUE_VAR}=2 makes every torch_npu graph capture fail; start the process "
+                f"with {TASK_QUEUE_VAR}=1 (or 0) to capture, or run eagerly"
+            )
+        capture = super().capture_to_graph(graph, pool, stream, capture_error_mode)
+        return _without_stale_dispatch_mode(graph, capture)
+
+    def register_generator(self, graph: Any, generator: torch.Generator) -> None:
+        # NPUGraph registers only the default generator itself; a draw from any other inside
+        # the capture raises ("... NPU generator not in capture mode").
+        graph.register_generator_state(generator)
+
     def update_graph_kv_lengths(self, graph: Any, lengths: list[int]) -> None:
         """One update for every recorded infer-attention call (torch_npu broadcasts a one-item
-        list over the graph's dispatch records; a graph without any takes it as a no-op)."""
+        list over the graph's dispatch records; a graph without any takes it as a no-op).
+
+        torch_npu runs the update on a stream of its own, which nothing orders after the replay
+        queued before it: an update could rewrite the lengths that replay still has to read.
+        So the device finishes its queued work first, as vllm-ascend does before each of its
+        full-graph replays."""
+        self.synchronize()
         graph.update(cpu_update_input=[{"actual_seq_lengths_kv": list(lengths)}])
 
     # ---- device plumbing ------------------------------------------------------------------
@@ -175,3 +215,21 @@ class NPUBackend(GraphBackend):
 
     def _device_index(self) -> int:
         return self._index if self._index is not None else self.current_device_index()
+
+
+@contextlib.contextmanager
+def _without_stale_dispatch_mode(
+    graph: Any, capture: contextlib.AbstractContextManager[None]
+) -> Iterator[None]:
+    """``capture``, then torch_npu's graph dispatch mode off the stack if the capture left it
+    there: ``torch.npu.graph`` pushes it before ``capture_begin`` and pops it only after
+    ``capture_end`` returns, so a failed capture would leave every later op (the eager
+    fallback's) going through its capture-update handlers."""
+    try:
+        with capture:
+            yield
+    finally:
+        mode = getattr(graph, "graph_dispatch_mode", None)
+        stack = _get_current_dispatch_mode_stack()
+        if mode is not None and stack and stack[-1] is mode:
+            mode.__exit__(None, None, None)

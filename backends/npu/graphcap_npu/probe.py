@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -28,6 +29,10 @@ INSTALL_HINT = (
     "install torch_npu matching your CANN toolkit and torch (see docs/npu.md); graphcap-npu "
     "does not pull it in, since torch-npu pins an exact torch release"
 )
+
+#: The oldest torch_npu graphcap-npu runs on: graphcap needs torch 2.11 or later, and
+#: ``npu_fusion_attention_v3`` is missing from several earlier torch_npu releases.
+MIN_TORCH_NPU = (2, 11, 0)
 
 _CHILD = f"""
 import json, sys
@@ -130,6 +135,22 @@ def _died_reason(returncode: int, stderr: str) -> str:
     return f"{reason}; {CANN_HINT}"
 
 
+def version_problem(version: str) -> str | None:
+    """Why torch_npu ``version`` is too old for graphcap-npu, or ``None`` when it will do."""
+    floor = ".".join(map(str, MIN_TORCH_NPU))
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        return f"torch_npu reports version {version!r}, not one graphcap-npu can compare to {floor}"
+    found = tuple(int(part or 0) for part in match.groups())
+    if found >= MIN_TORCH_NPU:
+        return None
+    return (
+        f"torch_npu {version} is older than {floor}, the oldest graphcap-npu runs on (graphcap "
+        f"needs torch 2.11 or later, and npu_fusion_attention_v3 is missing from several older "
+        f"releases); install torch_npu {floor} or later with its matching torch and CANN"
+    )
+
+
 def _judge(verdict: Mapping[str, object], visible: str | None) -> ProbeResult:
     error = str(verdict.get("error", ""))
     if verdict.get("stage") == "import":
@@ -147,6 +168,9 @@ def _judge(verdict: Mapping[str, object], visible: str | None) -> ProbeResult:
             )
         return ProbeResult(False, f"import torch_npu failed: {error}; {CANN_HINT}")
     versions = f"torch_npu {verdict.get('torch_npu')}, torch {verdict.get('torch')}"
+    too_old = version_problem(str(verdict.get("torch_npu")))
+    if too_old is not None:
+        return ProbeResult(False, too_old)
     if error:
         return ProbeResult(False, f"{versions} imported, but querying devices failed: {error}")
     count = verdict.get("device_count")

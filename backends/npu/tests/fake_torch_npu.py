@@ -32,7 +32,15 @@ It is strict where the real API is, so tests against it can fail:
   replays of its recorded ``npu_fused_infer_attention_score`` calls read: one dict for every call
   or one per call in capture order; refused unless the capture ran with
   ``auto_dispatch_capture=True``. Without an update a replay reads the lengths given at capture;
-  a capture without ``auto_dispatch_capture`` freezes them for good.
+  a capture without ``auto_dispatch_capture`` freezes them for good. torch_npu issues an update
+  on a stream of its own that waits for nothing, so an update after a replay with no device
+  synchronisation between them (it could overtake that replay) is refused.
+* ``torch.npu.graph`` pushes the graph's dispatch mode (with ``auto_dispatch_capture``) before
+  ``capture_begin`` and pops it only after ``capture_end`` returns, as torch_npu does: a failed
+  capture leaves it on, and an infer-attention call outside a capture under it fails.
+* ``capture_begin`` refuses ``TASK_QUEUE_ENABLE=2``; a draw inside a capture from a generator
+  other than the default one fails unless ``register_generator_state`` registered it first.
+  Page attention refuses K/V of more than int32-range elements each.
 
 Everything is plain torch on the CPU, with no host reads, so it can run inside a CPU graph.
 """
@@ -42,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import math
+import os
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +58,11 @@ from typing import Any
 import pytest
 import torch
 from graphcap_npu.probe import torch_npu_installed
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
 
 from graphcap.cpu.graph import CPUGraph
 
@@ -75,6 +89,48 @@ class FakeStream:
         """Ordering only: the CPU runs everything in program order."""
 
 
+class FakeGraphDispatchMode(TorchDispatchMode):
+    """torch_npu's ``_GraphDispatchMode``: ``torch.npu.graph`` pushes it (with
+    ``auto_dispatch_capture``) before ``capture_begin`` and pops it after ``capture_end``
+    returns. Ops pass through; the infer-attention kernel asks whether it is active outside a
+    capture, where torch_npu's handler would open a task group on a stream that is not
+    capturing."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _GeneratorCheck(TorchDispatchMode):
+    """NPUGraph's generator rule during capture: a draw from a generator the graph does not
+    know (the default one is always registered) raises, as torch_npu's NPU generator does."""
+
+    def __init__(self, registered: list[torch.Generator]) -> None:
+        super().__init__()
+        self.registered = registered
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Generator) and not any(
+                _same_generator(value, known)
+                for known in (torch.default_generator, *self.registered)
+            ):
+                raise RuntimeError(
+                    "Attempt to increase offset for a NPU generator not in capture mode."
+                )
+        return func(*args, **kwargs)
+
+
+def _same_generator(seen: torch.Generator, known: torch.Generator) -> bool:
+    """Whether the generator an op received is ``known``: the dispatcher hands modes a new
+    Python wrapper, so the generators are compared by seed and state (outside the capture's
+    recording, which would refuse the comparison as a host read)."""
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        return seen.initial_seed() == known.initial_seed() and torch.equal(
+            seen.get_state(), known.get_state()
+        )
+
+
 class FakeNPUGraph:
     """Records what torch_npu's NPUGraph is asked to do, and the work itself (a CPU graph)."""
 
@@ -91,19 +147,41 @@ class FakeNPUGraph:
         self._lengths: torch.Tensor | None = None  # the records' lengths, read by replays
         self._recording = CPUGraph()
         self._capture: contextlib.AbstractContextManager[None] | None = None
+        #: what torch.npu.graph pushes around a capture with auto_dispatch_capture
+        self.graph_dispatch_mode = FakeGraphDispatchMode()
+        #: generators registered with register_generator_state (the default one needs none)
+        self.generators: list[torch.Generator] = []
+        self._generator_check: _GeneratorCheck | None = None
+        #: the synchronisation count at the last replay (see update())
+        self._replayed_at: int | None = None
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        if self._capture is not None:
+            raise RuntimeError("register a generator before the capture begins")
+        self.generators.append(generator)
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         self.events.append(("capture_begin", {"pool": pool, "mode": capture_error_mode}))
+        if os.environ.get("TASK_QUEUE_ENABLE", "").strip() == "2":
+            raise RuntimeError(
+                "Do not support TASK_QUEUE_ENABLE = 2 during NPU graph capture, please export "
+                "TASK_QUEUE_ENABLE=1/0."
+            )
         self.dispatch_records = []
         # allocated before recording starts, so replays read what update() writes there
         self._lengths = torch.zeros(_MAX_RECORDS, _MAX_ROWS, dtype=torch.int64)
         self._capture = self._recording.capture()
         self._capture.__enter__()
+        self._generator_check = _GeneratorCheck(self.generators)
+        self._generator_check.__enter__()
 
     def capture_end(self) -> None:
         self.events.append(("capture_end", {}))
         capture, self._capture = self._capture, None
         assert capture is not None, "capture_end without capture_begin"
+        check, self._generator_check = self._generator_check, None
+        assert check is not None
+        check.__exit__(None, None, None)
         capture.__exit__(None, None, None)  # raises what the recording refused
         assert self._lengths is not None
         for index, lengths in enumerate(self.dispatch_records):  # what a replay reads unupdated
@@ -121,11 +199,20 @@ class FakeNPUGraph:
         return self._lengths[len(self.dispatch_records) - 1, : len(lengths)]
 
     def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
-        """torch_npu's NPUGraph.update: new host arguments for the recorded calls."""
+        """torch_npu's NPUGraph.update: new host arguments for the recorded calls.
+
+        torch_npu issues it on an update stream of its own that waits for nothing: an update
+        after a replay that nothing ordered it behind (a device synchronisation) may overtake
+        that replay and change the lengths it reads, so the double refuses it."""
         if not self.auto_dispatch_capture:
             raise RuntimeError(
                 "The current graph configuration does not support update, Try to capture by "
                 "setting auto_dispatch_capture=True during capture"
+            )
+        if _NAMESPACE is not None and self._replayed_at == _NAMESPACE.synchronizations:
+            raise RuntimeError(
+                "NPUGraph.update after a replay with nothing ordering them: the update stream "
+                "may overtake the replay still queued (synchronize first)"
             )
         if not isinstance(cpu_update_input, list) or not all(
             isinstance(entry, dict) for entry in cpu_update_input
@@ -148,6 +235,8 @@ class FakeNPUGraph:
 
     def replay(self) -> None:
         self.replays += 1
+        if _NAMESPACE is not None:
+            self._replayed_at = _NAMESPACE.synchronizations
         self._recording.replay()
 
     def pool(self) -> tuple[str, int]:
@@ -168,6 +257,8 @@ class FakeNPUNamespace(types.SimpleNamespace):
         #: the graph a capture in progress records into
         self.capturing_graph: FakeNPUGraph | None = None
         self.memory_calls: list[tuple[str, Any]] = []
+        #: device synchronisations so far (what orders an update after earlier replays)
+        self.synchronizations = 0
         self.NPUGraph = FakeNPUGraph
         self.graph = self._make_graph_class()
 
@@ -201,6 +292,7 @@ class FakeNPUNamespace(types.SimpleNamespace):
     def synchronize(self, device: Any = None) -> None:
         if self._capturing:
             raise RuntimeError("synchronize is not allowed during capture")
+        self.synchronizations += 1
 
     def memory_allocated(self, device: Any = None) -> int:
         self.memory_calls.append(("memory_allocated", device))
@@ -258,8 +350,11 @@ class FakeNPUNamespace(types.SimpleNamespace):
             def __enter__(self) -> None:
                 if self.capture_stream is namespace.default:
                     raise RuntimeError("capture on the default stream is not supported")
+                namespace.synchronize()
                 self._previous = namespace._current
                 namespace._current = self.capture_stream
+                if self.npu_graph.auto_dispatch_capture:
+                    self.npu_graph.graph_dispatch_mode.__enter__()
                 self.npu_graph.capture_begin(*self.pool, capture_error_mode=self.mode)
                 namespace._capturing = True
                 namespace.capturing_graph = self.npu_graph
@@ -267,8 +362,11 @@ class FakeNPUNamespace(types.SimpleNamespace):
             def __exit__(self, *exc: object) -> None:
                 namespace._capturing = False
                 namespace.capturing_graph = None
-                # Like torch_npu: capture_end runs first; if it raises, the stream stays switched.
+                # Like torch_npu: capture_end runs first; if it raises, neither the dispatch
+                # mode nor the stream is restored.
                 self.npu_graph.capture_end()
+                if self.npu_graph.auto_dispatch_capture:
+                    self.npu_graph.graph_dispatch_mode.__exit__(*exc)
                 namespace._current = self._previous
 
         return graph
@@ -363,8 +461,18 @@ def npu_fused_infer_attention_score(
             "key_shape": tuple(key.shape),
         }
     )
+    moded = any(isinstance(m, FakeGraphDispatchMode) for m in _get_current_dispatch_mode_stack())
+    if moded and (_NAMESPACE is None or not _NAMESPACE.is_current_stream_capturing()):
+        raise RuntimeError(
+            "graph_task_group_begin on a stream that is not capturing: a graph dispatch mode "
+            "outlived its capture"
+        )
     if actual_seq_lengths is not None:
         raise NotImplementedError("the double models actual_seq_lengths_kv only")
+    if block_table is not None and max(key.numel(), value.numel()) > POOL_ELEMENT_LIMIT:
+        raise RuntimeError(
+            f"key/value of {key.numel()} elements exceed the int32 range page attention takes"
+        )
     if pse_shift is not None or sparse_mode != 0:
         raise NotImplementedError("the double models the defaultMask case only")
     if query.dtype not in (torch.float16, torch.bfloat16):
@@ -594,6 +702,8 @@ def _check_infer_mask(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -
     return mask.reshape(-1, 1, q_len, kv_len).bool()
 
 
+#: Page attention's limit on the elements of each of key and value (int32 range).
+POOL_ELEMENT_LIMIT = 2**31 - 1
 FUSION_CALLS: list[dict[str, Any]] = []
 INFER_CALLS: list[dict[str, Any]] = []
 _MAX_RECORDS, _MAX_ROWS = 64, 1024

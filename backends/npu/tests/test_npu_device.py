@@ -137,3 +137,70 @@ def test_page_attention_graph_equals_eager_on_the_block_table(
     reference = RolloutEngine(model, sdpa).generate(ids, mask, params, **calls)
     agree = (runs[True].sequences.cpu() == reference.sequences.cpu()).float().mean().item()
     assert agree > 0.9, f"{agree:.0%} of tokens agree with eager SDPA on the static cache"
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["static", "continuous"])
+def test_page_attention_over_rows_of_several_blocks(backend: NPUBackend, continuous: bool) -> None:
+    """Batch 8 (6 slots), 16-column blocks, rows reaching five blocks: the capture's placeholder
+    lengths fit the pool as it is when captured (after growths), slots retire and refill inside
+    the first check interval, each update is ordered after the replay before it; tokens equal
+    eager steps running the same kernel."""
+    from graphcap_npu import BLOCKS
+
+    register_attention(BLOCKS)
+    ids, mask = models.prompts(8, backend.device, width=20)
+    params = SamplingParams(max_new_tokens=60, eos_token_id=[])
+    extra = {"continuous_batch_size": 6} if continuous else {}
+    calls = {"request_max_new_tokens": [2, 60, 7, 55, 5, 40, 9, 30]} if continuous else {}
+    model = models.build("llama", backend.device, BLOCKS).half()
+    runs = {}
+    for graph in (False, True):
+        config = RolloutConfig(
+            backend=backend, enable_graph_capture=graph, kv_block_size=16, **extra
+        )
+        runs[graph] = RolloutEngine(model, config).generate(ids, mask, params, **calls)
+    stats = runs[True].stats
+    assert stats.path in ("static_graph", "continuous_graph"), stats.fallback_reason
+    assert stats.kv_pool_growths >= 1
+    assert torch.equal(runs[True].sequences.cpu(), runs[False].sequences.cpu())
+
+
+def test_failed_capture_leaves_torch_npu_as_it_found_it(backend: NPUBackend) -> None:
+    """npu_fusion_attention (v1) works on an internal secondary stream, which fails capture_end
+    (error 107025): afterwards no graph dispatch mode of torch_npu is left on, the caller's
+    stream is current again, and page attention runs eagerly."""
+    import torch_npu
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from graphcap.errors import GraphCaptureError
+
+    q = torch.randn(1, 64, 2, 128, dtype=torch.float16, device=backend.device)  # BSH: 2 heads
+    stream = backend.current_stream()
+    graph = backend.create_graph()
+    try:
+        with backend.capture_to_graph(graph, stream=backend.new_stream()):
+            torch_npu.npu_fusion_attention(
+                q.view(1, 64, 256), q.view(1, 64, 256), q.view(1, 64, 256), 2, "BSH"
+            )
+    except GraphCaptureError:
+        pass
+    else:
+        pytest.skip("npu_fusion_attention (v1) captured on this torch_npu: no failure to check")
+    assert not any(
+        type(mode).__name__ == "_GraphDispatchMode" for mode in _get_current_dispatch_mode_stack()
+    )
+    assert backend.current_stream() == stream
+    assert not backend.is_current_stream_capturing()
+    pool = torch.randn(4, 2, 128, 128, dtype=torch.float16, device=backend.device)
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q[:, :1].reshape(1, 2, 1, 128).contiguous(),
+        pool,
+        pool,
+        actual_seq_lengths_kv=[100],
+        block_table=torch.tensor([[1]], dtype=torch.int32, device=backend.device),
+        block_size=128,
+        num_heads=2,
+        num_key_value_heads=2,
+        input_layout="BNSD",
+    )
+    assert torch.isfinite(out.float()).all()

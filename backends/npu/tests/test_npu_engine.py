@@ -24,6 +24,7 @@ from graphcap_npu import (
     NPUBackend,
     register_attention,
 )
+from graphcap_npu.attention import PLACEHOLDER_LENGTH
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -195,7 +196,7 @@ def test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay(
         assert call["key_shape"][1:] == (heads, 128, dim)  # the pool itself, not a gather
         assert call["block_table"].dtype == torch.int32
     lengths = {tuple(c["actual_seq_lengths_kv"]) for c in decode}
-    assert (128,) * 4 in lengths  # the capture's placeholders: every row's whole table
+    assert (PLACEHOLDER_LENGTH,) * 4 in lengths  # the capture's placeholders, which fit any pool
     width = ids.shape[1]
     # replays decode tokens 2..NEW (the first came from the prefill); each writes one column
     expected = [[width + step + 1] * 4 for step in range(NEW - 1)]
@@ -257,7 +258,9 @@ def test_half_precision_conformance_check_passes_every_npu_attention(
     if name == BLOCKS:
         paged = [c for c in fake_torch_npu.INFER_CALLS if c["block_table"] is not None]
         # eager, the capture's warm-up (host lengths) and the capture (placeholders)
-        assert [c["actual_seq_lengths_kv"] for c in paged] == [[384, 253, 5]] * 2 + [[384] * 3]
+        assert [c["actual_seq_lengths_kv"] for c in paged] == [[384, 253, 5]] * 2 + [
+            [PLACEHOLDER_LENGTH] * 3
+        ]
         graph = fake_npu.graph_calls[-1]["graph"]
         assert [u[0]["actual_seq_lengths_kv"] for u in graph.updates] == [
             [384, 253, 5],

@@ -110,3 +110,10 @@ def test_package_import_survives_a_torch_npu_that_exits(fake_package) -> None:
     assert done.returncode == 0, done.stderr
     assert "survived False" in done.stdout
     assert "exit code 5" in done.stdout
+
+
+def test_torch_npu_below_the_floor_is_refused_with_the_floor(fake_package) -> None:
+    body = FAKE_NPU_NAMESPACE.format(available=True, count=2).replace("9.9.fake", "2.10.0.post7")
+    result = probe_torch_npu(env=_env(fake_package(body)))
+    assert not result.ok
+    assert "torch_npu 2.10.0.post7 is older than 2.11.0" in result.reason

@@ -1,0 +1,322 @@
+"""What real torch_npu enforces and graphcap-npu must meet (issue 46), on the torch_npu double.
+
+Each rule is held twice: the double enforces it the way torch_npu does (so a plugin that breaks
+it fails here as it would on Ascend), and the plugin meets it, through the engine where the rule
+shows there: explicit generators registered with the graph, capture placeholders that fit the
+block pool, pools inside int32 range, no graph dispatch mode left behind by a failed capture,
+graph updates ordered after the replays before them, the torch_npu version floor and
+``TASK_QUEUE_ENABLE=2``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import ClassVar
+
+import fake_torch_npu
+import pytest
+import torch
+from graphcap_npu import ATTENTION_VAR, BLOCKS, NPUBackend, register_attention
+from graphcap_npu.attention import MAX_POOL_ELEMENTS, block_attention_forward, check_pool_size
+from graphcap_npu.backend import TASK_QUEUE_VAR
+from graphcap_npu.probe import MIN_TORCH_NPU, version_problem
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from graphcap import kv_blocks
+from graphcap.cpu import CPUBackend
+from graphcap.errors import GraphCaptureError
+from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.testing import models
+from graphcap.testing.conformance import test_decode_step as decode_step
+
+pytestmark = fake_torch_npu.without_real_torch_npu
+
+
+class HostNPUBackend(NPUBackend):
+    """NPUBackend with its tensors on the host (the double has no device memory)."""
+
+    device_type: ClassVar[str] = "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _default_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ATTENTION_VAR, raising=False)
+    monkeypatch.delenv(TASK_QUEUE_VAR, raising=False)
+
+
+def _blocks_model() -> torch.nn.Module:
+    """bf16 llama whose own attention is page attention, so eager steps run the same kernel."""
+    register_attention(BLOCKS)
+    return models.build("llama", torch.device("cpu"), BLOCKS).to(torch.bfloat16)
+
+
+def _on_blocks(graph: bool, **config) -> RolloutConfig:
+    return RolloutConfig(
+        backend=HostNPUBackend(), enable_graph_capture=graph, kv_block_size=16, **config
+    )
+
+
+def _updates(fake_npu) -> list[list[int]]:
+    graph = fake_npu.graph_calls[-1]["graph"]
+    return [update[0]["actual_seq_lengths_kv"] for update in graph.updates]
+
+
+# ---- 1. explicit generators -------------------------------------------------------------------
+def test_the_double_refuses_a_draw_from_an_unregistered_generator(fake_npu) -> None:
+    probs = torch.full((2, 8), 0.125)
+    generator = torch.Generator().manual_seed(3)
+    graph = fake_npu.NPUGraph()
+    with (
+        pytest.raises(RuntimeError, match="generator not in capture mode"),
+        fake_npu.graph(graph, stream=fake_npu.Stream()),
+    ):
+        torch.multinomial(probs, 1, generator=generator)
+    graph = fake_npu.NPUGraph()
+    graph.register_generator_state(generator)
+    with fake_npu.graph(graph, stream=fake_npu.Stream()):
+        torch.multinomial(probs, 1, generator=generator)
+        torch.multinomial(probs, 1)  # the default generator is always registered
+
+
+def test_sampling_from_an_explicit_generator_is_captured(fake_npu) -> None:
+    """The engine registers the caller's generator with the graph: the sampled graph path runs
+    (no fallback) and draws what the eager loop draws from the same seed."""
+    model = models.build("llama", torch.device("cpu"))
+    ids, mask = models.prompts(5, torch.device("cpu"), width=6)
+    params = SamplingParams(do_sample=True, max_new_tokens=8, eos_token_id=[])
+    config = RolloutConfig(backend=HostNPUBackend(), enable_graph_capture=True)
+    graph = RolloutEngine(model, config).generate(
+        ids, mask, params, generator=torch.Generator().manual_seed(7)
+    )
+    assert graph.stats.path == "static_graph", graph.stats.fallback_reason
+    (call,) = fake_npu.graph_calls
+    assert len(call["graph"].generators) == 1
+    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(
+        ids, mask, params, generator=torch.Generator().manual_seed(7)
+    )
+    assert torch.equal(graph.sequences, eager.sequences)
+
+
+def test_conformance_decode_step_with_an_explicit_generator_passes(fake_npu) -> None:
+    decode_step.test_engine_decode_step_replays_give_eager_tokens(HostNPUBackend(), "llama", True)
+
+
+# ---- 2. capture placeholders and page attention's block count ---------------------------------
+def test_paged_graph_with_rows_of_several_blocks_is_captured_and_equals_eager(fake_npu) -> None:
+    """Batch 6, rows of 4 blocks, the pool grown twice before the last capture: the capture's
+    placeholder lengths must fit the pool as it is (the double refuses lengths needing more
+    blocks than it holds, as page attention does), else every capture fails and the call runs
+    eagerly."""
+    model = _blocks_model()
+    ids, mask = models.prompts(6, torch.device("cpu"), width=20, seed=5)
+    params = SamplingParams(max_new_tokens=40, eos_token_id=[])
+    result = RolloutEngine(model, _on_blocks(True)).generate(ids, mask, params)
+    stats = result.stats
+    assert stats.path == "static_graph", stats.fallback_reason
+    assert stats.fallback_reason is None
+    assert stats.kv_pool_growths >= 2 and stats.captures >= 2
+    assert stats.kv_blocks_held >= 6 * 4  # every row reached its fourth block
+    eager = RolloutEngine(model, _on_blocks(False)).generate(ids, mask, params)
+    assert torch.equal(result.sequences, eager.sequences)
+    assert len(set(result.sequences[:, 20:].flatten().tolist())) > 3
+
+
+# ---- 3. the int32 pool limit ------------------------------------------------------------------
+def _pool(blocks: int) -> torch.Tensor:
+    """A (blocks, 8, 128, 128) bf16 pool that takes no memory (one element, expanded)."""
+    return torch.zeros(1, dtype=torch.bfloat16).expand(blocks, 8, 128, 128)
+
+
+def test_pools_beyond_int32_range_are_refused_with_the_way_out(fake_npu) -> None:
+    """8 K/V heads of 128 in 128-column blocks: 16,383 blocks fit, 16,384 do not; the plugin
+    refuses before the kernel is called."""
+    assert 16383 * 8 * 128 * 128 <= MAX_POOL_ELEMENTS < 16384 * 8 * 128 * 128
+    check_pool_size(_pool(16383))
+    query = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    view = kv_blocks.BlockView(
+        table=torch.ones(1, 64, dtype=torch.int32),
+        lengths=torch.tensor([8192], dtype=torch.int32),
+        block_size=128,
+    )
+    pool = _pool(16384)
+    with (
+        kv_blocks.reading_blocks(view),
+        pytest.raises(ValueError, match=r"16384 blocks .*at most 16383 .*fewer rows"),
+    ):
+        block_attention_forward(torch.nn.Module(), query, pool, pool, None)
+    assert fake_torch_npu.INFER_CALLS == []
+
+
+def test_the_double_refuses_pools_beyond_int32_range(fake_npu) -> None:
+    pool = _pool(16384)
+    with pytest.raises(RuntimeError, match="int32"):
+        fake_torch_npu.npu_fused_infer_attention_score(
+            torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16),
+            pool,
+            pool,
+            actual_seq_lengths_kv=[8192],
+            block_table=torch.ones(1, 64, dtype=torch.int32),
+            block_size=128,
+            num_heads=8,
+            input_layout="BNSD",
+        )
+
+
+# ---- 4. the graph dispatch mode after a failed capture ----------------------------------------
+def _graph_modes() -> list[object]:
+    return [
+        mode
+        for mode in _get_current_dispatch_mode_stack()
+        if isinstance(mode, fake_torch_npu.FakeGraphDispatchMode)
+    ]
+
+
+def test_failed_capture_leaves_no_graph_dispatch_mode(fake_npu) -> None:
+    backend = NPUBackend()
+    graph = backend.create_graph()
+    graph.fail_at_capture_end = "error 507899: capture failed"
+    with pytest.raises(GraphCaptureError, match="507899"), backend.capture_to_graph(graph):
+        assert _graph_modes() == [graph.graph_dispatch_mode]
+    assert _graph_modes() == []
+    assert backend.current_stream() is fake_npu.default
+
+
+def test_the_double_breaks_infer_attention_under_a_stale_dispatch_mode(fake_npu) -> None:
+    """torch_npu's graph.__exit__ skips the pop when capture_end raises; the double then fails
+    the next infer-attention call, as its handler would on a stream that is not capturing."""
+    graph = fake_npu.NPUGraph()
+    graph.fail_at_capture_end = "error 507899: capture failed"
+    with (
+        pytest.raises(RuntimeError, match="507899"),
+        fake_npu.graph(graph, stream=fake_npu.Stream(), auto_dispatch_capture=True),
+    ):
+        pass
+    try:
+        q = torch.randn(1, 2, 1, 16, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="not capturing"):
+            fake_torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=2)
+    finally:
+        graph.graph_dispatch_mode.__exit__(None, None, None)
+
+
+class _FailingGraph(fake_torch_npu.FakeNPUGraph):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_at_capture_end = "error 507899: capture failed"
+
+
+def test_eager_fallback_after_a_failed_capture_equals_eager(fake_npu) -> None:
+    """The engine's fallback after capture_end fails runs page attention eagerly: with the
+    dispatch mode left on, every one of those calls would fail."""
+    fake_npu.NPUGraph = _FailingGraph
+    model = _blocks_model()
+    ids, mask = models.prompts(5, torch.device("cpu"), width=6)
+    params = SamplingParams(max_new_tokens=6, eos_token_id=[])
+    with pytest.warns(match="507899"):
+        result = RolloutEngine(model, _on_blocks(True)).generate(ids, mask, params)
+    assert result.stats.path == "eager" and "507899" in result.stats.fallback_reason
+    eager = RolloutEngine(model, _on_blocks(False)).generate(ids, mask, params)
+    assert torch.equal(result.sequences, eager.sequences)
+    assert _graph_modes() == []
+
+
+# ---- 5. update and replay ordering ------------------------------------------------------------
+def test_the_double_refuses_an_update_that_may_overtake_a_replay(fake_npu) -> None:
+    graph = fake_npu.NPUGraph()
+    with fake_npu.graph(graph, stream=fake_npu.Stream(), auto_dispatch_capture=True):
+        pass
+    graph.update(cpu_update_input=[{}])
+    graph.replay()
+    with pytest.raises(RuntimeError, match="overtake"):
+        graph.update(cpu_update_input=[{}])
+    fake_npu.synchronize()
+    graph.update(cpu_update_input=[{}])
+
+
+def test_each_update_follows_the_replay_before_it(fake_npu) -> None:
+    backend = NPUBackend()
+    graph = backend.create_graph()
+    with backend.capture_to_graph(graph):
+        pass
+    for lengths in ([3, 8], [4, 9], [1, 5]):
+        backend.update_graph_kv_lengths(graph, lengths)
+        backend.replay_graph(graph)
+    assert graph.replays == 3
+
+
+def test_continuous_retire_and_refill_inside_one_check_interval(fake_npu) -> None:
+    """Six slots of 16-column blocks, eight requests: slots retire and are refilled within the
+    first ``eos_check_interval`` steps, a retired slot's row starts again shorter, and every
+    update reaches the graph after the replay before it; tokens equal eager steps."""
+    model = _blocks_model()
+    ids, mask = models.prompts(8, torch.device("cpu"), width=12, seed=9)
+    params = SamplingParams(max_new_tokens=40, eos_token_id=[])
+    limits = [2, 40, 7, 35, 5, 30, 9, 25]
+    config = {"continuous_batch_size": 6, "eos_check_interval": 16}
+    result = RolloutEngine(model, _on_blocks(True, **config)).generate(
+        ids, mask, params, request_max_new_tokens=limits
+    )
+    stats = result.stats
+    assert stats.path == "continuous_graph", stats.fallback_reason
+    assert stats.slots_refilled == 2 and stats.kv_blocks_held > 6 * 2
+    updates = _updates(fake_npu)
+    drops = [
+        index
+        for index, (before, after) in enumerate(itertools.pairwise(updates))
+        if any(b > a for b, a in zip(before, after, strict=True))
+    ]
+    assert drops and drops[0] < 15, "no slot was refilled inside the first check interval"
+    eager = RolloutEngine(model, _on_blocks(False, **config)).generate(
+        ids, mask, params, request_max_new_tokens=limits
+    )
+    assert torch.equal(result.sequences, eager.sequences)
+
+
+# ---- 6. versions and TASK_QUEUE_ENABLE --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("2.5.1.post1", False),
+        ("2.9.0", False),
+        ("2.10.0.post7", False),
+        ("2.11.0", True),
+        ("2.14.0", True),
+        ("2.11.0rc1", True),
+        ("unknown", False),
+    ],
+)
+def test_torch_npu_older_than_the_floor_makes_the_backend_unavailable(
+    fake_npu, version: str, ok: bool
+) -> None:
+    sys.modules["torch_npu"].__version__ = version
+    availability = NPUBackend.availability()
+    assert availability.ok is ok, availability.reason
+    assert (version_problem(version) is None) is ok
+    if not ok:
+        assert "2.11.0" in availability.reason and version in availability.reason
+    assert MIN_TORCH_NPU == (2, 11, 0)
+
+
+def test_the_double_refuses_capture_under_task_queue_2(fake_npu, monkeypatch) -> None:
+    monkeypatch.setenv(TASK_QUEUE_VAR, "2")
+    with (
+        pytest.raises(RuntimeError, match="TASK_QUEUE_ENABLE = 2"),
+        fake_npu.graph(fake_npu.NPUGraph(), stream=fake_npu.Stream()),
+    ):
+        pass
+
+
+def test_task_queue_2_is_named_and_the_call_runs_eagerly(fake_npu, monkeypatch) -> None:
+    monkeypatch.setenv(TASK_QUEUE_VAR, "2")
+    backend = NPUBackend()
+    with pytest.raises(GraphCaptureError, match="start the process with TASK_QUEUE_ENABLE=1"):
+        backend.capture_to_graph(backend.create_graph())
+    model = _blocks_model()
+    ids, mask = models.prompts(3, torch.device("cpu"), width=6)
+    params = SamplingParams(max_new_tokens=4, eos_token_id=[])
+    with pytest.warns(match="TASK_QUEUE_ENABLE"):
+        result = RolloutEngine(model, _on_blocks(True)).generate(ids, mask, params)
+    assert result.stats.path == "eager"
+    assert "start the process with TASK_QUEUE_ENABLE=1" in result.stats.fallback_reason
+    assert _graph_modes() == []
