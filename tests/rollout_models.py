@@ -69,11 +69,12 @@ def make_engine(model, graph: bool = True, backend=None, **config):
     return RolloutEngine(model, config)
 
 
-def run(model, ids, mask, graph: bool, backend=None, generator=None, **sampling):
-    """One ``generate`` call on a fresh engine (CPU reference backend unless given)."""
+def run(model, ids, mask, graph: bool, backend=None, generator=None, draws="per_row", **sampling):
+    """One ``generate`` call on a fresh engine (CPU reference backend unless given);
+    ``draws="generate"`` where sampled tokens are compared with generate's."""
     from graphcap.rollout import SamplingParams
 
-    engine = make_engine(model, graph, backend)
+    engine = make_engine(model, graph, backend, draws=draws)
     result = engine.generate(ids, mask, SamplingParams(**sampling), generator=generator)
     engine.shutdown()
     return result

@@ -11,6 +11,7 @@ import copy
 import io
 import pickle
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,13 +69,20 @@ SETTINGS = {
 }
 
 
+def generate_draws(model):
+    """The drop-in's default configuration with generate's own random numbers (the default
+    draws per row: same distribution, other numbers)."""
+    return replace(drop_in_default_config(model), draws="generate")
+
+
 def both(model, call, seed: int = 0, config: RolloutConfig | None = None):
-    """``call()``'s result from generate, then from graphcap under generate (same seed,
-    ``config`` as given to ``accelerate_generate``), and the generator's state after each."""
+    """``call()``'s result from generate, then from graphcap under generate (same seed;
+    ``config`` as given to ``accelerate_generate``, else the default with generate's own random
+    numbers), and the generator's state after each."""
     torch.manual_seed(seed)
     expected = call()
     after_expected = torch.get_rng_state()
-    accelerated = accelerate_generate(model, config)
+    accelerated = accelerate_generate(model, config or generate_draws(model))
     try:
         torch.manual_seed(seed)
         got = call()
@@ -177,11 +185,14 @@ def test_rows_that_all_stop_early_give_generates_shorter_output():
 #: Configs a user may pass: the README's, buckets of both kinds, an interval of their own.
 USER_CONFIGS = {
     "drop-in default": None,
-    "readme": RolloutConfig(enable_graph_capture=True),
+    "readme": RolloutConfig(enable_graph_capture=True, draws="generate"),
     "buckets": RolloutConfig(
-        enable_graph_capture=True, batch_buckets=(4, 8), length_buckets=(32, 64)
+        enable_graph_capture=True,
+        batch_buckets=(4, 8),
+        length_buckets=(32, 64),
+        draws="generate",
     ),
-    "interval 4": RolloutConfig(enable_graph_capture=True, eos_check_interval=4),
+    "interval 4": RolloutConfig(enable_graph_capture=True, eos_check_interval=4, draws="generate"),
 }
 
 
@@ -446,21 +457,27 @@ def test_the_drop_in_sets_what_its_promise_needs_and_says_what_it_dropped():
     model = tiny_model("llama", fresh=True)
     plain = drop_in_default_config(model)
     assert plain.eos_check_interval == 1 and plain.length_buckets and plain.enable_graph_capture
+    chosen = RolloutConfig(
+        enable_graph_capture=True, batch_buckets=(4,), eos_check_interval=4, draws="generate"
+    )
     with pytest.warns(UserWarning, match=r"batch_buckets=\(4,\).*eos_check_interval=4"):
-        accelerated = accelerate_generate(
-            model,
-            RolloutConfig(enable_graph_capture=True, batch_buckets=(4,), eos_check_interval=4),
-        )
+        accelerated = accelerate_generate(model, chosen)
     config = accelerated.engine.config
     assert config.eos_check_interval == 1 and config.batch_buckets is None
     restore_generate(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the README's config drops nothing the user chose
-        accelerate_generate(model, RolloutConfig(enable_graph_capture=True))
+        accelerated = accelerate_generate(
+            model, RolloutConfig(enable_graph_capture=True, draws="generate")
+        )
+    assert accelerated.engine.config.eos_check_interval == 1
     restore_generate(model)
     with pytest.raises(ValueError, match="continuous_batch_size"):
-        accelerate_generate(model, RolloutConfig(continuous_batch_size=2))
+        accelerate_generate(model, RolloutConfig(continuous_batch_size=2, draws="generate"))
     assert "generate" not in model.__dict__
+    per_row = replace(chosen, draws="per_row")  # one draw per call: nothing to set
+    assert accelerate_generate(model, per_row).engine.config == per_row
+    restore_generate(model)
 
 
 def generate_of(model, ids, mask):

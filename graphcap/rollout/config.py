@@ -550,6 +550,12 @@ class RolloutConfig:
     model's within float rounding. ``None`` (the default) joins in graph engines where the
     backend declares that it pays (``Capabilities.fuse_projections_by_default``: CUDA),
     ``True`` always, ``False`` never.
+    ``draws``: how sampled rows draw. ``"per_row"`` (the default): each row from its own
+    counter-based stream (its ``seed``, or one number drawn from the shared generator per call
+    plus its prompt index), so a row's tokens do not depend on the rest of the batch and a
+    step reads the scores once; ``"generate"``: unseeded rows draw ``multinomial`` from the
+    shared generator over all rows, generate's own random numbers (docs/rollout.md, "Random
+    numbers").
     """
 
     enable_graph_capture: bool | None = None
@@ -569,6 +575,7 @@ class RolloutConfig:
     enable_cuda_graph: bool | None = field(default=None, repr=False)
     max_request_bytes: int | None = None
     kv_block_size: int | Literal["auto"] | None = "auto"
+    draws: Literal["per_row", "generate"] = "per_row"
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -345,19 +345,23 @@ def drop_in_default_config(model: PreTrainedModel) -> RolloutConfig:
 
 
 def drop_in_config(config: RolloutConfig) -> RolloutConfig:
-    """The config the drop-in runs for ``config``: what makes a sampled call draw exactly the
-    random numbers ``generate`` draws (so this call's tokens and every later call's match) is
-    set here, whatever ``config`` says. The finished flag is read after every step
-    (``eos_check_interval=1``: a call whose rows all end early stops on generate's step, not
-    up to an interval later, drawing for steps generate never ran), and the batch is not
-    padded (``batch_buckets``: a padding row would draw too). A batch bucket, or an interval
-    chosen other than the default, is dropped with a warning; the continuous path, which
-    samples its rows in another order, is refused."""
+    """The config the drop-in runs for ``config``. Under ``draws="generate"`` (generate's own
+    random numbers), what makes a sampled call draw exactly the numbers ``generate`` draws (so
+    this call's tokens and every later call's match) is set here, whatever ``config`` says: the
+    finished flag is read after every step (``eos_check_interval=1``: a call whose rows all end
+    early stops on generate's step, not up to an interval later, drawing for steps generate
+    never ran), and the batch is not padded (``batch_buckets``: a padding row would draw too).
+    A batch bucket, or an interval chosen other than the default, is dropped with a warning;
+    the continuous path, which samples its rows in another order, is refused. Per-row draws
+    (the default) take one number from the generator per call whatever the call's shape, so
+    ``config`` is used as it is."""
+    if config.draws != "generate":
+        return config
     if config.continuous_batch_size is not None:
         raise ValueError(
-            "accelerate_generate serves generate()'s calls on the static path: "
-            "continuous_batch_size samples rows in another order than generate (drop it; use "
-            "RolloutEngine for continuous batching)"
+            'accelerate_generate with draws="generate" serves generate()\'s calls on the static '
+            "path: continuous_batch_size samples rows in another order than generate (drop it, "
+            'or use draws="per_row")'
         )
     default = RolloutConfig.__dataclass_fields__["eos_check_interval"].default
     dropped = [f"batch_buckets={config.batch_buckets}"] if config.batch_buckets else []

@@ -42,7 +42,7 @@ from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult
 from graphcap.rollout.runners.continuous import ContinuousRollout
 from graphcap.rollout.runners.static import StaticRollout
-from graphcap.rollout.sampling import generator_kept
+from graphcap.rollout.sampling import call_key, generator_kept, keyed_rows
 from graphcap.rollout.step.step import DecodeStep
 
 if TYPE_CHECKING:
@@ -123,6 +123,10 @@ class RolloutEngine:
             check_generator(generator, device)
             check_vocab_ids(self.model, params)
             per_prompt = row_settings(self.model, sampling, input_ids.shape[0])
+            if self.config.draws == "per_row" and any(
+                p.do_sample and p.seed is None for p in per_prompt
+            ):
+                per_prompt = keyed_rows(per_prompt, call_key(generator, device))
             call = Call(
                 input_ids,
                 attention_mask,

@@ -2,18 +2,21 @@
 
 Every sampling setting (greedy or sample, temperature, top-k, top-p, min-p, repetition penalty,
 min_new_tokens, seed, log-prob mode) is a per-row device tensor of :class:`RowSettings`, written
-before each call, so one captured step serves any mix of settings, also within one batch. Only
-four facts shape the graph (:class:`SamplerShape`): whether it can sample at all (the vocabulary
-sort, the draws), whether it computes log-probs, whether it applies the repetition penalty and
-whether it blocks stop ids before ``min_new_tokens``.
+before each call, so one captured step serves any mix of settings, also within one batch. A few
+facts shape the graph (:class:`SamplerShape`), so a step pays only for what some row of the
+engine has used: sampling at all, truncation (top-k / top-p / min-p: the only part that needs
+the vocabulary in order), the shared generator's draw, the keyed draw, log-probs, penalties.
 
 The order and the arithmetic follow ``generate`` (repetition penalty, min_new_tokens,
-temperature, top-k, top-p, min-p, then ``multinomial(softmax(scores), 1)`` or argmax), which is
-what makes samples equal to generate's for a fixed seed of the shared generator. Rows with their
-own ``seed`` draw instead from a counter-based hash of (seed, sample index, token index, token
-id) with Gumbel-max selection: reproducible, independent of the other rows of the batch, and
-never touching a torch generator. One deliberate difference from generate: the repetition
-penalty looks only at written positions (prompt and generated tokens), never at left-pad slots.
+temperature, top-k, top-p, min-p). Two ways to draw (``RolloutConfig.draws``, docs/rollout.md):
+``"generate"`` draws ``multinomial(softmax(scores), 1)`` over all rows from the shared
+generator, exactly as generate does, so samples equal generate's for a fixed seed;
+``"per_row"`` (the default) draws every sampled row from its own counter-based stream, a hash of
+(key, sample index, token index, token id) with Gumbel-max selection: one pass over the
+scores, reproducible, and independent of the other rows of the batch. A row's key is its own
+``seed``, or, for an unseeded row, one number drawn from the shared generator per call plus
+the row's prompt index. One deliberate difference from generate: the repetition penalty looks
+only at written positions (prompt and generated tokens), never at left-pad slots.
 """
 
 from __future__ import annotations
@@ -38,21 +41,27 @@ GOLDEN32 = 0x9E3779B9
 class SamplerShape:
     """What the sampler adds to the graph signature: facts that only ever grow per engine.
 
-    ``samples``: the step contains the sampling branch (one vocabulary sort per step for top-k /
-    top-p, the shared generator's draw, the hash draw). A greedy-only engine never pays for it;
-    the first call with a sampled row captures once more, and from then on every call, greedy
-    or not, replays that graph. ``logprobs``: the step computes log-probs. ``penalty`` /
-    ``min_new``: the step applies the repetition penalty / blocks stop ids before
-    ``min_new_tokens`` (some row had one; likewise); ``output_penalty``: vLLM's presence and
-    frequency penalties (likewise); ``top_logprobs``: how many alternatives per token the step
-    records (the most any call asked for; a call asking fewer reads the first ones).
-    ``records``: the step records every step's scores and logits (some call asked for them).
-    ``stops``: (sequences, longest) of the stop-sequence table the step matches against,
-    (0, 0) = none; a call's own list is written into it, so only a longer or larger list
-    recaptures.
+    ``samples``: the step contains the sampling branch; a greedy-only engine never pays for
+    it, and the first call with a sampled row captures once more (from then on every call,
+    greedy or not, replays that graph). ``truncates``: some sampled row used top-k, top-p or
+    min-p, so the step finds each row's kept set (one vocabulary sort per step); without it a
+    sampled step only scales by the temperature. ``shared``: some sampled row drew from the
+    shared generator (``multinomial`` over all rows, generate's own numbers); ``keyed``: some
+    sampled row drew from its own hash stream. ``logprobs``: the step computes log-probs.
+    ``penalty`` / ``min_new``: the step applies the repetition penalty / blocks stop ids
+    before ``min_new_tokens`` (some row had one; likewise); ``output_penalty``: vLLM's
+    presence and frequency penalties (likewise); ``top_logprobs``: how many alternatives per
+    token the step records (the most any call asked for; a call asking fewer reads the first
+    ones). ``records``: the step records every step's scores and logits (some call asked for
+    them). ``stops``: (sequences, longest) of the stop-sequence table the step matches
+    against, (0, 0) = none; a call's own list is written into it, so only a longer or larger
+    list recaptures.
     """
 
     samples: bool = False
+    truncates: bool = False
+    shared: bool = False
+    keyed: bool = False
     logprobs: bool = False
     penalty: bool = False
     min_new: bool = False
@@ -63,8 +72,12 @@ class SamplerShape:
 
     def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The shape that serves both what this one served and every row of ``rows``."""
+        sampled = [p for p in rows if p.do_sample]
         return SamplerShape(
-            samples=self.samples or any(p.do_sample for p in rows),
+            samples=self.samples or bool(sampled),
+            truncates=self.truncates or any(truncates(p) for p in sampled),
+            shared=self.shared or any(p.seed is None for p in sampled),
+            keyed=self.keyed or any(p.seed is not None for p in sampled),
             logprobs=self.logprobs or any(p.return_logprobs for p in rows),
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
             min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
@@ -77,6 +90,11 @@ class SamplerShape:
                 max([self.stops[1], *(len(q) for p in rows for q in p.stop_sequences or ())]),
             ),
         )
+
+
+def truncates(params: SamplingParams) -> bool:
+    """Whether a sampled row keeps only part of the vocabulary (top-k, top-p or min-p)."""
+    return params.effective_top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +148,22 @@ def per_prompt_params(call: SamplingParams | Sequence[SamplingParams], rows: int
             "one per prompt row (or a single SamplingParams for all)"
         )
     return list(call)
+
+
+def keyed_rows(per_prompt: Sequence[SamplingParams], key: int) -> list[SamplingParams]:
+    """``per_prompt`` with every unseeded sampled prompt given its own stream: prompt ``i``
+    draws from ``key + i`` (``key`` is drawn once per call from the shared generator, so the
+    generator's seed still decides the call). Each row then draws what it would in any batch."""
+    return [
+        replace(p, seed=(key + i) % 2**64) if p.do_sample and p.seed is None else p
+        for i, p in enumerate(per_prompt)
+    ]
+
+
+def call_key(generator: torch.Generator | None, device: torch.device) -> int:
+    """One number from the shared generator (``generator``, else the device's default): the
+    key of a call's unseeded rows under ``draws="per_row"``. One host read, outside graphs."""
+    return int(torch.randint(0, 2**62, (1,), device=device, generator=generator).item())
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -316,8 +350,16 @@ def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:
     return probs.cumsum(dim=-1)
 
 
-def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p per row, each off where its setting is neutral.
+def warp(scores: torch.Tensor, rows: RowSettings, truncate: bool) -> torch.Tensor:
+    """Temperature per row, then (``truncate``) top-k, top-p and min-p, each off where its
+    setting is neutral. Without truncation no row needs the vocabulary in order, and the
+    step never sorts it."""
+    scores = scores / rows.temperature[:, None]
+    return truncated(scores, rows) if truncate else scores
+
+
+def truncated(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
+    """Top-k, top-p and min-p of temperature-scaled ``scores``, as generate keeps them.
 
     One ascending sort serves top-k and top-p: the k-th largest value is ``sorted[V - k]``, and
     the top-k-filtered scores sorted are the same sort with a prefix set to -inf, so top-p sees
@@ -325,7 +367,6 @@ def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
     """
     neg_inf = -float("inf")
     vocab = scores.shape[-1]
-    scores = scores / rows.temperature[:, None]
     ordered, order = torch.sort(scores, descending=False)
     k = rows.top_k.clamp(max=vocab)
     kth = ordered.gather(1, (vocab - k.clamp(min=1))[:, None])
@@ -379,10 +420,8 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(scores, dim=-1)`` of (B, V) scores in two passes: the maximum of each
     chunk of :data:`ARGMAX_CHUNK` columns, then the first chunk that holds the row's maximum.
     The index is one pass's (maxima are exact, and both passes take the first of equal
-    values), but the first pass spreads a row over many programs where one pass reads it with
-    one: a compiled batch-1 argmax over llama-8b's 128,256 scores took 31.5 µs of a 4.24 ms step
-    on the H200; with two passes the step measured 4.204 ms against 4.222 ms
-    (benchmarks/results/profiles/profile-llama-8b-bs1-one-pass-argmax-e7ff14a.json)."""
+    values), but the first pass spreads a row over many programs where one pass reads a row
+    with one program, which leaves most of a device idle at batch 1 (docs/decisions.md)."""
     rows, vocab = scores.shape
     chunks = vocab // ARGMAX_CHUNK
     if chunks < 2:
@@ -404,17 +443,21 @@ def select(
     finished: torch.Tensor,
     generated: torch.Tensor,
     generator: torch.Generator | None,
+    shape: SamplerShape,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chosen token per row, and the scores of the distribution it was chosen from.
 
     Greedy rows: argmax of ``scores`` (the processed scores, bitwise). Sampled rows: warped,
-    then one ``multinomial`` draw over all rows from the shared generator (as generate draws,
-    so it consumes the generator identically), replaced by the hash draw for seeded rows.
+    then the keyed draw (Gumbel-max over the row's hash stream) where the row has a key, else
+    one ``multinomial`` draw over all rows from the shared generator (as generate draws, so it
+    consumes the generator identically). ``shape`` leaves out what no row of the engine used.
     """
-    warped = sanitise(warp(scores, rows), finished)
-    drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
-    hashed = argmax_rows(warped + gumbel(rows, generated))
-    sampled = torch.where(rows.seeded, hashed, drawn)
+    warped = sanitise(warp(scores, rows, shape.truncates), finished)
+    if shape.keyed:
+        sampled = argmax_rows(warped + gumbel(rows, generated))
+    if shape.shared:
+        drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        sampled = torch.where(rows.seeded, sampled, drawn) if shape.keyed else drawn
     chosen = torch.where(rows.sample, sampled, argmax_rows(scores))
     return chosen, torch.where(rows.sample[:, None], warped, scores)
 

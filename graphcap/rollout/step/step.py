@@ -305,7 +305,9 @@ class DecodeStep:
             self.sampler,
         )
         if self.sampler.samples:
-            chosen, drawn_from = select(scores, s.rows, s.finished, s.generated, self.generator)
+            chosen, drawn_from = select(
+                scores, s.rows, s.finished, s.generated, self.generator, self.sampler
+            )
         else:
             chosen, drawn_from = argmax_rows(scores), scores
         token = torch.where(s.finished, s.pad, chosen)
@@ -324,7 +326,9 @@ class DecodeStep:
                 s.top_ids.scatter_(1, at, ids[:, None].masked_fill(idle, 0))
         if self.sampler.records:
             # what generate returns as scores: processed, warped where the row samples
-            warped = warp(scores, s.rows) if self.sampler.samples else scores
+            warped = (
+                warp(scores, s.rows, self.sampler.truncates) if self.sampler.samples else scores
+            )
             processed = torch.where(s.rows.sample[:, None], warped, scores)
             at = s.generated.view(1)
             s.scores.index_copy_(1, at, processed[:, None])
