@@ -54,7 +54,8 @@ def generate_data_parallel(
     (left-padded, as for ``generate``). Rows come back on the CPU; ``stats`` are this rank's own
     call's (a rank without prompts reports an empty ``"eager"`` call). With
     ``SamplingParams(seed=s)`` rank ``r`` samples with seed ``s + r`` (:func:`rank_seed`):
-    sampled tokens depend on the world size, greedy ones do not.
+    sampled tokens depend on the world size, greedy ones do not; a ``per_request_seed``
+    (``from_vllm``) is every prompt's own on every rank.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
@@ -68,7 +69,8 @@ def generate_data_parallel(
             f"request_max_new_tokens has {len(request_max_new_tokens)} entries for {rows} prompts"
         )
     start, stop = shard_bounds(rows, rank, world)
-    if isinstance(sampling, SamplingParams) and sampling.seed is not None:
+    seeded = isinstance(sampling, SamplingParams) and sampling.seed is not None
+    if seeded and not sampling.per_request_seed:  # a request's seed is its own on every rank
         sampling = dataclasses.replace(sampling, seed=rank_seed(sampling.seed, rank))
     part = None
     stats = RolloutStats(path="eager")
