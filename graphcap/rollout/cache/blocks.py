@@ -48,6 +48,12 @@ def rounded_length(total_len: int, block_size: int) -> int:
     return -(-total_len // block_size) * block_size
 
 
+def whole_table_blocks(batch_size: int, max_len: int, block_size: int) -> int:
+    """Blocks in a pool that holds every row's whole table, plus the null and sink blocks: the
+    most a ``batch_size`` x ``max_len`` table can ever hand out, so such a pool never grows."""
+    return batch_size * (max_len // block_size) + _RESERVED
+
+
 class BlockKVLayer(PreallocatedLayer):
     """One layer: ``keys``/``values`` pools ``(num_blocks, H, block_size, D)`` read through the
     cache's shared table."""
