@@ -533,3 +533,10 @@ def test_an_accelerated_model_pickles_saves_and_loads_with_plain_generate(tmp_pa
         assert model.generate.graphcap is accelerated and accelerated.stats.served == 0
     finally:
         restore_generate(model)
+
+
+def test_a_half_precision_model_is_told_its_rollouts_part_from_float32_ones():
+    model = tiny_model("llama", fresh=True).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"torch.bfloat16: served calls are half-precision"):
+        accelerate_generate(model)
+    restore_generate(model)

@@ -398,6 +398,15 @@ def accelerate_generate(
         )
     config = drop_in_config(config or drop_in_default_config(target))
     accelerated = AcceleratedGenerate(target, config)
+    if target.dtype in (torch.float16, torch.bfloat16):
+        warnings.warn(
+            f"graphcap: this model computes in {target.dtype}: served calls are half-precision "
+            "rollouts, which graphcap's captured step rounds differently from generate's (its "
+            "attention over a padded cache, a backend's graph attention, compiled blocks), so "
+            "tokens can part from generate's after a near tie; they equal generate's in float32",
+            UserWarning,
+            stacklevel=2,
+        )
     target.generate = accelerated.patched
     return accelerated
 
