@@ -12,6 +12,10 @@ step), and whether eager decoding on the graph's capture stream gives the graph'
     python3 benchmarks/profile_decode.py OUT.json [--cases llama-8b:bf16:1,llama-8b:bf16:64] \\
         [--new-tokens 256] [--[no-]fuse-projections] [--uncompiled] [--compare-eager]
 
+A case is ``preset:dtype:batch[:sampling[:draws]]``: ``sampling`` one of :data:`SAMPLINGS`
+(default greedy), ``draws`` ``per_row`` (the default) or ``generate`` (``RolloutConfig.draws``),
+so the sampler's cost is the difference between cases of one run.
+
 The engine runs the default configuration (compiled captures where the backend declares that
 compiling pays, as ``graphcap bench``'s ``graphcap-graph`` mode), or with ``--uncompiled``
 plain captures (``graphcap-graph-uncompiled``). With dependent launches a kernel's measured
@@ -66,6 +70,17 @@ def device_kernels(engine, ids, mask, params, backend) -> tuple[dict[str, dict[s
     return kernels, out
 
 
+#: The sampling settings a case can name: greedy, temperature 1 with no truncation, top-p, top-k,
+#: and temperature 1 through the truncation path (a top-p that keeps every token but the sort).
+SAMPLINGS: dict[str, dict[str, Any]] = {
+    "greedy": {},
+    "t1": {"do_sample": True, "temperature": 1.0},
+    "topp95": {"do_sample": True, "top_p": 0.95},
+    "topk50": {"do_sample": True, "top_k": 50},
+    "t1-truncating": {"do_sample": True, "top_p": 0.999999},
+}
+
+
 def profile_case(
     preset: str,
     dtype: str,
@@ -75,19 +90,24 @@ def profile_case(
     compare_eager: bool,
     compile: bool | None,
     fuse: bool | None,
+    sampling: str = "greedy",
+    draws: str = "per_row",
 ) -> dict[str, Any]:
     backend = graphcap.get_backend()
     model = build_model(
         preset, dtype=DTYPES[dtype], device=backend.device, backend_seed=backend.manual_seed
     )
     ids, mask = make_prompts(model.config.vocab_size, batch, prompt, 0, backend.device)
-    params = SamplingParams(max_new_tokens=new, eos_token_id=[], pad_token_id=0)
+    params = SamplingParams(
+        max_new_tokens=new, eos_token_id=[], pad_token_id=0, **SAMPLINGS[sampling]
+    )
     config = RolloutConfig(
         enable_graph_capture=True,
         backend=backend,
         length_buckets=(prompt + new,),
         compile=compile,
         fuse_projections=fuse,
+        draws=draws,
     )
     graph = RolloutEngine(model, config)
     graph.generate(ids, mask, params)  # capture
@@ -114,6 +134,8 @@ def profile_case(
         "joined_projections": out.stats.joined_projections,
         "dtype": dtype,
         "batch": batch,
+        "sampling": sampling,
+        "draws": draws,
         "prompt": prompt,
         "new": new,
         "attention": out.stats.attention,
@@ -176,7 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for case in args.cases.split(","):
-        preset, dtype, batch = case.split(":")
+        preset, dtype, batch, *how = case.split(":")
         result = profile_case(
             preset,
             dtype,
@@ -186,6 +208,7 @@ def main() -> None:
             args.compare_eager,
             False if args.uncompiled else None,
             args.fuse_projections,
+            *how,
         )
         print(json.dumps(result, indent=1), flush=True)
         results.append(result)

@@ -392,12 +392,15 @@ def sanitise(scores: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
     its distribution; finished rows, and rows with NaN or nothing finite, get flat logits. A
     NaN, ``+inf`` or all-zero distribution reaching ``multinomial`` is a device-side assert on
     some devices. The replacement changes no other row's draw: ``multinomial(p, 1)`` consumes
-    the same random numbers whatever the values.
+    the same random numbers whatever the values. One reduction finds all three cases: a row's
+    maximum is NaN when it holds a NaN, ``-inf`` when nothing is finite, ``+inf`` when a score
+    overflowed.
     """
-    bad = finished | torch.isnan(scores).any(dim=-1) | torch.isneginf(scores).all(dim=-1)
-    top = torch.isposinf(scores)
-    scores = scores.masked_fill(top.any(dim=-1, keepdim=True) & ~top, -float("inf"))
-    return scores.masked_fill(top, 0.0).masked_fill(bad[:, None], 0.0)
+    top = scores.amax(dim=-1, keepdim=True)
+    bad = finished[:, None] | torch.isnan(top) | torch.isneginf(top)
+    overflowed = torch.where(torch.isposinf(scores), 0.0, -float("inf"))
+    scores = torch.where(torch.isposinf(top), overflowed, scores)
+    return scores.masked_fill(bad, 0.0)
 
 
 def gumbel(rows: RowSettings, generated: torch.Tensor) -> torch.Tensor:
@@ -451,15 +454,18 @@ def select(
     Greedy rows: argmax of ``scores`` (the processed scores, bitwise). Sampled rows: warped,
     then the keyed draw (Gumbel-max over the row's hash stream) where the row has a key, else
     one ``multinomial`` draw over all rows from the shared generator (as generate draws, so it
-    consumes the generator identically). ``shape`` leaves out what no row of the engine used.
+    consumes the generator identically). Greedy and keyed rows share one argmax pass; ``shape``
+    leaves out what no row of the engine used.
     """
     warped = sanitise(warp(scores, rows, shape.truncates), finished)
     if shape.keyed:
-        sampled = argmax_rows(warped + gumbel(rows, generated))
+        noisy = warped + gumbel(rows, generated)
+        chosen = argmax_rows(torch.where(rows.seeded[:, None], noisy, scores))
+    else:
+        chosen = argmax_rows(scores)
     if shape.shared:
         drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
-        sampled = torch.where(rows.seeded, sampled, drawn) if shape.keyed else drawn
-    chosen = torch.where(rows.sample, sampled, argmax_rows(scores))
+        chosen = torch.where(rows.sample & ~rows.seeded, drawn, chosen)
     return chosen, torch.where(rows.sample[:, None], warped, scores)
 
 
