@@ -398,7 +398,7 @@ def accelerate_generate(
         )
     config = drop_in_config(config or drop_in_default_config(target))
     accelerated = AcceleratedGenerate(target, config)
-    if target.dtype in (torch.float16, torch.bfloat16):
+    if getattr(target, "dtype", None) in (torch.float16, torch.bfloat16):
         warnings.warn(
             f"graphcap: this model computes in {target.dtype}: served calls are half-precision "
             "rollouts, which graphcap's captured step rounds differently from generate's (its "
