@@ -39,6 +39,18 @@ def rank_seed(seed: int, rank: int) -> int:
     return seed + rank
 
 
+def rank_sampling(
+    sampling: SamplingParams | GenerationConfig | None, rank: int
+) -> SamplingParams | GenerationConfig | None:
+    """The settings rank ``rank`` runs: a call seed becomes :func:`rank_seed`'s, except a
+    ``per_request_seed`` (``from_vllm``), which is every prompt's own on every rank."""
+    if not isinstance(sampling, SamplingParams) or sampling.seed is None:
+        return sampling
+    if sampling.per_request_seed:
+        return sampling
+    return dataclasses.replace(sampling, seed=rank_seed(sampling.seed, rank))
+
+
 def generate_data_parallel(
     engine: RolloutEngine,
     input_ids: torch.Tensor,
@@ -69,9 +81,7 @@ def generate_data_parallel(
             f"request_max_new_tokens has {len(request_max_new_tokens)} entries for {rows} prompts"
         )
     start, stop = shard_bounds(rows, rank, world)
-    seeded = isinstance(sampling, SamplingParams) and sampling.seed is not None
-    if seeded and not sampling.per_request_seed:  # a request's seed is its own on every rank
-        sampling = dataclasses.replace(sampling, seed=rank_seed(sampling.seed, rank))
+    sampling = rank_sampling(sampling, rank)
     part = None
     stats = RolloutStats(path="eager")
     if stop > start:
