@@ -6,7 +6,8 @@ table with device index math only, so it captures; the table's entries and the a
 the host's, changed between replays only: the host knows each row's write column without a
 device read (the static path's width plus steps, the continuous path's ``SlotTable.column``) and
 hands blocks out ahead (:meth:`BlockKVCache.assign`). When the free list runs dry the pools grow:
-new tensors, so the graph that read the old ones is dropped first and the step recaptured.
+new tensors, so the graph that read the old ones is dropped first and the step recaptured (a pool
+of :func:`whole_table_blocks`, as the static path sizes its own, never runs dry).
 
 Block 0 is the null block (zeros, never written) that unassigned entries point at; block 1 is the
 shared *sink* block: an idle row's table points its first entry there, it writes its step's K/V
