@@ -41,6 +41,13 @@ NORM_FORMS = (
 )
 
 KV_BLOCKS = "tests/test_kv_blocks.py"
+DROP_IN_COPIES = (
+    "tests/test_drop_in.py::"
+    "test_a_deep_copy_generates_with_its_own_weights_and_its_restore_leaves_the_original"
+)
+DROP_IN_PICKLES = (
+    "tests/test_drop_in.py::test_an_accelerated_model_pickles_saves_and_loads_with_plain_generate"
+)
 NPU_ENGINE = "backends/npu/tests/test_npu_engine.py"
 NPU_RULES = "backends/npu/tests/test_npu_hardware_rules.py"
 
@@ -156,11 +163,35 @@ PLANTS = (
         ("tests/test_drop_in.py::test_rows_that_all_stop_early_give_generates_shorter_output",),
     ),
     Plant(
-        "drop-in checks for finished rows every 16 steps",
+        "drop-in checks for finished rows at the config's interval",
         "graphcap/rollout/drop_in.py",
-        "length_buckets=buckets or None, eos_check_interval=1",
-        "length_buckets=buckets or None, eos_check_interval=16",
+        "    return dataclasses.replace(config, eos_check_interval=1, batch_buckets=None)\n",
+        "    return dataclasses.replace(config, batch_buckets=None)\n",
         ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
+    ),
+    Plant(
+        "drop-in pads the batch to the config's bucket",
+        "graphcap/rollout/drop_in.py",
+        "    return dataclasses.replace(config, eos_check_interval=1, batch_buckets=None)\n",
+        "    return dataclasses.replace(config, eos_check_interval=1)\n",
+        (
+            "tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws"
+            "[first-token-buckets]",
+        ),
+    ),
+    Plant(
+        "a deep copy of an accelerated model shares the original's generate",
+        "graphcap/rollout/drop_in.py",
+        "    def __reduce__(self)",
+        "    def __deepcopy__(self, memo):\n        return self\n\n    def __reduce__(self)",
+        (DROP_IN_COPIES,),
+    ),
+    Plant(
+        "an accelerated model pickles its engine",
+        "graphcap/rollout/drop_in.py",
+        "    def __reduce__(self)",
+        "    def _no_reduce(self)",
+        (DROP_IN_PICKLES,),
     ),
     Plant(
         "finished flag not read before the first step",
@@ -591,11 +622,38 @@ PLANTS = (
         (HOOKED_COMPILE,),
     ),
     Plant(
+        "a vLLM seed offset by the prompt's batch position",
+        "graphcap/rollout/sampling.py",
+        "        if call.seed is None or call.per_request_seed:\n",
+        "        if call.seed is None:\n",
+        ("tests/test_rollout_vllm.py::test_a_vllm_seed_is_its_requests_own_at_any_batch_position",),
+    ),
+    Plant(
+        "vLLM names refused at values that ask for nothing",
+        "graphcap/rollout/config.py",
+        "value == off for off in VLLM_UNSUPPORTED[name])\n",
+        "value == off for off in ())\n",
+        (
+            "tests/test_rollout_vllm.py::"
+            "test_vllm_names_at_values_that_ask_for_nothing_are_accepted",
+        ),
+    ),
+    Plant(
         "the block table is not grown between steps",
         "graphcap/rollout/runners/runners.py",
         "        grow_blocks(self.holder, self.step, columns, self.ahead, self.stats)\n",
         "        pass\n",
         (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
+    ),
+    Plant(
+        "the static path's block pool sized to the first call",
+        "graphcap/rollout/step/step.py",
+        "    pool_for_bucket: ClassVar[bool] = True\n",
+        "    pool_for_bucket: ClassVar[bool] = False\n",
+        (
+            KV_BLOCKS + "::test_each_length_bucket_is_one_graph_its_pool_sized_for_the_bucket",
+            "tests/test_drop_in.py::test_prompts_of_new_widths_reuse_the_graph_of_their_length_bucket",
+        ),
     ),
     Plant(
         "freed blocks are handed out again unzeroed",

@@ -16,7 +16,12 @@ import torch
 from graphcap.bench.models import build_model
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from graphcap.rollout.data_parallel import generate_data_parallel, rank_seed, shard_bounds
+from graphcap.rollout.data_parallel import (
+    generate_data_parallel,
+    rank_sampling,
+    rank_seed,
+    shard_bounds,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "data_parallel_rollout.py"
@@ -45,6 +50,10 @@ def test_shards_are_contiguous_balanced_and_cover_every_row():
             sizes = [stop - start for start, stop in bounds]
             assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
     assert rank_seed(7, 0) == 7 and rank_seed(7, 3) == 10
+    call = SamplingParams(do_sample=True, seed=7)
+    assert rank_sampling(call, 3).seed == 10 and rank_sampling(None, 3) is None
+    vllm = SamplingParams.from_vllm(temperature=1.0, seed=7)  # a request's seed is its own
+    assert rank_sampling(vllm, 3) is vllm
     with pytest.raises(ValueError, match="rank must be in"):
         shard_bounds(4, 2, 2)
 

@@ -8,6 +8,9 @@ it); every call graphcap does not serve goes to ``generate`` with the reason rec
 from __future__ import annotations
 
 import copy
+import io
+import pickle
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -17,9 +20,15 @@ from transformers import GenerationConfig, LogitsProcessorList, TopKLogitsWarper
 
 from graphcap.cpu.torch_internals import TorchDispatchMode
 from graphcap.errors import GenerateFallbackWarning
-from graphcap.rollout import AcceleratedGenerate, accelerate_generate, restore_generate
+from graphcap.rollout import (
+    AcceleratedGenerate,
+    RolloutConfig,
+    accelerate_generate,
+    drop_in_default_config,
+    restore_generate,
+)
 from graphcap.rollout.config import GENERATE_DEFAULTS
-from graphcap.rollout.drop_in import PENALISES_PADDING, default_config
+from graphcap.rollout.drop_in import PENALISES_PADDING
 from graphcap.rollout.plan.fingerprint import INERT_HOOKS, hook_name, host_state
 
 SETTINGS = {
@@ -63,16 +72,17 @@ SETTINGS = {
 def generate_draws(model):
     """The drop-in's default configuration with generate's own random numbers (the default
     draws per row: same distribution, other numbers)."""
-    return replace(default_config(model), draws="generate")
+    return replace(drop_in_default_config(model), draws="generate")
 
 
-def both(model, call, seed: int = 0):
-    """``call()``'s result from generate, then from graphcap under generate (same seed, and
-    generate's own random numbers), and the generator's state after each."""
+def both(model, call, seed: int = 0, config: RolloutConfig | None = None):
+    """``call()``'s result from generate, then from graphcap under generate (same seed;
+    ``config`` as given to ``accelerate_generate``, else the default with generate's own random
+    numbers), and the generator's state after each."""
     torch.manual_seed(seed)
     expected = call()
     after_expected = torch.get_rng_state()
-    accelerated = accelerate_generate(model, generate_draws(model))
+    accelerated = accelerate_generate(model, config or generate_draws(model))
     try:
         torch.manual_seed(seed)
         got = call()
@@ -172,10 +182,26 @@ def test_rows_that_all_stop_early_give_generates_shorter_output():
     assert accelerated.stats.served == 1
 
 
+#: Configs a user may pass: the README's, buckets of both kinds, an interval of their own.
+USER_CONFIGS = {
+    "drop-in default": None,
+    "readme": RolloutConfig(enable_graph_capture=True, draws="generate"),
+    "buckets": RolloutConfig(
+        enable_graph_capture=True,
+        batch_buckets=(4, 8),
+        length_buckets=(32, 64),
+        draws="generate",
+    ),
+    "interval 4": RolloutConfig(enable_graph_capture=True, eos_check_interval=4, draws="generate"),
+}
+
+
+@pytest.mark.parametrize("config", list(USER_CONFIGS))
 @pytest.mark.parametrize("position", [0, 2], ids=["first-token", "third-token"])
-def test_sampled_rows_that_all_end_early_draw_what_generate_draws(position):
+def test_sampled_rows_that_all_end_early_draw_what_generate_draws(position, config):
     """Every row ends at its first (the prefill's) or third token: the call stops where
-    generate stops, so it draws as many random numbers and the next call samples alike."""
+    generate stops, so it draws as many random numbers and the next call samples alike;
+    under any config the drop-in accepts (it sets what the promise needs)."""
     model = tiny_model("llama")
     ids, mask = prompts(3)
     torch.manual_seed(0)
@@ -189,7 +215,9 @@ def test_sampled_rows_that_all_end_early_draw_what_generate_draws(position):
         then = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=True)
         return torch.cat([first, then], 1)
 
-    expected, got, accelerated, same_rng = both(model, call)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the dropped settings: tested below
+        expected, got, accelerated, same_rng = both(model, call, config=USER_CONFIGS[config])
     assert got.shape[1] <= ids.shape[1] * 2 + position + 1 + 5
     assert_same_output(expected, got)
     assert same_rng and accelerated.stats.served == 2
@@ -212,14 +240,17 @@ def test_a_generation_config_object_and_keywords_resolve_as_generate_resolves_th
 
 
 def test_prompts_of_new_widths_reuse_the_graph_of_their_length_bucket():
+    """Rows of 16 to 24 columns: on the CPU backend's block table (16-column blocks) the
+    later calls need a second block per row, which the pool sized for the bucket holds."""
     model = tiny_model("llama")
     accelerated = accelerate_generate(model)
     try:
-        for width in (4, 6, 9):
+        for width in (4, 6, 9, 12):
             ids, mask = prompts(2, width=width, seed=width)
-            model.generate(ids, attention_mask=mask, max_new_tokens=8)
-        assert accelerated.stats.served == 3 and accelerated.stats.captures == 1
-        assert accelerated.stats.replays == 3 * 7
+            model.generate(ids, attention_mask=mask, max_new_tokens=12)
+            assert accelerated.stats.last.kv_layout == "blocks"
+        assert accelerated.stats.served == 4 and accelerated.stats.captures == 1
+        assert accelerated.stats.replays == 4 * 11
     finally:
         restore_generate(model)
 
@@ -326,7 +357,6 @@ def test_training_state_is_kept_and_in_place_updates_are_seen():
             assert model.training and model.is_gradient_checkpointing
             reference = copy.deepcopy(model)
             reference.gradient_checkpointing_disable()
-            del reference.generate  # the copy's own generate, not graphcap's
             assert torch.equal(got, reference.generate(ids, attention_mask=mask, max_new_tokens=8))
             outputs.append(got)
             model(input_ids=got, labels=got).loss.backward()
@@ -424,3 +454,89 @@ def test_the_checkpointing_hook_left_out_of_the_host_state_still_exists_and_does
         for hook in hooks:
             hook(model.get_input_embeddings(), (), out)
     assert seen == []
+
+
+def test_the_drop_in_sets_what_its_promise_needs_and_says_what_it_dropped():
+    model = tiny_model("llama", fresh=True)
+    plain = drop_in_default_config(model)
+    assert plain.eos_check_interval == 1 and plain.length_buckets and plain.enable_graph_capture
+    chosen = RolloutConfig(
+        enable_graph_capture=True, batch_buckets=(4,), eos_check_interval=4, draws="generate"
+    )
+    with pytest.warns(UserWarning, match=r"batch_buckets=\(4,\).*eos_check_interval=4"):
+        accelerated = accelerate_generate(model, chosen)
+    config = accelerated.engine.config
+    assert config.eos_check_interval == 1 and config.batch_buckets is None
+    restore_generate(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the README's config drops nothing the user chose
+        accelerated = accelerate_generate(
+            model, RolloutConfig(enable_graph_capture=True, draws="generate")
+        )
+    assert accelerated.engine.config.eos_check_interval == 1
+    restore_generate(model)
+    with pytest.raises(ValueError, match="continuous_batch_size"):
+        accelerate_generate(model, RolloutConfig(continuous_batch_size=2, draws="generate"))
+    assert "generate" not in model.__dict__
+    per_row = replace(chosen, draws="per_row")  # one draw per call: nothing to set
+    assert accelerate_generate(model, per_row).engine.config == per_row
+    restore_generate(model)
+
+
+def generate_of(model, ids, mask):
+    """What transformers' own generate gives ``model`` (greedy, 8 tokens)."""
+    return type(model).generate(model, ids, attention_mask=mask, max_new_tokens=8)
+
+
+def test_a_deep_copy_generates_with_its_own_weights_and_its_restore_leaves_the_original():
+    """PPO's old policy or an EMA copy, taken after installation: the copy runs its class's
+    plain generate on its own weights; the original keeps its engine."""
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2)
+    accelerated = accelerate_generate(model)
+    try:
+        old = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in old.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        got = old.generate(ids, attention_mask=mask, max_new_tokens=8)
+        assert torch.equal(got, generate_of(old, ids, mask))
+        assert not torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=8))
+        assert accelerated.stats.served == 1  # the original's call only
+        assert not restore_generate(old)
+        model.generate(ids, attention_mask=mask, max_new_tokens=8)
+        assert accelerated.stats.served == 2 and model.generate.graphcap is accelerated
+        again = accelerate_generate(old)  # a copy takes an engine of its own
+        assert again.engine is not accelerated.engine
+        assert torch.equal(old.generate(ids, attention_mask=mask, max_new_tokens=8), got)
+        assert restore_generate(old) and again.stats.served == 1
+        assert model.generate.graphcap is accelerated
+    finally:
+        restore_generate(model)
+
+
+def test_an_accelerated_model_pickles_saves_and_loads_with_plain_generate(tmp_path):
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2)
+    expected = generate_of(model, ids, mask)
+    accelerated = accelerate_generate(model)
+    try:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = [torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(model))]
+        model.save_pretrained(tmp_path)
+        loaded.append(type(model).from_pretrained(tmp_path))
+        for copy_ in loaded:
+            assert getattr(copy_.generate, "graphcap", None) is None
+            assert torch.equal(copy_.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
+        assert model.generate.graphcap is accelerated and accelerated.stats.served == 0
+    finally:
+        restore_generate(model)
+
+
+def test_a_half_precision_model_is_told_its_rollouts_part_from_float32_ones():
+    model = tiny_model("llama", fresh=True).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"torch.bfloat16: served calls are half-precision"):
+        accelerate_generate(model)
+    restore_generate(model)

@@ -71,17 +71,36 @@ def test_auto_follows_the_backend_and_block_aware_attention_reads_pools():
     assert torch.equal(aware.sequences, static.sequences)
 
 
+def test_each_length_bucket_is_one_graph_its_pool_sized_for_the_bucket():
+    """The static path's pool holds every row's whole table from the start: prompts of new
+    widths in one length bucket (rows crossing into new blocks) never grow it or recapture."""
+    model = tiny_model("llama")
+    engine = make_engine(model, True, kv_block_size=4, eos_check_interval=2, length_buckets=(64,))
+    params = SamplingParams(max_new_tokens=NEW, eos_token_id=[])
+    for width in (3, 6, 11, 17):
+        ids, mask = prompts(3, width=width, seed=width)
+        result = engine.generate(ids, mask, params)
+        static = decode(model, ids, mask, False, kv_block_size=None)
+        assert torch.equal(result.sequences, static.sequences)
+        assert result.stats.kv_pool_growths == 0 and result.stats.recapture_reason == []
+        assert result.stats.kv_blocks_held == 3 * -(-(width + NEW - 1) // 4)  # last not written
+    assert engine.captures == 1 and engine.cache.num_blocks == 3 * 64 // 4 + 2
+
+
 def test_pool_growth_between_replays_recaptures_with_the_reason():
+    """Slots hold requests of any length, so the continuous path's pool follows the tokens
+    held: it grows between replays, dropping the graph first, with the reason."""
     model = tiny_model("llama")
     ids, mask = prompts(3)
-    engine = make_engine(model, True, kv_block_size=2, eos_check_interval=2)
+    engine = make_engine(
+        model, True, kv_block_size=2, eos_check_interval=2, continuous_batch_size=2
+    )
     params = SamplingParams(max_new_tokens=NEW, eos_token_id=[])
     result = engine.generate(ids, mask, params)
     static = decode(model, ids, mask, False, kv_block_size=None)
     assert torch.equal(result.sequences, static.sequences)
     assert result.stats.kv_pool_growths >= 2
     assert any(r.startswith("kv_pool_blocks") for r in result.stats.recapture_reason)
-    assert result.stats.kv_blocks_held == 3 * (ids.shape[1] + NEW) // 2
     again = engine.generate(ids, mask, params)  # the pool is large enough now: one graph
     assert again.stats.recapture_reason == [] and not again.stats.captured
     assert torch.equal(again.sequences, static.sequences)

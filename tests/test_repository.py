@@ -1,8 +1,10 @@
 """The repository tracks sources only: build artefacts are ignored (.gitignore), and this check
-fails CI when one is committed anyway (``git add -f``, or a .gitignore that lost a line)."""
+fails CI when one is committed anyway (``git add -f``, or a .gitignore that lost a line). The
+README's quickstart says what its tox commands install."""
 
 from __future__ import annotations
 
+import configparser
 import re
 import shutil
 import subprocess
@@ -62,3 +64,18 @@ def test_gitignore_covers_the_artefacts():
         "dist/",
         ".tox/",
     } <= set(ignored)
+
+
+def test_the_readmes_quickstart_says_what_its_tox_environments_install():
+    """The torch the README names is the one tox.ini pins; pip picks its build (the README
+    says how to get the CPU one) and the first install prints nothing for minutes (it says so)."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    readme = (ROOT / "README.md").read_text()
+    for env in ("bench", "cpu"):
+        assert f"tox -e {env}" in readme or f"tox -e {env}," in readme
+        pins = re.findall(r"^torch==(\d+\.\d+)", tox[f"testenv:{env}"]["deps"], re.MULTILINE)
+        assert pins and f"torch {pins[0]}" in readme, (env, pins)
+    assert "CPU build of torch" not in readme  # pip's index decides the build
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in readme
+    assert "tox -v -e bench" in readme and "install_deps>" in readme

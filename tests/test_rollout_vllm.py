@@ -101,6 +101,53 @@ def test_vllm_names_without_a_counterpart_are_refused_saying_what_to_do():
         SamplingParams(stop_sequences=[[]])
 
 
+def test_vllm_names_at_values_that_ask_for_nothing_are_accepted():
+    neutral = {
+        "logit_bias": None,
+        "best_of": None,
+        "detokenize": False,
+        "skip_special_tokens": True,
+        "bad_words": [],
+        "ignore_eos": False,
+        "stop": None,
+        "prompt_logprobs": None,
+    }
+    plain = SamplingParams.from_vllm(temperature=0.5, seed=1)
+    assert SamplingParams.from_vllm(temperature=0.5, seed=1, **neutral) == plain
+    assert SamplingParams(**neutral) == SamplingParams()
+    for name, value in {"logit_bias": {3: 1.0}, "best_of": 2, "detokenize": True}.items():
+        with pytest.raises(ValueError, match=name):
+            SamplingParams.from_vllm(**{name: value})
+    with pytest.raises(ValueError, match=r"max_tokens=None \(vLLM: up to the model's context\)"):
+        SamplingParams.from_vllm(max_tokens=None)
+
+
+def test_a_vllm_seed_is_its_requests_own_at_any_batch_position():
+    """vLLM's per-request seed: the same prompt with the same seed samples the same tokens
+    alone, at another batch position and beside other prompts; its n samples differ."""
+    model = tiny_model("llama")
+    ids, mask = prompts(3, padded=False, seed=4)
+    ids[2] = ids[0]
+    engine = make_engine(model, graph=True)
+    vllm = SamplingParams.from_vllm(temperature=1.0, seed=7, max_tokens=NEW, **NO_EOS)
+    batch = engine.generate(ids, mask, vllm).sequences
+    assert torch.equal(batch[0], batch[2])
+    for row in (0, 1):
+        alone = engine.generate(ids[row : row + 1], mask[row : row + 1], vllm).sequences
+        assert torch.equal(alone[0], batch[row])
+    reordered = engine.generate(ids.flip(0), mask.flip(0), vllm).sequences
+    assert torch.equal(reordered.flip(0), batch)
+    two = engine.generate(ids[:1], mask[:1], replace(vllm, num_return_sequences=2)).sequences
+    assert torch.equal(two[0], batch[0]) and not torch.equal(two[0], two[1])
+    # the engine's own call-level seed: prompt row i draws from seed + i
+    own = replace(vllm, per_request_seed=False)
+    rows = engine.generate(ids, mask, own).sequences
+    assert torch.equal(rows[0], batch[0]) and not torch.equal(rows[2], batch[2])
+    shifted = engine.generate(ids[2:], mask[2:], replace(vllm, seed=9)).sequences
+    assert torch.equal(shifted[0], rows[2])
+    engine.shutdown()
+
+
 def test_n_above_one_with_greedy_rows_is_refused_saying_what_to_do():
     model = tiny_model("gpt2")
     ids, mask = prompts(2)

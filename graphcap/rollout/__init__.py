@@ -4,13 +4,19 @@ Public API: :class:`RolloutEngine`, :class:`RolloutConfig`, :class:`SamplingPara
 :class:`RolloutResult` (and :class:`RolloutStats`), plus :func:`load_weights_in_place` for
 weight updates that keep a captured graph valid and :func:`generate_data_parallel` for
 data-parallel rollouts under torchrun, and :func:`accelerate_generate` to serve an existing
-model's ``generate`` (docs/trainers.md). See docs/rollout.md and docs/continuous.md.
+model's ``generate`` (docs/trainers.md; its default config: :func:`drop_in_default_config`).
+See docs/rollout.md and docs/continuous.md.
 """
 
 from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedModelError
 from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.data_parallel import generate_data_parallel
-from graphcap.rollout.drop_in import AcceleratedGenerate, accelerate_generate, restore_generate
+from graphcap.rollout.drop_in import (
+    AcceleratedGenerate,
+    accelerate_generate,
+    drop_in_default_config,
+    restore_generate,
+)
 from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.results import RolloutResult, RolloutStats
 from graphcap.rollout.weights import WeightsLoaded, load_weights_in_place
@@ -26,6 +32,7 @@ __all__ = [
     "SamplingParams",
     "WeightsLoaded",
     "accelerate_generate",
+    "drop_in_default_config",
     "generate_data_parallel",
     "load_weights_in_place",
     "restore_generate",

@@ -71,25 +71,27 @@ VLLM_INSTEAD: dict[str, str] = {
     "best_of": "use n (num_return_sequences) and pick on the host",
     "ignore_eos": "use eos_token_id=[], or SamplingParams.from_vllm(ignore_eos=True, ...)",
 }
-#: vLLM SamplingParams names with no counterpart here: refused by name, never ignored.
-VLLM_UNSUPPORTED: tuple[str, ...] = (
-    "stop",
-    "best_of",
-    "ignore_eos",
-    "prompt_logprobs",
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "detokenize",
-    "logits_processors",
-    "truncate_prompt_tokens",
-    "guided_decoding",
-    "structured_outputs",
-    "output_kind",
-    "extra_args",
-)
+#: vLLM SamplingParams names with no counterpart here, each with the values that ask for
+#: nothing (vLLM's "off", or what graphcap does anyway: it returns token ids, never text): those
+#: are accepted and dropped, any other value is refused by name, never ignored.
+VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "stop": (None, [], ()),
+    "best_of": (None, 1),
+    "ignore_eos": (False,),
+    "prompt_logprobs": (None,),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, [], ()),
+    "skip_special_tokens": (True, False),
+    "spaces_between_special_tokens": (True, False),
+    "detokenize": (False,),
+    "logits_processors": (None, [], ()),
+    "truncate_prompt_tokens": (None,),
+    "guided_decoding": (None,),
+    "structured_outputs": (None,),
+    "output_kind": (None,),
+    "extra_args": (None, {}),
+}
 #: The values transformers' ``generate`` gives the fields of a ``GenerationConfig`` left unset
 #: (transformers keeps this table private; tests/test_drop_in.py fails when it drifts).
 #: A field set to its value here changes nothing, so it is not refused.
@@ -153,6 +155,14 @@ class SamplingParams:
     most likely tokens of each step and their log-probs, under ``logprobs_mode``'s
     distribution (implies ``return_logprobs``).
 
+    ``seed``: sampled rows draw from their own stream, a hash of (seed, sample index within
+    the prompt, token index, token id), never from a torch generator. One ``SamplingParams``
+    with a seed ``s`` given for a whole call gives prompt row ``i`` the seed ``s + i``
+    (distinct streams per prompt), unless ``per_request_seed`` (what :meth:`from_vllm` sets):
+    then every prompt draws from ``s`` itself, vLLM's per-request seed, so a prompt's tokens do
+    not depend on its batch position or on the other prompts. A list with one
+    ``SamplingParams`` per prompt gives each prompt exactly its own seed.
+
     Warpers (``temperature``, ``top_p``, ``top_k``, ``min_p``) given without ``do_sample`` are
     refused: transformers would decode greedily, vLLM would sample. Say ``do_sample=True``, or
     build from vLLM keywords with :meth:`from_vllm`.
@@ -180,6 +190,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
+    per_request_seed: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -273,9 +284,12 @@ class SamplingParams:
     def from_vllm(cls, *, tokenizer: Any = None, **kwargs: Any) -> SamplingParams:
         """Build from vLLM ``SamplingParams`` keywords with vLLM's meaning: sampling unless
         ``temperature`` is 0 (vLLM's greedy), ``top_k`` of -1 or 0 disables top-k,
-        ``ignore_eos=True`` sets no EOS id. ``stop``
+        ``ignore_eos=True`` sets no EOS id, ``seed`` is each request's own
+        (``per_request_seed``: every prompt of a call draws from ``seed``, its ``n`` samples
+        from distinct streams). ``stop``
         strings become ``stop_sequences`` through ``tokenizer`` (its ``encode``, no special
         tokens), so the engine itself needs no tokenizer. Other names as the constructor."""
+        kwargs.setdefault("per_request_seed", True)
         temperature = float(kwargs.pop("temperature", 1.0))
         top_k = kwargs.pop("top_k", None)
         kwargs.setdefault("do_sample", temperature > 0)
@@ -414,8 +428,16 @@ def check_warpers_have_do_sample(keywords: dict[str, Any], decided: bool = False
 
 
 def _vllm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Constructor keywords with vLLM's one-to-one names translated, the rest of vLLM's refused
-    (each with what to do instead)."""
+    """Constructor keywords with vLLM's one-to-one names translated, vLLM's names at values that
+    ask for nothing dropped, the rest of vLLM's refused (each with what to do instead)."""
+    if "max_tokens" in kwargs and kwargs["max_tokens"] is None:
+        raise ValueError(
+            "max_tokens=None (vLLM: up to the model's context) is not supported: graphcap "
+            "sizes a call's buffers by its token budget; give max_tokens=N (at most the "
+            "model's max_position_embeddings minus the prompt width)"
+        )
+    neutral = [k for k in kwargs if k in VLLM_UNSUPPORTED and _neutral(k, kwargs[k])]
+    kwargs = {k: v for k, v in kwargs.items() if k not in neutral}
     refused = sorted(k for k in kwargs if k in VLLM_UNSUPPORTED)
     if refused:
         instead = "; ".join(f"{k}: {VLLM_INSTEAD[k]}" for k in refused if k in VLLM_INSTEAD)
@@ -438,6 +460,11 @@ def _vllm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def _neutral(name: str, value: Any) -> bool:
+    """Whether vLLM's ``name`` at ``value`` asks for nothing (:data:`VLLM_UNSUPPORTED`)."""
+    return any(type(value) is type(off) and value == off for off in VLLM_UNSUPPORTED[name])
 
 
 def override(params: SamplingParams, changes: dict[str, Any]) -> SamplingParams:

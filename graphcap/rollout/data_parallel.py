@@ -39,6 +39,18 @@ def rank_seed(seed: int, rank: int) -> int:
     return seed + rank
 
 
+def rank_sampling(
+    sampling: SamplingParams | GenerationConfig | None, rank: int
+) -> SamplingParams | GenerationConfig | None:
+    """The settings rank ``rank`` runs: a call seed becomes :func:`rank_seed`'s, except a
+    ``per_request_seed`` (``from_vllm``), which is every prompt's own on every rank."""
+    if not isinstance(sampling, SamplingParams) or sampling.seed is None:
+        return sampling
+    if sampling.per_request_seed:
+        return sampling
+    return dataclasses.replace(sampling, seed=rank_seed(sampling.seed, rank))
+
+
 def generate_data_parallel(
     engine: RolloutEngine,
     input_ids: torch.Tensor,
@@ -54,7 +66,8 @@ def generate_data_parallel(
     (left-padded, as for ``generate``). Rows come back on the CPU; ``stats`` are this rank's own
     call's (a rank without prompts reports an empty ``"eager"`` call). With
     ``SamplingParams(seed=s)`` rank ``r`` samples with seed ``s + r`` (:func:`rank_seed`):
-    sampled tokens depend on the world size, greedy ones do not.
+    sampled tokens depend on the world size, greedy ones do not; a ``per_request_seed``
+    (``from_vllm``) is every prompt's own on every rank.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
@@ -68,8 +81,7 @@ def generate_data_parallel(
             f"request_max_new_tokens has {len(request_max_new_tokens)} entries for {rows} prompts"
         )
     start, stop = shard_bounds(rows, rank, world)
-    if isinstance(sampling, SamplingParams) and sampling.seed is not None:
-        sampling = dataclasses.replace(sampling, seed=rank_seed(sampling.seed, rank))
+    sampling = rank_sampling(sampling, rank)
     part = None
     stats = RolloutStats(path="eager")
     if stop > start:

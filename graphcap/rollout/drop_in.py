@@ -18,6 +18,7 @@ restored after.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -129,15 +130,9 @@ class AcceleratedGenerate:
         self.engine.shutdown()
 
     @functools.cached_property
-    def patched(self) -> Callable[..., Any]:
-        """The function installed as the model's ``generate`` (keeps its signature and doc)."""
-
-        @functools.wraps(self.original)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            return self(*args, **kwargs)
-
-        generate.graphcap = self  # type: ignore[attr-defined]
-        return generate
+    def patched(self) -> InstalledGenerate:
+        """What is installed as the model's ``generate``."""
+        return InstalledGenerate(self)
 
     def _request(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Request | None, str | None]:
         """The call as graphcap would serve it, or the reason it goes to ``generate``."""
@@ -213,6 +208,29 @@ class AcceleratedGenerate:
                 GenerateFallbackWarning,
                 stacklevel=4,
             )
+
+
+class InstalledGenerate:
+    """The model's ``generate`` while graphcap serves it: calls ``graphcap`` (the
+    :class:`AcceleratedGenerate`), with the original's signature and doc.
+
+    A copy of the model (``copy.deepcopy``, ``pickle``, ``torch.save``) gets its own class's
+    plain ``generate`` in this one's place: the copy has its own weights, and an engine is bound
+    to the model it was built for (its graphs read that model's parameters), so a copy must not
+    run it; ``accelerate_generate(copy)`` gives the copy an engine of its own. A saved model
+    therefore loads without graphcap.
+    """
+
+    def __init__(self, graphcap: AcceleratedGenerate) -> None:
+        self.graphcap = graphcap
+        functools.update_wrapper(self, graphcap.original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graphcap(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        # rebuilt before the copy's __dict__ is filled in: the lookup finds its class's generate
+        return getattr, (self.graphcap.model, "generate")
 
 
 def _per_step(record: torch.Tensor | None, steps: int) -> tuple[torch.Tensor, ...] | None:
@@ -314,16 +332,50 @@ def generating_model(model: torch.nn.Module) -> PreTrainedModel:
     return model
 
 
-def default_config(model: PreTrainedModel) -> RolloutConfig:
-    """Graphs on; total lengths padded to powers of two (trainers pass prompts of a new width
-    every call; each bucket is one graph, captured once); the finished flag read after every
-    step, as ``generate`` reads it, so a sampled call stops on generate's step and draws
-    exactly generate's random numbers (the next call's draws then match too)."""
+def drop_in_default_config(model: PreTrainedModel) -> RolloutConfig:
+    """The config :func:`accelerate_generate` uses when given none: graphs on; total lengths
+    padded to powers of two (trainers pass prompts of a new width every call; each bucket is
+    one graph, captured once); the finished flag read after every step, as ``generate`` reads
+    it (:func:`drop_in_config`). Extend it with ``dataclasses.replace``."""
     limit = getattr(model.config, "max_position_embeddings", None) or 2**16
     buckets = tuple(2**k for k in range(6, max(6, limit.bit_length()) + 1) if 2**k <= limit)
     return RolloutConfig(
         enable_graph_capture=True, length_buckets=buckets or None, eos_check_interval=1
     )
+
+
+def drop_in_config(config: RolloutConfig) -> RolloutConfig:
+    """The config the drop-in runs for ``config``. Under ``draws="generate"`` (generate's own
+    random numbers), what makes a sampled call draw exactly the numbers ``generate`` draws (so
+    this call's tokens and every later call's match) is set here, whatever ``config`` says: the
+    finished flag is read after every step (``eos_check_interval=1``: a call whose rows all end
+    early stops on generate's step, not up to an interval later, drawing for steps generate
+    never ran), and the batch is not padded (``batch_buckets``: a padding row would draw too).
+    A batch bucket, or an interval chosen other than the default, is dropped with a warning;
+    the continuous path, which samples its rows in another order, is refused. Per-row draws
+    (the default) take one number from the generator per call whatever the call's shape, so
+    ``config`` is used as it is."""
+    if config.draws != "generate":
+        return config
+    if config.continuous_batch_size is not None:
+        raise ValueError(
+            'accelerate_generate with draws="generate" serves generate()\'s calls on the static '
+            "path: continuous_batch_size samples rows in another order than generate (drop it, "
+            'or use draws="per_row")'
+        )
+    default = RolloutConfig.__dataclass_fields__["eos_check_interval"].default
+    dropped = [f"batch_buckets={config.batch_buckets}"] if config.batch_buckets else []
+    if config.eos_check_interval not in (1, default):
+        dropped.append(f"eos_check_interval={config.eos_check_interval}")
+    if dropped:
+        warnings.warn(
+            f"graphcap: accelerate_generate runs without {', '.join(dropped)} (it uses "
+            "eos_check_interval=1 and no batch buckets, so sampled calls draw generate's "
+            "random numbers)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return dataclasses.replace(config, eos_check_interval=1, batch_buckets=None)
 
 
 def accelerate_generate(
@@ -333,7 +385,8 @@ def accelerate_generate(
 
     ``model``: a transformers model, or a wrapper of one (DDP, accelerate-prepared, PEFT): the
     replacement is installed on the model whose ``generate`` finally runs, so calls through the
-    wrapper reach it. ``config``: the engine's settings (default: :func:`default_config`).
+    wrapper reach it. ``config``: the engine's settings (default:
+    :func:`drop_in_default_config`), as :func:`drop_in_config` adjusts them.
     Returns the installed object (``.stats``, ``.engine``, ``.restore()``).
     """
     target = generating_model(model)
@@ -343,7 +396,17 @@ def accelerate_generate(
             "graphcap already serves this model's generate(); call "
             "graphcap.rollout.restore_generate(model) first to change its config"
         )
-    accelerated = AcceleratedGenerate(target, config or default_config(target))
+    config = drop_in_config(config or drop_in_default_config(target))
+    accelerated = AcceleratedGenerate(target, config)
+    if getattr(target, "dtype", None) in (torch.float16, torch.bfloat16):
+        warnings.warn(
+            f"graphcap: this model computes in {target.dtype}: served calls are half-precision "
+            "rollouts, which graphcap's captured step rounds differently from generate's (its "
+            "attention over a padded cache, a backend's graph attention, compiled blocks), so "
+            "tokens can part from generate's after a near tie; they equal generate's in float32",
+            UserWarning,
+            stacklevel=2,
+        )
     target.generate = accelerated.patched
     return accelerated
 

@@ -137,9 +137,10 @@ class RowPlan:
 def per_prompt_params(call: SamplingParams | Sequence[SamplingParams], rows: int) -> list:
     """One :class:`SamplingParams` per prompt row: a list as given, or the call's settings
     repeated, where a call ``seed`` ``s`` gives prompt row ``i`` the seed ``s + i`` (distinct
-    streams per prompt; run a row alone with ``seed=s + i`` to reproduce it)."""
+    streams per prompt; run a row alone with ``seed=s + i`` to reproduce it), or ``s`` itself
+    where it is ``per_request_seed`` (vLLM's: a prompt draws alike at any batch position)."""
     if isinstance(call, SamplingParams):
-        if call.seed is None:
+        if call.seed is None or call.per_request_seed:
             return [call] * rows
         return [replace(call, seed=(call.seed + i) % 2**64) for i in range(rows)]
     if len(call) != rows:

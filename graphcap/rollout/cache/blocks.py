@@ -6,7 +6,8 @@ table with device index math only, so it captures; the table's entries and the a
 the host's, changed between replays only: the host knows each row's write column without a
 device read (the static path's width plus steps, the continuous path's ``SlotTable.column``) and
 hands blocks out ahead (:meth:`BlockKVCache.assign`). When the free list runs dry the pools grow:
-new tensors, so the graph that read the old ones is dropped first and the step recaptured.
+new tensors, so the graph that read the old ones is dropped first and the step recaptured (a pool
+of :func:`whole_table_blocks`, as the static path sizes its own, never runs dry).
 
 Block 0 is the null block (zeros, never written) that unassigned entries point at; block 1 is the
 shared *sink* block: an idle row's table points its first entry there, it writes its step's K/V
@@ -47,6 +48,12 @@ def reads_blocks(attention: str) -> bool:
 def rounded_length(total_len: int, block_size: int) -> int:
     """``total_len`` rounded up to whole blocks (the logical row length of a block table)."""
     return -(-total_len // block_size) * block_size
+
+
+def whole_table_blocks(batch_size: int, max_len: int, block_size: int) -> int:
+    """Blocks in a pool that holds every row's whole table, plus the null and sink blocks: the
+    most a ``batch_size`` x ``max_len`` table can ever hand out, so such a pool never grows."""
+    return batch_size * (max_len // block_size) + _RESERVED
 
 
 class BlockKVLayer(PreallocatedLayer):

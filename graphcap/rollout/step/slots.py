@@ -61,6 +61,8 @@ class ContinuousStep(DecodeStep):
         self.reach = torch.zeros(slots, dtype=torch.long, device=device) if blocks else None
 
     allocate_state = staticmethod(allocate_state)
+    #: slots hold requests of any length: the pool follows the tokens held, growing as needed
+    pool_for_bucket = False
 
     def mutable_tensors(self) -> list[torch.Tensor]:
         reach = [self.reach] if self.reach is not None else []

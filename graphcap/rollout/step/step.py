@@ -16,12 +16,12 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 import torch
 from transformers.cache_utils import Cache
 
-from graphcap.rollout.cache.blocks import BlockKVCache
+from graphcap.rollout.cache.blocks import BlockKVCache, whole_table_blocks
 from graphcap.rollout.cache.cache import LayerSpec, SpanView, StaticKVCache
 from graphcap.rollout.cache.masks import MaskBuffers
 from graphcap.rollout.plan.signature import attention_implementation
@@ -285,7 +285,9 @@ class DecodeStep:
         if sig.kv_block_size is None:
             cache = StaticKVCache(specs, batch, total)
         else:
-            cache = BlockKVCache(specs, batch, total, sig.kv_block_size)
+            size = sig.kv_block_size
+            blocks = whole_table_blocks(batch, total, size) if cls.pool_for_bucket else None
+            cache = BlockKVCache(specs, batch, total, size, num_blocks=blocks)
         masks = MaskBuffers.for_model(
             model.config, batch, total, sig.dtype, device, plan.windows, sig.mask_form
         )
@@ -300,6 +302,10 @@ class DecodeStep:
         return cls(model, cache, masks, state, sig.sampler, generator)
 
     allocate_state = staticmethod(DecodeState.allocate)
+    #: A block table's pool holds every row's whole table from the start: a call's rows all
+    #: write the same columns, so some call of a length bucket needs all of it, and a pool
+    #: grown later would drop the bucket's graph (each bucket is one graph, captured once).
+    pool_for_bucket: ClassVar[bool] = True
 
     def mutable_tensors(self) -> list[torch.Tensor]:
         """Everything a step writes except the K/V buffers."""
