@@ -1,13 +1,14 @@
 """TRL's GRPOTrainer with graphcap under the policy's ``generate`` (docs/trainers.md).
 
     python examples/trl_grpo.py                        # tiny random Llama, this machine's backend
-    python examples/trl_grpo.py --compare              # also the same run without graphcap
+    python examples/trl_grpo.py --compare --draws generate  # also the run without graphcap
     python examples/trl_grpo.py --model llama-1b --dtype bf16 --compare --json out.json  # a GPU
 
 The trainer is TRL's own, unchanged: graphcap goes under ``model.generate`` with one call after
 the trainer is built (:func:`graphcap.rollout.accelerate_generate`) and comes off with another.
 With ``--compare`` the run is repeated without graphcap from the same seed; the completions of
-every step are compared and each run's rollout seconds per step are printed (rollout = the
+every step are compared (equal token for token under ``--draws generate``; graphcap's default
+per-row draws sample the same distribution from other random numbers) and each run's rollout seconds per step are printed (rollout = the
 ``generate`` call TRL makes per step; the first step's includes graphcap's capture). Models are
 built from a preset's config with random weights and a word-level tokenizer over the model's
 vocabulary (nothing is downloaded).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +33,7 @@ from transformers import PreTrainedTokenizerFast
 
 import graphcap
 from graphcap.bench.models import DTYPES, build_model
-from graphcap.rollout import accelerate_generate, restore_generate
+from graphcap.rollout import accelerate_generate, drop_in_default_config, restore_generate
 from graphcap.tiny_models import tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -123,7 +125,10 @@ def run(args: argparse.Namespace, with_graphcap: bool) -> dict[str, Any]:
         train_dataset=data,
         processing_class=word_tokenizer(vocab),
     )
-    accelerated = accelerate_generate(trainer.model) if with_graphcap else None
+    accelerated = None
+    if with_graphcap:
+        base = drop_in_default_config(trainer.model)
+        accelerated = accelerate_generate(trainer.model, replace(base, draws=args.draws))
     timed = Timed(model, backend.synchronize)
     model.generate = timed
     try:
@@ -183,6 +188,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--words", type=int, default=6, help="the longest prompt, in words")
     parser.add_argument("--compare", action="store_true", help="also run without graphcap")
+    parser.add_argument(
+        "--draws",
+        default="per_row",
+        choices=["per_row", "generate"],
+        help="how sampled rows draw (RolloutConfig.draws): per-row streams (graphcap's "
+        "default: the same distribution, other random numbers) or generate's own numbers, "
+        "so that --compare finds the plain run's completions token for token",
+    )
     parser.add_argument("--output-dir", default="/tmp/graphcap-trl-grpo")
     parser.add_argument("--json", help="write both runs' figures here")
     args = parser.parse_args()

@@ -26,7 +26,8 @@ STEPS = 3
 
 def test_grpo_with_graphcap_samples_exactly_what_it_samples_without(tmp_path):
     report = tmp_path / "runs.json"
-    command = [sys.executable, str(EXAMPLE), "--compare", "--steps", str(STEPS)]
+    command = [sys.executable, str(EXAMPLE), "--compare", "--draws", "generate"]
+    command += ["--steps", str(STEPS)]
     command += ["--output-dir", str(tmp_path), "--json", str(report)]
     done = subprocess.run(
         command,
