@@ -114,6 +114,13 @@ PLANTS = (
         ),
     ),
     Plant(
+        "capability declared under its API 1 name ignored",
+        "graphcap/backend.py",
+        "        setattr(cls, new, vars(cls)[old])\n",
+        "        pass\n",
+        ("tests/test_registry.py::test_plugin_declaring_api_1_capability_names_still_works",),
+    ),
+    Plant(
         "projections joined over another library's flat buffer",
         "graphcap/rollout/plan/fusion.py",
         "        foreign = [group for group in moved if not group.owns_storage()]\n",

@@ -545,7 +545,7 @@ class RolloutConfig:
     (``stats.kv_layout`` says which ran).
     ``fuse_projections``: projections that read one input (q/k/v, gate/up) run as one product
     over their weights joined in one buffer, whose views the parameters become
-    (:mod:`graphcap.rollout.plan.fusion`; ``stats.joined_projections`` counts the groups), in
+    (:mod:`graphcap.rollout.plan.fusion`; ``stats.fused_projections`` counts the groups), in
     every step and the prefill of a call, eager or captured; results equal the unjoined
     model's within float rounding. ``None`` (the default) joins in graph engines where the
     backend declares that it pays (``Capabilities.fuse_projections_by_default``: CUDA),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +25,9 @@ class RolloutStats:
     the blocks around attention compiled (``RolloutConfig.compile``); ``compile_cache``: what
     the capture that compiled did with the compile cache (``"loaded"``, ``"new"``,
     ``"unreadable"``, ``"off"``; :mod:`graphcap.rollout.holder.compile_cache`), ``None`` when this
-    call compiled nothing. ``joined_projections``: groups of
-    projections that ran as one product (``RolloutConfig(fuse_projections=True)``).
+    call compiled nothing. ``fused_projections``: groups of
+    projections that ran as one product (``RolloutConfig(fuse_projections=True)``;
+    ``joined_projections`` is its deprecated name).
     ``kv_layout``: ``"static"`` (one K/V buffer per row) or ``"blocks"`` (the block table,
     ``RolloutConfig.kv_block_size``); ``kv_blocks_held``: the most blocks rows held at once in
     the call; ``kv_pool_growths``: times the block pools grew (each drops the graph reading
@@ -54,11 +56,21 @@ class RolloutStats:
     attention: str | None = None
     compiled: bool = False
     compile_cache: str | None = None
-    joined_projections: int = 0
+    fused_projections: int = 0
     kv_layout: str = "static"
     kv_blocks_held: int = 0
     kv_pool_growths: int = 0
     kv_cache_bytes: int = 0
+
+    @property
+    def joined_projections(self) -> int:
+        """Deprecated name of ``fused_projections``."""
+        warnings.warn(
+            "RolloutStats.joined_projections is deprecated; read fused_projections",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.fused_projections
 
 
 @dataclass

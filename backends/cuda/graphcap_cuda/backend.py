@@ -60,13 +60,13 @@ class CUDABackend(GraphBackend):
     # uncompiled, docs/benchmarks.md), and its compiled code is kept between processes
     # (graphcap.rollout.holder.compile_cache), so default configurations compile; compile=False
     # opts out.
-    compiles_by_default: ClassVar[bool] = True
+    compile_by_default: ClassVar[bool] = True
     # Joined q/k/v and gate/up products made the default step faster at every batch size
     # measured (one fresh process each, same run): llama-8b batch 1, 64, 256 4.27 -> 4.05,
     # 5.89 -> 5.34, 11.35 -> 11.00 ms; llama-1b 1.00 -> 0.92, 1.60 -> 1.36, 2.61 -> 2.45 ms
     # (benchmarks/results/steps/joined-steps-*-383756f.json); the parameters become views of the
     # joined buffers, so memory does not grow and in-place weight updates reach them.
-    joins_projections_by_default: ClassVar[bool] = True
+    fuse_projections_by_default: ClassVar[bool] = True
 
     @classmethod
     def availability(cls) -> Availability:

@@ -77,7 +77,7 @@ def check_sharded_group(scan: ModelScan, config: RolloutConfig) -> None:
 
 def graph_refusal(model: torch.nn.Module, backend: Backend, scan: ModelScan) -> str | None:
     """Why this call must run eagerly although graphs were requested, or ``None``."""
-    if not backend.supports_graph_capture:
+    if not backend.capabilities.graph_capture:
         return f"backend {backend.name!r} cannot capture graphs (create_graph() returned None)"
     # private: transformers' own flag for models with recurrent state (no public equivalent)
     if getattr(model, "_is_stateful", False):
