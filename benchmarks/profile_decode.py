@@ -131,7 +131,7 @@ def profile_case(
     result = {
         "preset": preset,
         "compiled": out.stats.compiled,
-        "joined_projections": out.stats.joined_projections,
+        "joined_projections": out.stats.fused_projections,
         "dtype": dtype,
         "batch": batch,
         "sampling": sampling,

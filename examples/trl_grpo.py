@@ -8,20 +8,20 @@ The trainer is TRL's own, unchanged: graphcap goes under ``model.generate`` with
 the trainer is built (:func:`graphcap.rollout.accelerate_generate`) and comes off with another.
 With ``--compare`` the run is repeated without graphcap from the same seed; the completions of
 every step are compared (equal token for token under ``--draws generate``; graphcap's default
-per-row draws sample the same distribution from other random numbers) and each run's rollout seconds per step are printed (rollout = the
-``generate`` call TRL makes per step; the first step's includes graphcap's capture). Models are
-built from a preset's config with random weights and a word-level tokenizer over the model's
-vocabulary (nothing is downloaded).
+per-row draws sample the same distribution from other random numbers) and each run's rollout
+seconds per step are printed (rollout = the ``generate`` call TRL makes per step; the first
+step's includes graphcap's capture). Models are built from a preset's config with random
+weights and a word-level tokenizer over the model's vocabulary (nothing is downloaded).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
@@ -38,7 +39,9 @@ class Availability:
 class Capabilities:
     """What the rollout engine may rely on; checked by the conformance suite.
 
-    ``graph_capture`` is derived from ``create_graph()``; the others are declared by the backend.
+    Each field is declared on the :class:`Backend` class under the same name. ``graph_capture``
+    is then derived from behaviour (``create_graph()`` returning a graph), and the others are
+    reported ``False`` (or ``None``) where they need graph capture and it is missing.
     ``mask_form`` is the attention-mask form its graph-safe attention wants: ``"additive"``
     (float, 0 / -inf, SDPA's float convention) or ``"bool"`` (True = attend).
     ``graph_attention`` names the attention implementation (one the plugin offers through
@@ -48,9 +51,9 @@ class Capabilities:
     ``RolloutConfig(compile=True)`` may capture a compiled decode forward.
     ``compile_by_default``: compiling the captured step pays on this backend (measured), so
     ``RolloutConfig(compile=None)``, the default, compiles; needs ``captures_compiled``.
-    ``fuse_projections_by_default``: joining q/k/v and gate/up into one product each pays in
+    ``fuse_projections_by_default``: fusing q/k/v and gate/up into one product each pays in
     captured steps here (measured), so graph engines with ``RolloutConfig(fuse_projections=None)``,
-    the default, join them; needs graph capture.
+    the default, fuse them; needs graph capture.
     ``kv_block_size``: the engine keeps K/V in a block table of this block size
     (:mod:`graphcap.kv_blocks`) where ``RolloutConfig.kv_block_size`` is ``"auto"``; ``None``
     keeps the static cache. ``graph_kv_lengths_on_host``: captured block-aware attention takes
@@ -74,6 +77,34 @@ class Capabilities:
         return asdict(self)
 
 
+#: Capability names of plugin API version 1, accepted for one more version: old -> new.
+OLD_CAPABILITY_NAMES = {
+    "captures_graphs": "graph_capture",
+    "attention_mask_form": "mask_form",
+    "compiles_by_default": "compile_by_default",
+    "joins_projections_by_default": "fuse_projections_by_default",
+}
+
+
+def _accept_old_capability_names(cls: type[Backend]) -> None:
+    """A class declaring a capability under its version-1 name gets it under the new name,
+    with a ``DeprecationWarning``; both names on one class is an error."""
+    for old, new in OLD_CAPABILITY_NAMES.items():
+        if old not in vars(cls):
+            continue
+        if new in vars(cls):
+            raise TypeError(
+                f"{cls.__qualname__} declares both {old} (plugin API 1) and {new}; keep only {new}"
+            )
+        warnings.warn(
+            f"{cls.__qualname__}.{old} is the plugin API 1 name of {new}; declare {new} "
+            f"instead (the old name is read for one more version)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        setattr(cls, new, vars(cls)[old])
+
+
 class Backend:
     """Base class of every graphcap backend.
 
@@ -86,26 +117,26 @@ class Backend:
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
     device_type: ClassVar[str] = "cpu"
-    #: Declared: does ``create_graph()`` hand out graphs where this backend is available? The
-    #: engine goes by behaviour; the conformance suite fails a backend whose behaviour differs
-    #: from this statement (a capture that regressed to ``None`` must not pass as "eager only").
-    #: ``None`` means undeclared, which the suite also fails.
-    captures_graphs: ClassVar[bool | None] = None
-    #: Declared capabilities (``graph_capture`` is derived, see :attr:`capabilities`).
+    # Declared capabilities, one ClassVar per field of :class:`Capabilities`, same name.
+    #: Does ``create_graph()`` hand out graphs where this backend is available? The engine goes
+    #: by behaviour (``capabilities.graph_capture``); the conformance suite fails a backend
+    #: whose behaviour differs from this statement (a capture that regressed to ``None`` must
+    #: not pass as "eager only"). ``None`` means undeclared, which the suite also fails.
+    graph_capture: ClassVar[bool | None] = None
     rng_in_graph: ClassVar[bool] = False
     collectives_in_graph: ClassVar[bool] = False
     capture_needs_side_stream: ClassVar[bool] = False
-    attention_mask_form: ClassVar[MaskForm] = "additive"
+    mask_form: ClassVar[MaskForm] = "additive"
     #: Attention implementation the engine selects for captured steps (see Capabilities).
     graph_attention: ClassVar[str | None] = None
     #: Whether a capture records compiled (inductor) regions (see Capabilities).
     captures_compiled: ClassVar[bool] = False
     #: Whether default configurations compile captured steps here (see Capabilities): declare
     #: it only where a benchmark showed the compiled step faster and its cached restart cheap.
-    compiles_by_default: ClassVar[bool] = False
-    #: Whether default graph engines join q/k/v and gate/up products here (see Capabilities):
-    #: declare it only where a benchmark showed the joined step faster at every batch size.
-    joins_projections_by_default: ClassVar[bool] = False
+    compile_by_default: ClassVar[bool] = False
+    #: Whether default graph engines fuse q/k/v and gate/up products here (see Capabilities):
+    #: declare it only where a benchmark showed the fused step faster at every batch size.
+    fuse_projections_by_default: ClassVar[bool] = False
     #: Block size of the block KV table the engine uses here by default (see Capabilities);
     #: ``None``: the static cache.
     kv_block_size: ClassVar[int | None] = None
@@ -118,6 +149,10 @@ class Backend:
 
     def __init__(self, index: int | None = None) -> None:
         self._index = index
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _accept_old_capability_names(cls)
 
     # ---- identity -------------------------------------------------------------------------
     @classmethod
@@ -206,32 +241,44 @@ class Backend:
     def _no_graph_message(self, hook: str) -> str:
         return (
             f"backend {self.name!r} cannot capture graphs (create_graph() returned None), so "
-            f"{hook}() has nothing to do; check backend.supports_graph_capture and run eagerly"
+            f"{hook}() has nothing to do; check backend.capabilities.graph_capture and run "
+            "eagerly"
         )
 
     # ---- capabilities ---------------------------------------------------------------------
-    @property
-    def supports_graph_capture(self) -> bool:
-        """Derived from behaviour: can this backend hand out a graph object?"""
-        cached = self.__dict__.get("_supports_graph_capture")
+    def _creates_graphs(self) -> bool:
+        """Behaviour, probed once: does ``create_graph()`` hand out a graph object?"""
+        cached = self.__dict__.get("_created_graph")
         if cached is None:
             cached = self.create_graph() is not None
-            self.__dict__["_supports_graph_capture"] = cached
+            self.__dict__["_created_graph"] = cached
         return cached
 
     @property
+    def supports_graph_capture(self) -> bool:
+        """Deprecated: read ``capabilities.graph_capture``."""
+        warnings.warn(
+            "Backend.supports_graph_capture is deprecated; read backend.capabilities.graph_capture",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._creates_graphs()
+
+    @property
     def capabilities(self) -> Capabilities:
-        capture = self.supports_graph_capture
+        """The declared capabilities, with ``graph_capture`` from behaviour and the ones that
+        need graph capture switched off where it is missing."""
+        capture = self._creates_graphs()
         return Capabilities(
             graph_capture=capture,
             rng_in_graph=capture and self.rng_in_graph,
             collectives_in_graph=capture and self.collectives_in_graph,
             capture_needs_side_stream=self.capture_needs_side_stream,
-            mask_form=self.attention_mask_form,
+            mask_form=self.mask_form,
             graph_attention=self.graph_attention if capture else None,
             captures_compiled=capture and self.captures_compiled,
-            compile_by_default=capture and self.captures_compiled and self.compiles_by_default,
-            fuse_projections_by_default=capture and self.joins_projections_by_default,
+            compile_by_default=capture and self.captures_compiled and self.compile_by_default,
+            fuse_projections_by_default=capture and self.fuse_projections_by_default,
             kv_block_size=self.kv_block_size,
             graph_kv_lengths_on_host=capture and self.graph_kv_lengths_on_host,
         )
@@ -344,7 +391,7 @@ class Backend:
             "distribution": self.distribution,
             "version": self.distribution_version,
             "priority": self.priority,
-            "declares_graphs": self.captures_graphs,
+            "declares_graphs": self.graph_capture,
             "available": availability.ok,
             "reason": availability.reason,
         }
@@ -366,7 +413,7 @@ class GraphBackend(Backend):
     module is not where the graphs are.
     """
 
-    captures_graphs: ClassVar[bool | None] = True
+    graph_capture: ClassVar[bool | None] = True
     #: The graph class's name in the graph library, e.g. ``"CUDAGraph"``.
     graph_class: ClassVar[str] = "Graph"
     #: Appended to a failed capture's error: the usual causes on this device.

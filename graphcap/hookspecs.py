@@ -19,8 +19,10 @@ PROJECT_NAME = "graphcap"
 ENTRY_POINT_GROUP = "graphcap"
 #: The contract version this core speaks. Bump it when the Backend contract changes
 #: incompatibly; list older versions in SUPPORTED_API_VERSIONS while they still work.
-PLUGIN_API_VERSION = 1
-SUPPORTED_API_VERSIONS: tuple[int, ...] = (1,)
+#: Version 2 declares each capability under its ``Capabilities`` name; version 1's names
+#: (``graphcap.backend.OLD_CAPABILITY_NAMES``) still work, with a DeprecationWarning.
+PLUGIN_API_VERSION = 2
+SUPPORTED_API_VERSIONS: tuple[int, ...] = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -122,6 +122,20 @@ PLANTS = (
         ),
     ),
     Plant(
+        "capability declared under its API 1 name ignored",
+        "graphcap/backend.py",
+        "        setattr(cls, new, vars(cls)[old])\n",
+        "        pass\n",
+        ("tests/test_registry.py::test_plugin_declaring_api_1_capability_names_still_works",),
+    ),
+    Plant(
+        "a doc links a page that is not there",
+        "README.md",
+        "- [docs/decisions.md](docs/decisions.md):",
+        "- [docs/decisions.md](docs/decision-log.md):",
+        ("tests/test_repository.py::test_relative_links_in_the_docs_resolve",),
+    ),
+    Plant(
         "projections joined over another library's flat buffer",
         "graphcap/rollout/plan/fusion.py",
         "        foreign = [group for group in moved if not group.owns_storage()]\n",

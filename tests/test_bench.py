@@ -379,7 +379,7 @@ class CompilingBackend(CPUBackend):
     """Declares that compiled captures pay, as CUDA does (the CPU graph would refuse them)."""
 
     captures_compiled = True
-    compiles_by_default = True
+    compile_by_default = True
 
 
 def test_the_graph_mode_is_the_default_config_and_compiles_where_that_pays(

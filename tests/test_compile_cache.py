@@ -156,7 +156,7 @@ class CompilingBackend(CPUBackend):
     after its warm-up compiled: the compile cache is used exactly as on a device."""
 
     captures_compiled = True
-    compiles_by_default = True
+    compile_by_default = True
 
 
 def engine_call(model, directory: Path) -> tuple[object, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Whether captured steps compile: ``RolloutConfig.compile`` (``None`` by default) against the
-backend's declared ``compiles_by_default``; the CPU reference backend never compiles unasked."""
+backend's declared ``compile_by_default``; the CPU reference backend never compiles unasked."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ class CompilingBackend(CPUBackend):
     """Declares that captures record compiled code and that compiling pays (as CUDA does)."""
 
     captures_compiled = True
-    compiles_by_default = True
+    compile_by_default = True
 
 
 class ClaimsOnlyDefault(CPUBackend):
     """Declares that compiling pays without declaring that captures record compiled code."""
 
-    compiles_by_default = True
+    compile_by_default = True
 
 
 def planned_compile(backend, model=None, **config) -> bool:

@@ -56,7 +56,7 @@ class NoOpGraph:
 class NoOpGraphBackend(Backend):
     name = "noop-graph"
     priority = -20
-    captures_graphs = True
+    graph_capture = True
     rng_in_graph = True
 
     def create_graph(self):
@@ -74,7 +74,7 @@ class EagerOnlyBackend(Backend):
 
     name = "eager-only"
     priority = -20
-    captures_graphs = False
+    graph_capture = False
 
 
 class SilentEagerBackend(Backend):
@@ -82,7 +82,7 @@ class SilentEagerBackend(Backend):
 
     name = "silent-eager"
     priority = -20
-    captures_graphs = False
+    graph_capture = False
 
     def capture_to_graph(self, graph, pool=None, stream=None, capture_error_mode=None):
         return contextlib.nullcontext()
@@ -103,7 +103,7 @@ class UndeclaredBackend(CPUBackend):
 
     name = "undeclared"
     priority = -20
-    captures_graphs = None
+    graph_capture = None
 
 
 class MisdeclaredBackend(CPUBackend):
@@ -111,7 +111,7 @@ class MisdeclaredBackend(CPUBackend):
 
     name = "misdeclared"
     priority = -20
-    captures_graphs = False
+    graph_capture = False
 
 
 class StopsAfterEightBackend(CPUBackend):

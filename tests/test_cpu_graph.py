@@ -380,7 +380,7 @@ def test_is_capturing_only_inside_and_per_thread():
 
 def test_backend_api_round_trip():
     backend = CPUBackend()
-    assert backend.supports_graph_capture
+    assert backend.capabilities.graph_capture
     x = torch.ones(2)
     graph = backend.create_graph()
     assert not backend.is_current_stream_capturing()

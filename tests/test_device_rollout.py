@@ -33,7 +33,7 @@ def backend(requested_backend: str | None) -> graphcap.Backend:
         selected = graphcap.get_backend(name)
     except BackendSelectionError as exc:
         pytest.skip(f"backend {name!r} not usable here: {exc}")
-    if not selected.supports_graph_capture:
+    if not selected.capabilities.graph_capture:
         pytest.skip(f"backend {name!r} cannot capture graphs")
     return selected
 
@@ -149,7 +149,7 @@ def test_compiled_blocks_and_joined_projections_equal_eager_in_fp32(backend, fam
     fast = run(model, ids, mask, backend, True, engine=engine, **params)
     eager = run(model, ids, mask, backend, False, **params)
     assert fast.stats.path == "static_graph" and fast.stats.compiled, fast.stats.fallback_reason
-    assert fast.stats.joined_projections == {"gpt2": 0, "llama": 4, "qwen2": 4}[family]
+    assert fast.stats.fused_projections == {"gpt2": 0, "llama": 4, "qwen2": 4}[family]
     assert torch.equal(fast.sequences, eager.sequences)
     assert torch.allclose(fast.logprobs, eager.logprobs, atol=1e-4, rtol=0)
     with torch.no_grad():

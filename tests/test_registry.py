@@ -7,10 +7,14 @@ from pathlib import Path
 
 import plugin_dists
 import pytest
+import torch
 from plugin_dists import backend_source, install_plugin
+from rollout_models import prompts, run, tiny_model
 
 import graphcap
 from graphcap import registry
+from graphcap.backend import OLD_CAPABILITY_NAMES
+from graphcap.cpu import CPUBackend
 from graphcap.errors import BackendSelectionError
 
 plugin_dir = plugin_dists.plugin_dir
@@ -24,7 +28,6 @@ def test_cpu_backend_is_built_in_and_selected_without_plugins(monkeypatch):
     monkeypatch.setenv(registry.ENV_VAR, "cpu")
     backend = graphcap.get_backend()
     assert backend.name == "cpu"
-    assert backend.supports_graph_capture
     assert backend.capabilities.graph_capture
 
 
@@ -112,6 +115,60 @@ def test_plugin_for_another_api_version_is_refused(plugin_dir):
     assert "future" not in reg.backends
     with pytest.raises(BackendSelectionError, match="written for graphcap plugin API version 99"):
         graphcap.get_backend("future")
+
+
+#: A plugin written for API 1: its backend declares capabilities under their version-1 names.
+API_1_PLUGIN = """
+from graphcap import hookimpl
+from graphcap.cpu import CPUBackend
+
+class LegacyBackend(CPUBackend):
+    name = "legacy"
+    priority = -30
+    captures_graphs = True
+    attention_mask_form = "bool"
+    compiles_by_default = True
+    joins_projections_by_default = True
+
+@hookimpl
+def graphcap_api_version():
+    return 1
+
+@hookimpl
+def graphcap_backends():
+    return [LegacyBackend]
+"""
+
+
+def test_plugin_declaring_api_1_capability_names_still_works(plugin_dir):
+    """Each version-1 name warns once and is read under its new name: the bool mask and the
+    fused projections reach the engine, whose tokens equal the eager loop's."""
+    install_plugin(plugin_dir, "fake-legacy", "fake_legacy", API_1_PLUGIN)
+    with pytest.warns(DeprecationWarning) as caught:
+        registry.discover(refresh=True)
+    warned = " ".join(str(w.message) for w in caught if w.category is DeprecationWarning)
+    for old, new in OLD_CAPABILITY_NAMES.items():
+        assert f"LegacyBackend.{old} is the plugin API 1 name of {new}" in warned
+    backend = graphcap.get_backend("legacy")
+    assert type(backend).graph_capture is True and type(backend).compile_by_default is True
+    caps = backend.capabilities
+    assert caps.graph_capture and caps.mask_form == "bool" and caps.fuse_projections_by_default
+    with pytest.warns(DeprecationWarning, match="read backend.capabilities.graph_capture"):
+        assert backend.supports_graph_capture
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2)
+    expected = run(model, ids, mask, False, max_new_tokens=6, eos_token_id=[])
+    result = run(model, ids, mask, True, backend, max_new_tokens=6, eos_token_id=[])
+    assert result.stats.path == "static_graph" and result.stats.fused_projections == 4
+    assert torch.equal(result.sequences, expected.sequences)
+
+
+def test_old_and_new_name_of_one_capability_on_one_class_is_an_error():
+    with pytest.raises(TypeError, match=r"declares both compiles_by_default .* keep only"):
+
+        class Both(CPUBackend):
+            compiles_by_default = True
+            compile_by_default = True
 
 
 def test_duplicate_backend_name_keeps_first_and_warns(plugin_dir):

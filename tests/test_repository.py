@@ -1,5 +1,6 @@
 """The repository tracks sources only: build artefacts are ignored (.gitignore), and this check
 fails CI when one is committed anyway (``git add -f``, or a .gitignore that lost a line). The
+recorded benchmark results hold results, not scripts, the docs' relative links resolve, and the
 README's quickstart says what its tox commands install."""
 
 from __future__ import annotations
@@ -79,3 +80,41 @@ def test_the_readmes_quickstart_says_what_its_tox_environments_install():
     assert "CPU build of torch" not in readme  # pip's index decides the build
     assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in readme
     assert "tox -v -e bench" in readme and "install_deps>" in readme
+
+
+def test_the_results_folder_holds_results_only():
+    scripts = [
+        path
+        for path in tracked_files()
+        if path.startswith("benchmarks/results/") and path.endswith((".py", ".sh"))
+    ]
+    assert not scripts, (
+        "scripts under benchmarks/results/ (make them part of the suite, benchmarks/*.py "
+        "documented in benchmarks/README.md, or remove them):\n" + "\n".join(scripts)
+    )
+
+
+#: A Markdown link's target: a path (empty: this file) and an optional heading anchor.
+LINK = re.compile(r"\]\(([^)\s#]*)(?:#([^)\s]*))?\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings: lower case, punctuation dropped, spaces
+    as hyphens."""
+    titles = [line.lstrip("#").strip() for line in page.read_text().splitlines() if line[:1] == "#"]
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+def test_relative_links_in_the_docs_resolve():
+    broken = []
+    for name in (path for path in tracked_files() if path.endswith(".md")):
+        page = ROOT / name
+        for target, anchor in LINK.findall(page.read_text()):
+            if target.startswith(("http:", "https:", "mailto:")):
+                continue
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.exists():
+                broken.append(f"{name}: {target} does not exist")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{name}: {target or name}#{anchor} names no heading")
+    assert not broken, "broken links in the docs:\n" + "\n".join(broken)

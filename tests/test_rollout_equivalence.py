@@ -177,7 +177,7 @@ def test_sliding_window_models_match_generate(family_kwargs):
 class BoolMaskBackend(CPUBackend):
     """The CPU reference backend asking for boolean masks (as an NPU fused kernel does)."""
 
-    attention_mask_form = "bool"
+    mask_form = "bool"
 
 
 def test_bool_mask_form_is_honoured():

@@ -35,7 +35,7 @@ def test_joined_graph_equals_eager_and_the_unjoined_model(family, batch):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     _, result = joined(model, ids, mask, return_logprobs=True)
     assert result.stats.path == "static_graph" and result.stats.replays > 0
-    assert result.stats.joined_projections == GROUPS_PER_LAYER[family] * 2
+    assert result.stats.fused_projections == GROUPS_PER_LAYER[family] * 2
     assert torch.equal(result.sequences, expected.sequences)
     assert torch.allclose(result.logprobs, expected.logprobs, atol=1e-5, rtol=0)
     assert distinct_tokens_per_row(result)
@@ -101,7 +101,7 @@ def test_wrapped_or_mismatched_layers_are_left_alone():
     ids, mask = prompts(2)
     expected = run(lora, ids, mask, False, **NO_EOS)
     _, result = joined(lora, ids, mask)
-    assert result.stats.joined_projections == 2
+    assert result.stats.fused_projections == 2
     assert torch.equal(result.sequences, expected.sequences)
 
 
@@ -137,7 +137,7 @@ def test_every_graph_path_runs_joined_and_equals_the_unjoined_eager_loop(config,
     engine = make_engine(model, True, fuse_projections=True, **config)
     result = engine.generate(ids, mask, SamplingParams(**NO_EOS, **sampling))
     assert result.stats.path == path and result.stats.replays > 0, result.stats.fallback_reason
-    assert result.stats.joined_projections == 4
+    assert result.stats.fused_projections == 4
     assert torch.equal(result.sequences, expected.sequences)
 
 
@@ -149,7 +149,7 @@ def test_parameters_gathered_in_forward_are_never_joined():
     before = attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr()
     _, result = joined(model, ids, mask)
     assert result.stats.path == "eager" and "placeholder" in result.stats.fallback_reason
-    assert result.stats.joined_projections == 0
+    assert result.stats.fused_projections == 0
     assert (attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr()) == before
     assert not any("forward" in vars(lin) for lin in linears(model))
 
@@ -157,13 +157,13 @@ def test_parameters_gathered_in_forward_are_never_joined():
 class JoiningBackend(CPUBackend):
     """Declares that joining projections pays in captured steps (as CUDA does)."""
 
-    joins_projections_by_default = True
+    fuse_projections_by_default = True
 
 
 class EagerJoiningBackend(JoiningBackend):
     """Claims the default without being able to capture: the claim is not a capability."""
 
-    captures_graphs = False
+    graph_capture = False
 
     def create_graph(self):
         return None
@@ -192,16 +192,16 @@ class EagerJoiningBackend(JoiningBackend):
 )
 def test_the_default_joins_where_the_backend_declares_it_pays(backend, graph, setting, groups):
     """``fuse_projections=None`` joins in graph engines on a backend that declares
-    ``joins_projections_by_default``; ``True``/``False`` decide alone; either way the tokens
+    ``fuse_projections_by_default``; ``True``/``False`` decide alone; either way the tokens
     and log-probs are the unjoined eager loop's."""
     model = tiny_model("llama", fresh=True)
     ids, mask = prompts(2)
     expected = run(model, ids, mask, False, **NO_EOS, return_logprobs=True)
     engine = make_engine(model, graph, backend=backend, fuse_projections=setting)
     result = engine.generate(ids, mask, SamplingParams(**NO_EOS, return_logprobs=True))
-    assert result.stats.joined_projections == groups
+    assert result.stats.fused_projections == groups
     assert backend.capabilities.fuse_projections_by_default is (
-        isinstance(backend, JoiningBackend) and backend.supports_graph_capture
+        isinstance(backend, JoiningBackend) and backend.capabilities.graph_capture
     )
     assert torch.equal(result.sequences, expected.sequences)
     assert torch.allclose(result.logprobs, expected.logprobs, atol=1e-5, rtol=0)
@@ -221,7 +221,7 @@ def test_parameters_viewing_another_librarys_buffer_are_never_joined():
         start += lin.weight.numel()
     ids, mask = prompts(2)
     engine, result = joined(model, ids, mask)
-    assert result.stats.joined_projections == 3  # layer 0's q/k/v left as they are
+    assert result.stats.fused_projections == 3  # layer 0's q/k/v left as they are
     assert all(lin.weight.untyped_storage().data_ptr() == flat.data_ptr() for lin in group)
     assert torch.equal(result.sequences, run(model, ids, mask, False, **NO_EOS).sequences)
     with torch.no_grad():
@@ -237,7 +237,7 @@ def test_a_joined_model_saves_and_loads_as_before(tmp_path):
     model = tiny_model("llama", fresh=True)
     ids, mask = prompts(2)
     _, result = joined(model, ids, mask)
-    assert result.stats.joined_projections > 0
+    assert result.stats.fused_projections > 0
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path)
     saved, before = loaded.state_dict(), model.state_dict()

@@ -131,7 +131,7 @@ class Mode:
 
     def unsupported(self, backend: Backend) -> str | None:
         """Why this mode cannot run on ``backend`` (``None`` when it can)."""
-        if self.expected_path and not backend.supports_graph_capture:
+        if self.expected_path and not backend.capabilities.graph_capture:
             return f"backend {backend.name!r} cannot capture graphs"
         if self.expected_path and self.compile and _cpu(backend):
             return "the CPU reference backend refuses compiled (inductor) regions at capture"

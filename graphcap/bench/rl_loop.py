@@ -49,7 +49,7 @@ def run_rl_loop(
     opt = make_optimizer(optimizer, list(model.parameters()), lr)
     adv = torch.randn(work.batch_size, generator=torch.Generator().manual_seed(seed))
     adv = adv.to(backend.device)
-    names = ["graphcap-eager", "graphcap-graph"][: 1 + backend.supports_graph_capture]
+    names = ["graphcap-eager", "graphcap-graph"][: 1 + backend.capabilities.graph_capture]
     results = [RLLoopResult(n, work.batch_size, optimizer) for n in names]
     addresses, previous = [(p.data_ptr(), p.shape) for p in model.parameters()], None
     with contextlib.ExitStack() as stack:

@@ -268,7 +268,7 @@ def _run_mode(
         r.captures, r.replays_per_call, r.attention = stats.captures, stats.replays, stats.attention
         r.occupancy = spread(c.stats.occupancy for c in calls)[0]
         r.compiled, r.compile_cache = first.stats.compiled, first.stats.compile_cache
-        r.joined_projections = stats.joined_projections
+        r.joined_projections = stats.fused_projections
         r.first_call_phases = first_call_phases(first.stats, first.seconds, first_compile_s)
     r.path = "hf" if stats is None else stats.path
     if mode.expected_path is not None and r.path != mode.expected_path:

@@ -571,10 +571,10 @@ class RolloutConfig:
     (``align_decode_fronts``, ``trim_cache``) and per-position graphs keep the static cache
     (``stats.kv_layout`` says which ran).
     ``fuse_projections``: projections that read one input (q/k/v, gate/up) run as one product
-    over their weights joined in one buffer, whose views the parameters become
-    (:mod:`graphcap.rollout.plan.fusion`; ``stats.joined_projections`` counts the groups), in
-    every step and the prefill of a call, eager or captured; results equal the unjoined
-    model's within float rounding. ``None`` (the default) joins in graph engines where the
+    over their weights fused in one buffer, whose views the parameters become
+    (:mod:`graphcap.rollout.plan.fusion`; ``stats.fused_projections`` counts the groups), in
+    every step and the prefill of a call, eager or captured; results equal the unfused
+    model's within float rounding. ``None`` (the default) fuses in graph engines where the
     backend declares that it pays (``Capabilities.fuse_projections_by_default``: CUDA),
     ``True`` always, ``False`` never.
     ``batch_ladder``: the batch sizes a static graph call shrinks to as rows end, so a step
@@ -675,8 +675,8 @@ class RolloutConfig:
         return self.compile
 
     def wants_fusion(self, backend: Backend) -> bool:
-        """Whether calls join q/k/v and gate/up products on ``backend``: ``fuse_projections``
-        where set, else in graph engines where the backend declares that joining pays (eager
+        """Whether calls fuse q/k/v and gate/up products on ``backend``: ``fuse_projections``
+        where set, else in graph engines where the backend declares that fusing pays (eager
         engines run the model as it is unless asked)."""
         if self.fuse_projections is None:
             return self.enable_graph_capture and backend.capabilities.fuse_projections_by_default

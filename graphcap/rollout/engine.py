@@ -146,7 +146,7 @@ class RolloutEngine:
             woke, self._sleeping = self._sleeping, False
             stats = result.stats
             stats.captures = self._holder.capture_count()
-            stats.joined_projections = len(self._fusion.active) if self._fusion is not None else 0
+            stats.fused_projections = len(self._fusion.active) if self._fusion is not None else 0
             if woke and stats.captured:
                 stats.recapture_reason.insert(0, WOKE)
             stats.attention = stats.attention or attention_implementation(self.model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +25,9 @@ class RolloutStats:
     the blocks around attention compiled (``RolloutConfig.compile``); ``compile_cache``: what
     the capture that compiled did with the compile cache (``"loaded"``, ``"new"``,
     ``"unreadable"``, ``"off"``; :mod:`graphcap.rollout.holder.compile_cache`), ``None`` when this
-    call compiled nothing. ``joined_projections``: groups of
-    projections that ran as one product (``RolloutConfig(fuse_projections=True)``).
+    call compiled nothing. ``fused_projections``: groups of
+    projections that ran as one product (``RolloutConfig(fuse_projections=True)``;
+    ``joined_projections`` is its deprecated name).
     ``batch_steps``: decode steps run at each batch size (the live-row ladder,
     ``RolloutConfig.batch_ladder``; empty when the call did not use it), ``row_steps``: rows
     those steps computed (their sum of sizes), ``rows_moved``: rows that changed places to let
@@ -61,11 +63,21 @@ class RolloutStats:
     batch_steps: dict[int, int] = field(default_factory=dict)
     row_steps: int = 0
     rows_moved: int = 0
-    joined_projections: int = 0
+    fused_projections: int = 0
     kv_layout: str = "static"
     kv_blocks_held: int = 0
     kv_pool_growths: int = 0
     kv_cache_bytes: int = 0
+
+    @property
+    def joined_projections(self) -> int:
+        """Deprecated name of ``fused_projections``."""
+        warnings.warn(
+            "RolloutStats.joined_projections is deprecated; read fused_projections",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.fused_projections
 
 
 @dataclass

@@ -18,17 +18,14 @@ from graphcap.backend import Availability, GraphBackend
 from graphcap_cuda.attention import DEFAULT_ATTENTION
 from graphcap_cuda.kernels import launch
 
-#: Whether compiled regions fuse independent kernels into one launch (benchmarks turn it off).
-COMBO_KERNELS = True
 #: Whether compiled regions move a gated MLP's activation and residual adds into the one-row
 #: product (graphcap_cuda.kernels.epilogues; benchmarks turn it off).
 EPILOGUES = True
 #: The BLAS library a compiled capture's matrix products run on (``preferred_blas_library``
 #: during its warm-up and capture; replays keep the kernels the capture recorded, and nothing
 #: outside it changes; plain captures keep torch's, so they stay bit-equal to eager steps).
-#: None: torch's setting. Measured on an H200, compiled steps, cuBLAS -> cuBLASLt: llama-8b
-#: batch 64 5.54 -> 5.35 ms, batch 256 11.05 -> 11.11; llama-1b level (batch 64 / 256
-#: 1.34 / 2.44 -> 1.35 / 2.45).
+#: None: torch's setting. cuBLASLt made the compiled batch-64 step faster and cost nothing
+#: elsewhere (docs/decisions.md, decision 18).
 CAPTURE_BLAS: str | None = "cublaslt"
 
 HINT = (
@@ -56,17 +53,14 @@ class CUDABackend(GraphBackend):
     graph_attention: ClassVar[str | None] = DEFAULT_ATTENTION
     # Inductor's kernels are ordinary CUDA launches: a capture records them like any other.
     captures_compiled: ClassVar[bool] = True
-    # The compiled step is the fast one (llama-8b batch 1 on an H200: 4.3 ms against 7.1 ms
-    # uncompiled, docs/benchmarks.md), and its compiled code is kept between processes
+    # The compiled step is the fast one, and its compiled code is kept between processes
     # (graphcap.rollout.holder.compile_cache), so default configurations compile; compile=False
-    # opts out.
-    compiles_by_default: ClassVar[bool] = True
-    # Joined q/k/v and gate/up products made the default step faster at every batch size
-    # measured (one fresh process each, same run): llama-8b batch 1, 64, 256 4.27 -> 4.05,
-    # 5.89 -> 5.34, 11.35 -> 11.00 ms; llama-1b 1.00 -> 0.92, 1.60 -> 1.36, 2.61 -> 2.45 ms
-    # (benchmarks/results/steps/joined-steps-*-383756f.json); the parameters become views of the
-    # joined buffers, so memory does not grow and in-place weight updates reach them.
-    joins_projections_by_default: ClassVar[bool] = True
+    # opts out (docs/decisions.md, decision 39).
+    compile_by_default: ClassVar[bool] = True
+    # Fused q/k/v and gate/up products made the default step faster at every batch size
+    # measured (docs/decisions.md, decision 35); the parameters become views of the fused
+    # buffers, so memory does not grow and in-place weight updates reach them.
+    fuse_projections_by_default: ClassVar[bool] = True
 
     @classmethod
     def availability(cls) -> Availability:
@@ -82,11 +76,10 @@ class CUDABackend(GraphBackend):
     def compile_options(self) -> dict[str, Any]:
         """Inductor's kernels launch dependent like the plugin's (graphcap_cuda.kernels.launch;
         inductor emits it on Hopper and later only), and independent kernels of a region launch
-        as one (combo kernels). Measured on an H200, llama-8b batch 1: 4.54 ms a step without
-        dependent launches, 4.58 with inductor's alone, 4.36 with both, 4.33 with combo kernels
-        too. Where the one-row product runs, a gated MLP's activation and the residual adds
+        as one (combo kernels): each made the compiled step faster (docs/decisions.md,
+        decision 17). Where the one-row product runs, a gated MLP's activation and the residual adds
         around it move into its kernel (graphcap_cuda.kernels.epilogues)."""
-        options = {"combo_kernels": COMBO_KERNELS}
+        options: dict[str, Any] = {"combo_kernels": True}
         if EPILOGUES and self.one_row_product() is not None:
             from graphcap_cuda.kernels import epilogues
 

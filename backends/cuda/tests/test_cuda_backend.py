@@ -76,7 +76,7 @@ def test_kernels_compile_with_inductors_ptxas(monkeypatch) -> None:
 def test_the_default_joins_projections_and_compiles() -> None:
     """CUDA declares both speed defaults (measured in docs/benchmarks.md): joined q/k/v and
     gate/up products and compiled captured steps."""
-    assert CUDABackend.joins_projections_by_default and CUDABackend.compiles_by_default
+    assert CUDABackend.fuse_projections_by_default and CUDABackend.compile_by_default
 
 
 def test_selected_before_the_cpu_backend() -> None:
@@ -92,7 +92,7 @@ def test_declared_capabilities_match_the_gpu() -> None:
     Collectives in graphs are checked by the conformance suite (one-rank NCCL group)."""
     backend = CUDABackend()
     capabilities = backend.capabilities
-    assert CUDABackend.captures_graphs is capabilities.graph_capture is True
+    assert CUDABackend.graph_capture is capabilities.graph_capture is True
     assert capabilities.capture_needs_side_stream
     assert capabilities.rng_in_graph
     noise = torch.zeros(4, device="cuda")

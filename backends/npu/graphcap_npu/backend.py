@@ -114,7 +114,7 @@ class NPUBackend(GraphBackend):
     capture_needs_side_stream: ClassVar[bool] = True
     # npu_fusion_attention_v3 takes a boolean mask; a float mask sends torch_npu's SDPA to a slow
     # unfused path.
-    attention_mask_form: ClassVar[MaskForm] = "bool"
+    mask_form: ClassVar[MaskForm] = "bool"
     # Page attention over the block table (npu_fused_infer_attention_score, BNSD query, no cache
     # copy), v3 in BNSD where it does not apply (graphcap_npu.attention); an instance may
     # choose another (``attention=`` or GRAPHCAP_NPU_ATTENTION).

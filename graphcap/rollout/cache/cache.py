@@ -265,8 +265,8 @@ def scatter_columns(
     value_states: torch.Tensor,
 ) -> None:
     """Write new K/V columns (batch, heads, q, dim) at ``index`` (rows, heads, columns) with two
-    scatters: eagerly the fastest write (7 us against 13 us for two ``index_put_`` a layer on
-    the H200, benchmarks/results/kernels/kv-write-0bc9208.json). Under autocast K and V can
+    scatters: eagerly the fastest write, faster than two ``index_put_`` (docs/decisions.md,
+    decision 25). Under autocast K and V can
     arrive in other dtypes than the buffers; they are stored as prefill stored them."""
     columns = index[2][..., None]  # (batch, 1, q, 1)
     keys.scatter_(
@@ -285,8 +285,8 @@ def put_columns(
     value_states: torch.Tensor,
 ) -> None:
     """:func:`scatter_columns` as an indexed put, the form to compile: ``torch.compile`` keeps it
-    in place and fuses K's and V's into one kernel (1.4 us a layer on the H200), where a
-    compiled ``scatter_`` copies the whole buffer."""
+    in place and fuses K's and V's into one kernel, where a compiled ``scatter_`` copies the
+    whole buffer (docs/decisions.md, decisions 25 and 44)."""
     keys.index_put_(index, key_states.to(keys.dtype))
     values.index_put_(index, value_states.to(values.dtype))
 

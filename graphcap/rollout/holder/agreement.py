@@ -1,4 +1,4 @@
-"""Agreement between tensor-parallel ranks (DESIGN.md, "graph signature").
+"""Agreement between tensor-parallel ranks (docs/rollout.md, "Tensor parallelism").
 
 Under tensor parallelism every rank runs the same rollout on its shard and the forward contains
 collectives. If one rank replays while another recaptures, runs eagerly or stops decoding, their

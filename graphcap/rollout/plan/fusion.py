@@ -1,9 +1,8 @@
 """``RolloutConfig(fuse_projections=True)``: projections that read one input run as one GEMM.
 
 At small batch a decode step is a chain of matrix-vector products, and each projection reads
-its input and launches on its own. On the H200, q/k/v and gate/up as one GEMM each made the
-batch-1 step of llama-8b 1.10x and of llama-1b 1.13x faster
-(benchmarks/results/steps/step-variants-*-7b4c252.json). A group's weights are copied once
+its input and launches on its own; q/k/v and gate/up as one GEMM each made the batch-1 step
+faster (docs/decisions.md, decisions 14 and 35). A group's weights are copied once
 into one buffer and its parameters become views of that buffer, so memory does not grow and a
 trainer's in-place updates (optimizer steps, ``load_weights_in_place``) reach the joined
 product. A parameter given new storage (``param.data = ...``, ``model.to(...)``) is noticed at

@@ -1,11 +1,11 @@
 """The plan of one call: which path serves it, the graph signature, and why not a graph.
 
 Every refusal lives here, in one pure function of the model, the backend, the settings and the
-request (DESIGN.md, "One request, one path"). Two kinds: what graphs cannot serve sends the call
-to the eager loop with the reason recorded in the stats (a backend without graphs or without a
-declared capability the call needs, a stateful model, parameters gathered inside forward (ZeRO-3,
-FSDP; tensor-parallel shards are resident and keep graphs), chunked attention, autocast's weight
-cache, nothing to decode); what the user explicitly asked for that graphs cannot do raises
+request (docs/architecture.md, "One request, one path"). Two kinds: what graphs cannot serve sends
+the call to the eager loop with the reason recorded in the stats (a backend without graphs or
+without a declared capability the call needs, a stateful model, parameters gathered inside forward
+(ZeRO-3, FSDP; tensor-parallel shards are resident and keep graphs), chunked attention, autocast's
+weight cache, nothing to decode); what the user explicitly asked for that graphs cannot do raises
 :class:`~graphcap.errors.GraphUnsupportedModelError` (an attention implementation that reads host
 values per call).
 """
@@ -77,7 +77,7 @@ def check_sharded_group(scan: ModelScan, config: RolloutConfig) -> None:
 
 def graph_refusal(model: torch.nn.Module, backend: Backend, scan: ModelScan) -> str | None:
     """Why this call must run eagerly although graphs were requested, or ``None``."""
-    if not backend.supports_graph_capture:
+    if not backend.capabilities.graph_capture:
         return f"backend {backend.name!r} cannot capture graphs (create_graph() returned None)"
     # private: transformers' own flag for models with recurrent state (no public equivalent)
     if getattr(model, "_is_stateful", False):
@@ -124,18 +124,15 @@ def capability_refusal(
 
 def compile_refusal(scan: ModelScan) -> str | None:
     """Why this call's step is captured uncompiled although compiling was asked or declared,
-    or ``None``. A model with live forward hooks: on the H200, compiled captures of a model
-    whose MLP had a forward hook (or pre-hook, or a global one) differed from eager from the
-    first step while the uncompiled capture matched, with every graphcap compile option off
-    too, and the same model with the hook's scale folded into the weights matched compiled
-    (benchmarks/results/checks/hooked-compile-*.json)."""
+    or ``None``. A model with live forward hooks: its compiled captures differed from eager
+    from the first step while its uncompiled capture matched (docs/decisions.md, decision 33)."""
     hooked = scan.host_state.hooked_module()
     if hooked is None:
         return None
     return (
         f"forward hooks ({hooked}): compiled captures of hooked models are not token-exact "
-        "against eager (measured on the H200), so the step is captured uncompiled; remove the "
-        "hook before the rollout to get the compiled step"
+        "against eager (docs/decisions.md, decision 33), so the step is captured uncompiled; "
+        "remove the hook before the rollout to get the compiled step"
     )
 
 

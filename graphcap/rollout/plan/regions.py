@@ -1,9 +1,9 @@
 """Compiled captures (``RolloutConfig.compile``): the blocks around attention run compiled.
 
 A captured step still launches every small kernel eager PyTorch issues: an RMSNorm is about
-eight, an MLP's activation two, some 1,500 a step on llama-8b (its profile on the H200).
-Compiling the whole forward fuses them, but costs tens of seconds per batch size and was slower
-than the plain graph at batch 64 on the H200 (docs/architecture.md, "Design decisions").
+eight, an MLP's activation two. Compiling the whole forward fuses them, but costs tens of
+seconds per batch size and was slower than the plain graph at larger batches (docs/decisions.md,
+decision 11); compiling whole decoder layers recompiles per layer (decision 12).
 PyTorch's regional compilation compiles the repeated blocks instead: a block class is traced
 once and its code is shared by every layer, so the first call pays seconds. The blocks are
 each decoder layer with its attention left out (dynamo compiles the code before and after the
@@ -12,11 +12,9 @@ with the next norm), the attention's own norms, the rotary embedding function th
 calls, the decoder stack's blocks beside its layers (final norm, rotary embedding), and the
 cache's K/V writes (two kernels a layer become one). The backend's graph attention stays as it
 is; the projections compute through the backend's one-row product where it offers one
-(:func:`one_row_products`: batch-1 steps, where cuBLAS read the q/k/v, o and down weights at
-29-77% of the H200's bandwidth). The step's own work around the model (masks, write positions,
-the choice of the next token) compiles too (:func:`compiled_bookkeeping`). Measured in
-benchmarks/results/steps/step-variants-*-7b4c252.json (docs/architecture.md, "Design
-decisions").
+(:func:`one_row_products`: batch-1 steps, where cuBLAS reads the weights well below the
+device's bandwidth, decision 20). The step's own work around the model (masks, write
+positions, the choice of the next token) compiles too (:func:`compiled_bookkeeping`).
 """
 
 from __future__ import annotations
@@ -33,10 +31,6 @@ import torch
 from graphcap.rollout.cache.cache import StaticKVCache, put_columns
 from graphcap.rollout.cache.swap import attributes_swapped, forwards_swapped
 from graphcap.rollout.plan.fusion import ProjectionFusion
-
-#: Whether compiled captures compile the step's own work around the model too
-#: (:func:`compiled_bookkeeping`; benchmarks turn it off to time the step without it).
-COMPILE_BOOKKEEPING = True
 
 #: Inductor options the step's own work compiles with besides the backend's: random draws (the
 #: shared generator's ``multinomial``) stay eager's kernels, so a compiled capture draws what
@@ -164,13 +158,8 @@ def compiled_bookkeeping(
     with inductor ``options`` and :data:`BOOKKEEPING_OPTIONS`: ``step.prepare`` (the masks) and
     ``step.finish`` (the write positions, the logits processors, the choice of the next token
     and its records); as they were after it. Eager, they are over a dozen small kernels a step
-    that do not launch dependent; compiled, fewer that do (llama-8b's batch-1 step: 366
-    kernels). On the H200, one process per variant: llama-8b batch 1 4.33 → 4.22 ms, llama-1b
-    batch 1 1.05 → 0.99 ms, batch 64 1.58 → 1.45 ms
-    (benchmarks/results/steps/step-*-bookkeeping-*-e7ff14a.json)."""
-    if not COMPILE_BOOKKEEPING:
-        yield
-        return
+    that do not launch dependent; compiled, fewer that do, and the step is faster
+    (docs/decisions.md, decision 15)."""
     compiled = functools.partial(torch.compile, options={**(options or {}), **BOOKKEEPING_OPTIONS})
     swaps = [(step, name, compiled(getattr(step, name))) for name in ("prepare", "finish")]
     with attributes_swapped(swaps):

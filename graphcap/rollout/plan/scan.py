@@ -1,10 +1,9 @@
 """One pass over the model per call: the facts the input checks, the plan and the signature read.
 
 Each of them used to walk the module tree or the parameters on its own (device placement,
-residency, sharding, dtype, tensor facts, training flags, host state): ten walks and about 20 ms
-of host time per call on gpt2-medium on the H200
-(benchmarks/results/profiles/host-overhead-per-call-b104d3c.log). :func:`scan_model` walks the
-modules once and the parameters and buffers once.
+residency, sharding, dtype, tensor facts, training flags, host state): ten walks, a large part
+of a small model's host time per call (docs/decisions.md, decision 26). :func:`scan_model`
+walks the modules once and the parameters and buffers once.
 """
 
 from __future__ import annotations

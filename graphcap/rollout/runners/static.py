@@ -1,5 +1,5 @@
-"""The static path: every row decodes in lock-step over one set of buffers (DESIGN.md, paths
-1, 2 and 4). Plan, prefill, buffers from the holder, runner, decode, collect."""
+"""The static path: every row decodes in lock-step over one set of buffers (docs/rollout.md,
+"Paths"). Plan, prefill, buffers from the holder, runner, decode, collect."""
 
 from __future__ import annotations
 

@@ -33,10 +33,10 @@ def gc_backend(request: pytest.FixtureRequest) -> Backend:
 @pytest.fixture(scope="session")
 def gc_graph_backend(gc_backend: Backend) -> Backend:
     """The backend, for checks that only apply to backends that capture graphs."""
-    if not gc_backend.supports_graph_capture:
-        if gc_backend.captures_graphs:
+    if not gc_backend.capabilities.graph_capture:
+        if type(gc_backend).graph_capture:
             pytest.fail(
-                f"backend {gc_backend.name!r} declares captures_graphs=True but create_graph() "
+                f"backend {gc_backend.name!r} declares graph_capture=True but create_graph() "
                 "returns None: its graph capture regressed (or the declaration is wrong)"
             )
         pytest.skip(

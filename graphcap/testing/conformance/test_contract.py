@@ -32,7 +32,6 @@ def test_create_graph_consistent_with_capabilities(gc_backend: Backend) -> None:
     assert len(set(captures)) == 1, f"create_graph() returned a graph only sometimes: {graphs}"
     capabilities = gc_backend.capabilities
     assert isinstance(capabilities, Capabilities)
-    assert gc_backend.supports_graph_capture is captures[0]
     assert capabilities.graph_capture is captures[0]
     if captures[0]:
         assert len({id(graph) for graph in graphs}) == 3, "each create_graph() needs a new graph"
@@ -65,20 +64,20 @@ def test_create_graph_consistent_with_capabilities(gc_backend: Backend) -> None:
 
 
 def test_declared_graph_capture_matches_behaviour(gc_backend: Backend) -> None:
-    declared = type(gc_backend).captures_graphs
+    declared = type(gc_backend).graph_capture
     assert isinstance(declared, bool), (
         f"declare whether the backend captures graphs: set the class attribute "
-        f"captures_graphs = True or False (it is {declared!r})"
+        f"graph_capture = True or False (it is {declared!r})"
     )
     behaves = gc_backend.create_graph() is not None
     assert declared is behaves, (
-        f"backend declares captures_graphs={declared} but create_graph() "
+        f"backend declares graph_capture={declared} but create_graph() "
         f"{'returns a graph' if behaves else 'returns None'}"
     )
 
 
 def test_graph_hooks_refuse_without_capture(gc_backend: Backend) -> None:
-    if gc_backend.supports_graph_capture:
+    if gc_backend.capabilities.graph_capture:
         pytest.skip("backend captures graphs; refusal applies only to backends that cannot")
     with pytest.raises(GraphUnsupportedError):
         gc_backend.capture_to_graph(None)

@@ -135,8 +135,8 @@ def test_default_config_joins_projections_as_declared(
     (result,) = _generate(backend, model, params, enable_graph_capture=True, fuse_projections=fuse)
     declared = fuse is None and backend.capabilities.fuse_projections_by_default
     expected = len(joinable_groups(model)) if declared else 0
-    assert result.stats.joined_projections == expected, (
-        f"fuse_projections={fuse}: {result.stats.joined_projections} groups joined, expected "
+    assert result.stats.fused_projections == expected, (
+        f"fuse_projections={fuse}: {result.stats.fused_projections} groups joined, expected "
         f"{expected} (fuse_projections_by_default="
         f"{backend.capabilities.fuse_projections_by_default})"
     )

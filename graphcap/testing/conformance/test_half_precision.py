@@ -133,7 +133,7 @@ def check_attention(backend: Backend, name: str, dtype: torch.dtype) -> None:
     first = [3 * block_size, 2 * block_size - 3, 5]
     step.draw(first)
     _assert_close(_attend(name, step), step, f"{name}, eager")
-    if not backend.supports_graph_capture:
+    if not backend.capabilities.graph_capture:
         return
     out: dict[str, torch.Tensor] = {}
     mutable = [step.q, step.k_pool, step.v_pool, step.mask, step.open, step.view.lengths]

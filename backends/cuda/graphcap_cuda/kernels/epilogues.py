@@ -1,11 +1,11 @@
 """An inductor graph pass that moves the one-row product's neighbours into it.
 
-In a batch-1 compiled step, :func:`graphcap_cuda.kernels.gemv.gemv` is a custom op: inductor
-cannot fuse the elementwise work around it into it, so that work is a kernel of its own. A
-profile of llama-8b's step on an H200 showed two per layer: a gated MLP's ``silu(gate) * up``
-between the gate/up product and the down product (1.9 µs), and the residual add after the down
-product (1.6 µs; the next layer's norm is in another compiled frame, so it cannot take the
-add). This pass rewrites, in the post-grad graph of every region ``compile=True`` compiles:
+In a batch-1 compiled step, :func:`graphcap_cuda.kernels.gemv.gemv` is a custom op: inductor cannot
+fuse the elementwise work around it into it, so that work is a kernel of its own. A step's profile
+showed two per layer: a gated MLP's ``silu(gate) * up`` between the gate/up product and the down
+product, and the residual add after the down product (the next layer's norm is in another compiled
+frame, so it cannot take the add; docs/decisions.md, decision 23). This pass rewrites, in the
+post-grad graph of every region ``compile=True`` compiles:
 
 - ``act(gemv(x, Wg)) * gemv(x, Wu)``, with the two products joined as one (``fuse_projections``:
   one product split in two) or not, into one ``gemv(x, Wu, gate=Wg, activation=...)``;

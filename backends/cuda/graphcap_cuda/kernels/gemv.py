@@ -1,12 +1,11 @@
 """One-row projections (``x @ W.T`` for a single token) in Triton, for batch-1 decode.
 
 At batch 1 a decode step is a chain of matrix-vector products, bound by reading the weights.
-cuBLAS picks GEMM tiles for them that read llama-8b's and llama-1b's q/k/v, o and down weights
-at 29-77% of the H200's bandwidth (each timed over weight copies larger than the L2 cache),
-with split-K reductions as extra kernels. Here each program reduces a few whole rows of W: it
+cuBLAS picks GEMM tiles for them that read the weights well below the device's bandwidth, with
+split-K reductions as extra kernels. Here each program reduces a few whole rows of W: it
 streams its rows in blocks of columns, multiplies by the one input row and keeps fp32 partial
 sums, then adds them once at the end. Enough programs are launched to keep the device's loads
-in flight (84% of the bandwidth over llama-8b's step, profiled on an H200).
+in flight (docs/decisions.md, decision 20).
 
 The kernel also takes the elementwise work a decode layer does right before and after a
 product, which inductor cannot fuse into a custom op (graphcap_cuda.kernels.epilogues moves it
@@ -33,20 +32,18 @@ from graphcap_cuda.kernels import launch
 
 launch.use_inductors_ptxas()
 
-#: Launch settings, from a sweep over llama-8b's and llama-1b's ten batch-1 products on an
-#: H200: rows of W per program the power of two nearest to
-#: N / (6 programs per multiprocessor), within [2, 8], and 512 columns a load. Over a step's
-#: products this is within 0.4% (llama-8b) and 2% (llama-1b) of the best setting per product,
-#: which a rule cannot know without timing each product at its first call.
+#: Launch settings, from a sweep over batch-1 products: rows of W per program the power of two
+#: nearest to N / (6 programs per multiprocessor), within [2, 8], and 512 columns a load. A
+#: rule close to the best setting per product, which only timing each product at its first
+#: call could know (docs/decisions.md, decision 20).
 BLOCK_K = 512
 PROGRAMS_PER_SM = 6
 MIN_BLOCK_N = 2
 MAX_BLOCK_N = 8
 NUM_WARPS = 4
 #: Columns a load of the gated form (two rows per output) over K of at least
-#: ``GATED_LONG_K``: measured on an H200, the gated gate/up product over a step's layers:
-#: llama-8b (K 4,096) within 0.3% of the plain product with 256 and 2.5%
-#: slower with 512; llama-1b (K 2,048) 2.5% faster than plain with 512, 4.5% slower with 256.
+#: ``GATED_LONG_K``: long rows keep the gated product level with the plain one at 256, short
+#: ones at 512 (docs/decisions.md, decision 23).
 GATED_BLOCK_K = 256
 GATED_LONG_K = 4096
 #: The gated form's activations by name (Llama's SiLU; Gemma's tanh-approximated GELU), as
@@ -100,9 +97,8 @@ def _rstd(
 ):
     """``rsqrt(mean(x**2) + eps)`` over the whole input row, before the product's loop: in one
     load of ``ROW`` columns (a power of two at least K), or block by block where ``ROW`` is 0.
-    Measured on an H200, llama-8b batch 1: block by block, moving the norm in saved 0.4 µs a
-    layer against 2.4 µs for the kernel it replaced; in one load, the step took 4.09 ms instead
-    of 4.12."""
+    Both forms beat the norm's own kernel; one load is the faster (docs/decisions.md,
+    decision 24)."""
     if ROW > 0:
         whole = _summed(x_ptr, addend_ptr, tl.arange(0, ROW), k_cols, False, HAS_ADDEND)
         total = tl.sum(whole * whole, axis=0)
@@ -174,7 +170,7 @@ def _gemv(
 ):
     # A program reduces TILE_N rows of W: BLOCK_N output rows, or, gated, each output's gate
     # row and W row interleaved (one load stream and one accumulator, as many bytes in flight
-    # as the plain kernel; two streams were 1.5-5 µs a llama-8b layer slower on an H200).
+    # as the plain kernel; two streams were slower, docs/decisions.md, decision 23).
     t = tl.arange(0, TILE_N)
     n = tl.program_id(0) * BLOCK_N + (t // 2 if GATED else t)
     n_ok = n < n_rows
@@ -198,8 +194,8 @@ def _gemv(
         start = BLOCK_K
     for first in range(start, k_cols, BLOCK_K):
         cols = first + k
-        # W's block before x's: loaded the other way round, llama-8b's compiled step took
-        # 4.83 ms instead of 4.20 on an H200, all else equal.
+        # W's block before x's: the other order made the compiled step much slower
+        # (docs/decisions.md, decision 20).
         w = _weights(rows, cols, n_ok, k_cols, EVEN_K)
         x = _row(x_ptr, addend_ptr, norm_ptr, cols, k_cols, rstd, EVEN_K, HAS_ADDEND, NORM)
         acc += w.to(tl.float32) * x[None, :]

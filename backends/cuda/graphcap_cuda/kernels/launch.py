@@ -45,8 +45,8 @@ def use_inductors_ptxas() -> None:
     process: a process whose compiled code came from the compile cache does so at once, while
     one compiling from scratch does its compiling in worker processes and leaves this process
     on Triton's bundled ptxas. The two then keyed the plugin's kernels (and 7 of inductor's)
-    differently, so the second process compiled 13 kernels again from a warm cache (llama-8b on
-    the H200, benchmarks/results/first-call/first-call-triage-*). Setting it before the first
+    differently, so a second process compiled kernels again from a warm cache
+    (docs/decisions.md, decisions 36 and 47). Setting it before the first
     kernel compiles, as inductor would, gives every process the same keys."""
     # private: inductor's own setter, so the path and its checks stay torch's
     from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
@@ -58,4 +58,4 @@ def multiprocessors(device: torch.device) -> int:
     """The device's multiprocessor count, which the kernels' launch shapes are sized by."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100/H200's count: the interpreter on CPU needs some number
+    return 132  # a Hopper GPU's count: the interpreter on CPU needs some number

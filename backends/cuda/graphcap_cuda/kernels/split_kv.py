@@ -1,16 +1,15 @@
 """Split-KV decode attention in Triton: grouped-query K/V read as they are, and only the cache
 columns the mask lets a row attend to.
 
-A decode step's query is one token per row; the static cache holds every column the rollout
-will ever write. The columns are split into chunks (enough programs to fill the device even at
-batch 1). Each program first reads its chunk's mask (2 bytes a column, up to 1,024 columns at
-once: blockwise the scan cost 13-19% of the kernel at batch 256 on an H200) to find the span
-from the first to the last open column, then walks only that span in blocks of columns, loading
-K/V of open columns alone: unwritten columns, left padding and columns outside a sliding window
-are never read. The per-row lengths thus live on the device, in the mask the engine updates
-each step, so one captured graph serves every step; and the walk has no branch, so Triton
-pipelines its loads. The query heads that share a K/V head are computed together from one read
-of it.
+A decode step's query is one token per row; the static cache holds every column the rollout will
+ever write. The columns are split into chunks (enough programs to fill the device even at batch 1).
+Each program first reads its chunk's mask (2 bytes a column, up to 1,024 columns at once: blockwise,
+the scan was a large share of the kernel; docs/decisions.md, decision 6) to find the span from the
+first to the last open column, then walks only that span in blocks of columns, loading K/V of open
+columns alone: unwritten columns, left padding and columns outside a sliding window are never read.
+The per-row lengths thus live on the device, in the mask the engine updates each step, so one
+captured graph serves every step; and the walk has no branch, so Triton pipelines its loads. The
+query heads that share a K/V head are computed together from one read of it.
 
 With several chunks, the chunk of a row and K/V head that finishes last combines their partial
 softmaxes (an arrival count per row and head, reset by that chunk), so a launch is one kernel
@@ -42,28 +41,24 @@ from graphcap_cuda.kernels import launch
 launch.use_inductors_ptxas()
 
 #: Bytes of one K (or V) block (the unit of each load) when the rows and K/V heads alone fill
-#: the device: 32 columns at head_dim 128 in bf16, 64 at head_dim 64. Measured on an H200
-#: (640 columns, three fifths written): llama-8b batch 64 33.7 -> 28.3 µs a layer
-#: with 32 columns instead of 64, llama-1b 13.9 µs with 64 against 16.3 with 32; batch 256
-#: within 1% on llama-8b, and 64 columns best on llama-1b. The byte count, not the column
-#: count, is what both shapes agree on.
+#: the device: 32 columns at head_dim 128 in bf16, 64 at head_dim 64. The byte count, not the
+#: column count, is what the fastest block of both head sizes agreed on (docs/decisions.md,
+#: decision 5).
 BLOCK_BYTES = 8192
 #: Columns per block when they do not (batch 1: fewer, longer chunks).
 BLOCK_N_FEW_ROWS = 128
 #: Programs per multiprocessor a launch may have: the chunk count per row and K/V head is the
 #: most that keeps rows x K/V heads x chunks within this many a multiprocessor (at least one
 #: chunk). One: a program with 128-column blocks holds the multiprocessor's shared memory, and
-#: every chunk past one adds partials for the last chunk to combine. Measured on an H200 over
-#: every block width and chunk count at 1-32 rows (llama-8b / llama-1b shapes, 640 and 2,176
-#: columns), against the previous rule (two a multiprocessor, rounded up, which launched several
-#: waves of 128-column programs at 4-16 rows): the sum over 36 cases 574 -> 477 µs (best per
-#: case 448; SDPA 522); llama-8b 16 rows 17.6 -> 8.9 µs, 32 rows 22.2 -> 16.0, 1 row on 2,176
-#: columns 14.1 -> 11.9. With eight K/V heads, 64 rows and more, and batch 1 on 640 columns,
-#: launch as before.
+#: every chunk past one adds partials for the last chunk to combine. The previous rule (two a
+#: multiprocessor, rounded up) launched several waves of 128-column programs at 4-16 rows and
+#: was slower over every block width and chunk count swept at 1-32 rows (docs/decisions.md,
+#: decision 4). With eight K/V heads, 64 rows and more, and batch 1 on 640 columns, launch as
+#: before.
 PROGRAMS_PER_SM = 1
 #: Most bytes of one K (or V) block: 128 columns of bf16 at head_dim 128. Wider heads (256) or
 #: fp32 take fewer columns a block, or the pipelined loads outgrow shared memory (an fp32 test
-#: at head_dim 80 asked for 278,528 bytes of the H200's 232,448).
+#: at head_dim 80 asked for more than a Hopper multiprocessor has).
 MAX_BLOCK_BYTES = 32768
 #: Warps per program of the partial kernel.
 NUM_WARPS = 4
