@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, with_graphcap: bool) -> dict[str, Any]:
     )
     accelerated = None
     if with_graphcap:
-        base = drop_in_default_config(trainer.model)
+        base = drop_in_default_config()
         accelerated = accelerate_generate(trainer.model, replace(base, draws=args.draws))
     timed = Timed(model, backend.synchronize)
     model.generate = timed

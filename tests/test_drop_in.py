@@ -72,7 +72,7 @@ SETTINGS = {
 def generate_draws(model):
     """The drop-in's default configuration with generate's own random numbers (the default
     draws per row: same distribution, other numbers)."""
-    return replace(drop_in_default_config(model), draws="generate")
+    return replace(drop_in_default_config(), draws="generate")
 
 
 def both(model, call, seed: int = 0, config: RolloutConfig | None = None):
@@ -462,7 +462,7 @@ def test_the_checkpointing_hook_left_out_of_the_host_state_still_exists_and_does
 
 def test_the_drop_in_sets_what_its_promise_needs_and_says_what_it_dropped():
     model = tiny_model("llama", fresh=True)
-    plain = drop_in_default_config(model)
+    plain = drop_in_default_config()
     assert plain.eos_check_interval == 1 and plain.length_buckets and plain.enable_graph_capture
     chosen = RolloutConfig(
         enable_graph_capture=True, batch_buckets=(4,), eos_check_interval=4, draws="generate"

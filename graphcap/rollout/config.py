@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, PreTrainedModel
 
     from graphcap.backend import Backend
 
@@ -531,7 +531,9 @@ class RolloutConfig:
     ``batch_buckets`` / ``length_buckets`` pad the batch (rows x samples) and the total length
     (prompt width + max_new_tokens) up to the smallest listed size that fits, so varying
     requests reuse a few graphs; a request larger than every bucket runs at its own size.
-    ``continuous_batch_size=N`` runs the batch's rows as a request queue through ``N`` slots
+    ``length_buckets="auto"`` (the default) pads graph engines' total lengths to powers of two
+    (:meth:`total_length`), on the continuous path too. ``continuous_batch_size=N`` runs the
+    batch's rows as a request queue through ``N`` slots
     (docs/continuous.md); ``align_decode_fronts`` / ``trim_cache`` are eager-only layouts of
     that path (they move cache rows and columns, which a captured graph cannot allow).
     ``per_position_graphs=True`` captures one graph per decode position for calls with pinned
@@ -595,7 +597,7 @@ class RolloutConfig:
     eos_check_interval: int = 16
     backend: Backend | str | None = None
     batch_buckets: tuple[int, ...] | None = None
-    length_buckets: tuple[int, ...] | None = None
+    length_buckets: tuple[int, ...] | Literal["auto"] | None = "auto"
     continuous_batch_size: int | None = None
     align_decode_fronts: bool = False
     trim_cache: bool = False
@@ -642,7 +644,8 @@ class RolloutConfig:
         self.batch_buckets = _buckets("batch_buckets", self.batch_buckets)
         if self.batch_ladder not in (None, "auto"):
             self.batch_ladder = _buckets("batch_ladder", self.batch_ladder)
-        self.length_buckets = _buckets("length_buckets", self.length_buckets)
+        if self.length_buckets != "auto":
+            self.length_buckets = _buckets("length_buckets", self.length_buckets)
         self._check_continuous()
         self._check_per_position()
         if self.compile is True and not self.enable_graph_capture:
@@ -662,6 +665,19 @@ class RolloutConfig:
             )
         if self.process_group is not None:
             check_process_group(self.process_group)
+
+    def total_length(self, model: PreTrainedModel, total: int) -> int:
+        """The total length (prompt width + new tokens) a call's buffers get: ``total`` padded
+        to ``length_buckets``. ``"auto"`` pads graph engines' calls to the next power of two
+        from 64 up to the model's ``max_position_embeddings``, so calls whose prompts come
+        padded to another width reuse one graph (eager engines keep ``total``)."""
+        if self.length_buckets != "auto":
+            return bucket_size(total, self.length_buckets)
+        if not self.enable_graph_capture:
+            return total
+        limit = getattr(model.config, "max_position_embeddings", None) or 2**16
+        padded = max(64, 1 << (total - 1).bit_length())
+        return padded if padded <= limit else total
 
     def wants_compile(self, backend: Backend) -> bool:
         """Whether captured steps compile on ``backend``: ``compile`` where set, else the
@@ -716,7 +732,8 @@ class RolloutConfig:
             raise ValueError(
                 f"continuous_batch_size must be >= 1, got {self.continuous_batch_size}"
             )
-        if self.continuous_batch_size is not None and (self.batch_buckets or self.length_buckets):
+        explicit_lengths = self.length_buckets not in (None, "auto")
+        if self.continuous_batch_size is not None and (self.batch_buckets or explicit_lengths):
             raise ValueError(
                 "batch_buckets / length_buckets do not apply to the continuous path (its slot "
                 "count already fixes the batch shape); drop them or continuous_batch_size"

@@ -332,16 +332,12 @@ def generating_model(model: torch.nn.Module) -> PreTrainedModel:
     return model
 
 
-def drop_in_default_config(model: PreTrainedModel) -> RolloutConfig:
+def drop_in_default_config() -> RolloutConfig:
     """The config :func:`accelerate_generate` uses when given none: graphs on; total lengths
     padded to powers of two (trainers pass prompts of a new width every call; each bucket is
     one graph, captured once); the finished flag read after every step, as ``generate`` reads
     it (:func:`drop_in_config`). Extend it with ``dataclasses.replace``."""
-    limit = getattr(model.config, "max_position_embeddings", None) or 2**16
-    buckets = tuple(2**k for k in range(6, max(6, limit.bit_length()) + 1) if 2**k <= limit)
-    return RolloutConfig(
-        enable_graph_capture=True, length_buckets=buckets or None, eos_check_interval=1
-    )
+    return RolloutConfig(enable_graph_capture=True, eos_check_interval=1)
 
 
 def drop_in_config(config: RolloutConfig) -> RolloutConfig:
@@ -396,7 +392,7 @@ def accelerate_generate(
             "graphcap already serves this model's generate(); call "
             "graphcap.rollout.restore_generate(model) first to change its config"
         )
-    config = drop_in_config(config or drop_in_default_config(target))
+    config = drop_in_config(config or drop_in_default_config())
     accelerated = AcceleratedGenerate(target, config)
     if getattr(target, "dtype", None) in (torch.float16, torch.bfloat16):
         warnings.warn(

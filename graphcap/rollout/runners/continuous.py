@@ -93,6 +93,7 @@ class ContinuousRollout:
         align, trim = config.align_decode_fronts, config.trim_cache
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
+        total = config.total_length(self.model, total)
         check_request(
             self.model, call.scan, holder.backend, config, params, (prompts, width), slots, total
         )

@@ -46,7 +46,7 @@ class StaticRollout:
         repeats = params.num_return_sequences
         batch, total = rows * repeats, width + params.max_new_tokens
         padded_batch = bucket_size(batch, self.config.batch_buckets)
-        padded_total = bucket_size(total, self.config.length_buckets)
+        padded_total = self.config.total_length(self.model, total)
         check_request(
             self.model,
             call.scan,
