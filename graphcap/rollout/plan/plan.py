@@ -277,7 +277,7 @@ def plan_call(
         windows=windows,
         generator=generator,
         attention=attention,
-        prompt_width=None if path in ("eager", "static_graph") else prompt_width,
+        prompt_width=prompt_width if path == "per_position_graph" else None,
         decode_steps=params.max_new_tokens - 1 if path == "per_position_graph" else None,
         compiled=compiled,
         kv_block_size=block_size,

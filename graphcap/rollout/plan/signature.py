@@ -52,7 +52,7 @@ class GraphSignature:
     windows: tuple[tuple[str, int | None], ...]
     generator_id: int | None
     host_state: HostState
-    #: the continuous and per-position paths bake the prompt width into their graphs
+    #: per-position graphs bake the prompt width into their attended spans
     prompt_width: int | None = None
     #: per-position graphs: one graph per decode step
     decode_steps: int | None = None
