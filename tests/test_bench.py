@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphcap.bench import command, config, models, modes, report
+from graphcap.bench import command, config, models, modes, report, rounds
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, Workload, default_modes, parse_modes
 from graphcap.bench.report import ModeResult, RLLoopResult
@@ -196,7 +197,7 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
     backend: CPUBackend, tmp_path: Any
 ) -> None:
     lines: list[str] = []
-    names = [m for m in MODES if m != "hf-static-compile"]
+    names = [m for m in MODES if m not in ("hf-static-compile", "graphcap-drop-in")]
     result = run_benchmark(
         BenchConfig(batch_sizes=[1, 2], modes=names, **SMALL),
         backend=backend,
@@ -230,7 +231,7 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
         )
         assert result.result("graphcap-eager", bs).captures == 0
     data = json.loads(result.write_json(tmp_path / "r" / "bench.json").read_text())
-    assert data["schema_version"] == 6 and data["config"]["dtype"] == "fp32"
+    assert data["schema_version"] == 7 and data["config"]["dtype"] == "fp32"
     for r in result.results:  # graphcap's graph modes say where their first call went
         if r.mode.startswith("graphcap-") and r.path != "eager":
             phases = r.first_call_phases
@@ -504,3 +505,79 @@ def test_compile_seconds_counts_what_dynamo_compiles() -> None:
     compiled = torch.compile(lambda x: torch.sin(x) + 1, backend="eager", fullgraph=True)
     compiled(torch.ones(3))
     assert modes.compile_seconds() > before
+
+
+# ---- the rl-round workload ----------------------------------------------------------------------
+ROUND = {"model": "tiny-llama", "workload": "rl-round", "prompts": 2, "samples": 3}
+ROUND.update(prompt_widths=[3, 6], new_tokens=8, repeats=2, hf_repeats=1, eos_fraction=0.3)
+
+
+def test_round_inputs_lengths_and_limit_by_hand() -> None:
+    ids, mask = rounds.round_prompts(100, 5, [3, 6], seed=0, device=CPU)
+    widths = mask.sum(1)
+    assert ids.shape == (5, int(widths.max())) and bool(((widths >= 3) & (widths <= 6)).all())
+    assert bool((ids[mask == 0] == 0).all()) and bool((ids[mask == 1] > 0).all())
+    assert bool((mask.cummax(1).values == mask).all())  # left-padded
+    eos = rounds.eos_ids(8192, 16, 0.4, seed=0)
+    assert len(eos) == 1280 and 0 not in eos and len(set(eos)) == 1280
+    tokens = torch.tensor([[5, 7, 0, 0], [5, 5, 5, 5], [7, 7, 7, 7]])
+    assert rounds.response_lengths(tokens, [7, 9], cap=4) == [2, 4, 1]
+    assert rounds.dead_share([2, 4, 1]) == pytest.approx(1 - 7 / 12)
+    # two rows of 3 and 1 tokens after prompts of 2 and 4: decode steps 1 and 2 serve row 0 only
+    limit = rounds.round_limit(
+        [3, 1], [2, 4], weight_bytes=10, parameters=4, kv_bytes_per_token=2, bandwidth=2, flops=8
+    )
+    prefill = 2 * 4 * 6 / 8
+    steps = (max(5, 2 * 4 * 1 / 8) + 2 * 3 / 2) + (max(5, 1) + 2 * 4 / 2)
+    assert limit == pytest.approx(prefill + steps)
+
+
+def test_round_reports_useful_tokens_dead_share_and_limit(
+    backend: CPUBackend, tmp_path: Any
+) -> None:
+    peaks = {"peak_bandwidth": 4.8e12, "peak_flops": 7.9e14, "draws": "generate"}
+    result = run_benchmark(BenchConfig(**ROUND, **peaks), backend=backend)
+    rows = ROUND["prompts"] * ROUND["samples"]
+    assert [r.mode for r in result.results] == modes.ROUND_MODES and result.eos_ids > 0
+    paths = ["hf", "static_graph", "static_graph", "continuous_graph"]
+    for r, path in zip(result.results, paths, strict=True):
+        assert (r.status, r.path, r.batch_size) == ("ok", path, rows), r.reason
+        rounds_run = 1 + (ROUND["hf_repeats"] if r.mode == "hf-eager" else ROUND["repeats"])
+        assert len(r.round_lengths) == len(r.round_limit_s) == rounds_run
+        steady = r.round_lengths[1:]
+        assert all(len(n) == rows and 1 <= min(n) and max(n) <= ROUND["new_tokens"] for n in steady)
+        useful = [sum(n) for n in steady]
+        assert r.useful_tokens == round(statistics.median(useful))
+        per_s = [u / s for u, s in zip(useful, r.steady_s, strict=True)]
+        assert r.tokens_per_s == pytest.approx(statistics.median(per_s))
+        dead = [1 - sum(n) / (rows * max(n)) for n in steady]  # row-steps by hand
+        assert 0 <= r.dead_share < 1 and r.dead_share == pytest.approx(statistics.median(dead))
+        assert all(0 < lim < s for lim, s in zip(r.round_limit_s[1:], r.steady_s, strict=True))
+        assert 0 < r.limit_fraction < 1
+        assert r.speedup_vs_hf_eager == pytest.approx(
+            result.result("hf-eager", rows).steady_median_s / r.steady_median_s
+        )
+    # the same seed gives every mode the same prompts and draws: the drop-in draws generate's
+    hf, drop = result.result("hf-eager", rows), result.result("graphcap-drop-in", rows)
+    assert hf.round_lengths[0] == drop.round_lengths[0]
+    data = json.loads(result.write_json(tmp_path / "round.json").read_text())
+    assert data["schema_version"] == 7 and data["results"][0]["round_lengths"] == hf.round_lengths
+    table = report.format_table(result)
+    assert "round s [min-max]" in table and "rl-round: 2 prompts of 3-6 tokens" in table
+
+
+def test_round_options_resolve_and_refuse(backend: CPUBackend) -> None:
+    cfg = resolve(BenchConfig(workload="rl-round"), backend)
+    assert cfg.batch_sizes == [16] and cfg.continuous_slots == 8 and cfg.modes == modes.ROUND_MODES
+    assert (cfg.new_tokens, cfg.repeats, cfg.warmup) == (16, 2, 0)
+    assert resolve(BenchConfig(), backend).new_tokens == 16  # the step workload keeps its own
+    for bad, message in [
+        ({"prompt_widths": [9, 3]}, "least,most"),
+        ({"isolate": True}, "step workload"),
+        ({"top_p": 0.0}, "top-p"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            resolve(BenchConfig(**{**ROUND, **bad}), backend)
+    has = "draws" in {f.name for f in dataclasses.fields(modes.RolloutConfig)}
+    assert modes.draws_option("per_row") == ({"draws": "per_row"} if has else {})
+    assert modes.draws_option(None) == {}

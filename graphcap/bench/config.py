@@ -29,8 +29,15 @@ def option(help: str, default: Any = None, **metadata: Any) -> Any:
 
 @dataclass
 class BenchConfig:
-    """What to measure. The RL loop runs after the mode sweep, outside ``budget_s``."""
+    """What to measure. The RL loop runs after the mode sweep, outside ``budget_s``. ``round``
+    in a field's metadata: its (CPU, device) defaults in the rl-round workload."""
 
+    workload: str = option(
+        "step: fixed-length greedy steps at each batch size; rl-round: a GRPO-shaped round of "
+        "sampled rows that end at EOS ids (docs/benchmarks.md)",
+        "step",
+        choices=("step", "rl-round"),
+    )
     model: str | None = option(
         f"a preset ({', '.join(PRESETS)}; random weights) or a local model directory",
         cpu="tiny-llama",
@@ -47,9 +54,47 @@ class BenchConfig:
         "run the compiling modes only at these batch sizes (default: all)", type=int_list
     )
     prompt_len: int | None = option("prompt tokens per row", type=int, cpu=16, device=128, ge=1)
-    new_tokens: int | None = option("generated tokens per row", type=int, cpu=16, device=128, ge=2)
-    repeats: int | None = option("steady-state calls", type=int, cpu=3, device=5, ge=1)
-    warmup: int | None = option("discarded calls after the first", type=int, cpu=1, device=2, ge=0)
+    new_tokens: int | None = option(
+        "generated tokens per row (a round's cap)",
+        type=int,
+        cpu=16,
+        device=128,
+        ge=2,
+        round=(16, 1024),
+    )
+    repeats: int | None = option(
+        "steady-state calls (rounds)", type=int, cpu=3, device=5, ge=1, round=(2, 3)
+    )
+    warmup: int | None = option(
+        "discarded calls after the first", type=int, cpu=1, device=2, ge=0, round=(0, 0)
+    )
+    hf_repeats: int | None = option(
+        "steady calls of the hf modes (default: --repeats; 0: their first call is the steady one, "
+        "and no warm-up)",
+        type=int,
+        ge=0,
+    )
+    prompts: int | None = option("a round's prompts", type=int, cpu=4, device=32, ge=1)
+    samples: int | None = option("a round's samples per prompt", type=int, cpu=4, device=8, ge=1)
+    prompt_widths: list[int] | None = option(
+        "least,most prompt tokens of a round's prompts (left-padded)",
+        type=int_list,
+        cpu=[4, 12],
+        device=[64, 256],
+        ge=1,
+    )
+    eos_fraction: float = option(
+        "a round's mean response length before the cap, as a share of --new-tokens: sets the "
+        "number of EOS ids (vocab / (share x new tokens))",
+        0.4,
+        type=float,
+    )
+    temperature: float = option("a round's sampling temperature", 1.0, type=float)
+    top_k: int = option("a round's top-k (0: off)", 0, type=int, ge=0)
+    top_p: float = option("a round's top-p (1: off)", 1.0, type=float)
+    draws: str | None = option(
+        "RolloutConfig.draws of the graphcap modes, where this graphcap has that field"
+    )
     modes: list[str] | None = option(
         f"comma-separated subset of {', '.join(MODES)} (default: those that run here)",
         type=parse_modes,
@@ -62,6 +107,10 @@ class BenchConfig:
     seed: int = option("weights and prompts seed", 0, type=int)
     peak_bandwidth: float | None = option(
         "memory bandwidth for the roofline, e.g. 4.8TB/s (default: known devices)",
+        type=parse_bandwidth,
+    )
+    peak_flops: float | None = option(
+        "products' FLOP/s for a round's limit, e.g. 790TFLOP/s (default: known devices)",
         type=parse_bandwidth,
     )
     budget_s: float | None = option(
@@ -97,7 +146,7 @@ def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--field-name`` option per field of the dataclass ``cls``."""
     for f in fields(cls):
         m = f.metadata
-        kwargs = {k: v for k, v in m.items() if k not in ("cpu", "device", "ge")}
+        kwargs = {k: v for k, v in m.items() if k not in ("cpu", "device", "ge", "round")}
         if "cpu" in m:
             kwargs["help"] += f" (default: {m['cpu']} on CPU, {m['device']} on a device)"
         if "type" in kwargs:
@@ -119,11 +168,24 @@ def _usage_error(parse: Callable[[str], Any], text: str) -> Any:
 
 def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
     """Fill unset fields with this device's defaults, and validate."""
-    where = "cpu" if backend.device.type == "cpu" else "device"
-    unset = [f for f in fields(config) if getattr(config, f.name) is None and where in f.metadata]
-    c = replace(config, **{f.name: f.metadata[where] for f in unset})
+    where, rounds = backend.device.type != "cpu", config.workload == "rl-round"
+    defaults = {
+        f.name: f.metadata["round"][where] if rounds and "round" in f.metadata else f.metadata[k]
+        for f in fields(config)
+        if getattr(config, f.name) is None and (k := ("cpu", "device")[where]) in f.metadata
+    }
+    c = replace(config, **defaults)
     c.dtype = c.dtype or default_dtype_name(c.model, backend.device.type)
-    c.modes = parse_modes(",".join(c.modes or default_modes(backend)))
+    c.modes = parse_modes(",".join(c.modes or default_modes(backend, c.workload)))
+    if rounds:
+        if c.isolate or c.rl_loop:
+            raise ValueError("--isolate and --rl-loop measure the step workload, not rl-round")
+        c.batch_sizes, c.compile_batch_sizes = [c.prompts * c.samples], None
+        c.continuous_slots = c.continuous_slots or max(1, c.batch_sizes[0] // 2)
+        if len(c.prompt_widths) != 2 or c.prompt_widths[0] > c.prompt_widths[1]:
+            raise ValueError(f"--prompt-widths takes least,most, got {c.prompt_widths}")
+        if not 0 < c.eos_fraction <= 1 or not 0 < c.top_p <= 1 or c.temperature <= 0:
+            raise ValueError("rounds sample: --eos-fraction and --top-p in (0, 1], temperature > 0")
     c.rl_batch_size = c.batch_sizes[0] if c.rl_batch_size is None else c.rl_batch_size
     for f in fields(c):
         value, m, what = getattr(c, f.name), f.metadata, f.name.replace("_", " ")

@@ -100,29 +100,53 @@ def make_prompts(
     return ids.to(device), torch.ones_like(ids).to(device)
 
 
-#: Peak memory bandwidth (bytes/s, datasheets) by device-name fragment, first match wins: a
-#: small-batch decode step reads every weight once, so this bounds its speed.
+#: Peak memory bandwidth (bytes/s, datasheets) and attainable dense bf16 products (FLOP/s, below
+#: the datasheet's peak) by device-name fragment, first match wins: a small-batch decode step
+#: reads every weight once, so bandwidth bounds its speed; a large batch's products bound it too.
 PEAK_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
 PEAK_BANDWIDTH += (("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12))
+PEAK_FLOPS = (("H200", 7.9e14),)
+
+
+def step_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The weights a decode step reads: all but embeddings that are not the output layer."""
+    output = getattr(model.get_output_embeddings(), "weight", None)
+    lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - {id(output)}
+    return [p for p in model.parameters() if id(p) not in lookup]
 
 
 def weight_bytes_per_step(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads: all but embeddings that are not the output layer."""
-    output = getattr(model.get_output_embeddings(), "weight", None)
-    lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - {id(output)}
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookup)
+    """Bytes of weights a decode step reads."""
+    return sum(p.numel() * p.element_size() for p in step_parameters(model))
 
 
-def peak_bandwidth(name: str, override: float | None = None) -> float | None:
-    """Peak bytes/s for ``name``: the override, else the table (accelerators only), else None."""
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of keys and values one token keeps in every layer's cache."""
+    c, bytes_ = model.config, next(model.parameters()).element_size()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return (
+        2
+        * c.num_hidden_layers
+        * (getattr(c, "num_key_value_heads", None) or heads)
+        * head_dim
+        * bytes_
+    )
+
+
+def peak_bandwidth(
+    name: str, override: float | None = None, table: tuple = PEAK_BANDWIDTH
+) -> float | None:
+    """Peak rate for ``name`` (bytes/s, or FLOP/s from ``PEAK_FLOPS``): the override, else the
+    table (accelerators only), else None."""
     if override is not None and override <= 0:
-        raise ValueError(f"--peak-bandwidth must be positive (bytes/s), got {override}")
-    return override or next((bw for k, bw in PEAK_BANDWIDTH if k.lower() in name.lower()), None)
+        raise ValueError(f"--peak-bandwidth and --peak-flops must be positive, got {override}")
+    return override or next((bw for k, bw in table if k.lower() in name.lower()), None)
 
 
 def parse_bandwidth(text: str) -> float:
-    """Parse "4.8TB/s", "4800GB/s", "4.8e12" into bytes/s."""
-    cleaned = text.strip().lower().removesuffix("/s").removesuffix("b")
+    """Parse "4.8TB/s", "4800GB/s", "790TFLOP/s", "4.8e12" into bytes (FLOP) per second."""
+    cleaned = text.strip().lower().removesuffix("/s").removesuffix("flop").removesuffix("b")
     scale = {"t": 1e12, "g": 1e9, "m": 1e6}.get(cleaned[-1:], 1.0)
     try:
         return float(cleaned[:-1] if scale != 1.0 else cleaned) * scale

@@ -8,14 +8,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, StoppingCriteria
 
 from graphcap.backend import Backend
-from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutStats, SamplingParams
+from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutStats, SamplingParams, drop_in
 
 
 def timed_call(call: Callable[[], Any], sync: Callable[[], None]) -> tuple[float, Any]:
@@ -52,7 +52,9 @@ def compile_seconds() -> float:
 
 @dataclass
 class Workload:
-    """What every mode generates from; ``continuous_slots`` None means one slot per row."""
+    """What every mode generates from; ``continuous_slots`` None means one slot per row;
+    ``sampling``: generate()'s and SamplingParams' keywords (empty: greedy, EOS off); ``seed``
+    seeds each mode's draws alike; ``draws``: RolloutConfig.draws, where the field exists."""
 
     model: PreTrainedModel
     backend: Backend
@@ -63,11 +65,27 @@ class Workload:
     graph_attention: str | None = "auto"  # RolloutConfig.graph_attention (None: the model's own)
     fuse_projections: bool | None = None  # RolloutConfig.fuse_projections (None: the backend's)
     compile_cache: str | None = "auto"  # RolloutConfig.compile_cache
+    sampling: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    draws: str | None = None
+    limit: Callable[..., float] | None = None  # a round's least seconds (rounds.round_limit)
     batch_size: int = field(init=False)
     prompt_width: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.batch_size, self.prompt_width = self.input_ids.shape
+        prompts, self.prompt_width = self.input_ids.shape
+        self.batch_size = prompts * self.sampling.get("num_return_sequences", 1)
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """Keywords of a ``generate`` call (``do_sample`` and the rest from ``sampling``)."""
+        mask, new = self.attention_mask, self.new_tokens
+        kwargs = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": 0}
+        return {**kwargs, "do_sample": False, "pad_token_id": 0, **self.sampling}
+
+
+def draws_option(draws: str | None) -> dict[str, Any]:
+    """``{"draws": draws}`` where RolloutConfig has that field and a value is given, else ``{}``."""
+    return {"draws": draws} if draws and "draws" in {f.name for f in fields(RolloutConfig)} else {}
 
 
 @dataclass
@@ -98,10 +116,10 @@ class StepClock(StoppingCriteria):
 
     def generate(self, work: Workload, **kwargs: Any) -> CallOutput:
         self.stamps = [time.perf_counter()]
-        kwargs.update(attention_mask=work.attention_mask, max_new_tokens=work.new_tokens)
-        kwargs.update(min_new_tokens=0, do_sample=False, pad_token_id=0, stopping_criteria=[self])
         with torch.no_grad():
-            out = work.model.generate(work.input_ids, **kwargs)
+            out = work.model.generate(
+                work.input_ids, **work.generate_kwargs(), **kwargs, stopping_criteria=[self]
+            )
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
         return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0], spread(gaps[1:])[0])
 
@@ -109,12 +127,14 @@ class StepClock(StoppingCriteria):
 @dataclass(frozen=True)
 class Mode:
     """transformers' ``generate`` with ``hf_kwargs``, or graphcap's engine on ``expected_path``
-    (None: graphs off; another path is a fallback) with ``RolloutConfig(compile=compile)``."""
+    (None: graphs off; another path is a fallback) with ``RolloutConfig(compile=compile)``,
+    called directly or (``drop_in``) through ``model.generate`` after ``accelerate_generate``."""
 
     name: str
     expected_path: str | None = None
     hf_kwargs: dict[str, Any] | None = None
     compile: bool | None = None
+    drop_in: bool = False
 
     def compiles(self, backend: Backend) -> bool:
         """Whether this mode's first call compiles on ``backend``: transformers' static cache
@@ -144,40 +164,70 @@ class Mode:
         if compiles:  # a cold start in this process: earlier compilations must not help it
             torch.compiler.reset()
         path, engine, sync = self.expected_path, None, work.backend.synchronize
+        if work.sampling:  # every mode's first call draws from the same generator state
+            torch.manual_seed(work.seed)
+            work.backend.manual_seed(work.seed)
         try:
             if self.hf_kwargs is not None:
                 yield functools.partial(StepClock(sync).generate, work, **self.hf_kwargs)
                 return
             slots = min(work.continuous_slots or work.batch_size, work.batch_size)
+            settings = {
+                "compile": self.compile if path is not None else None,
+                "compile_cache": work.compile_cache,
+                "graph_attention": work.graph_attention,
+                "fuse_projections": work.fuse_projections,
+                **draws_option(work.draws),
+            }
+            if self.drop_in:
+                config = replace(
+                    drop_in.default_config(work.model), backend=work.backend, **settings
+                )
+                accelerated = drop_in.accelerate_generate(work.model, config)
+                engine = accelerated.engine
+                yield functools.partial(_drop_in_call, work, accelerated)
+                return
             config = RolloutConfig(
                 backend=work.backend,
                 enable_graph_capture=path is not None,
                 continuous_batch_size=slots if path == "continuous_graph" else None,
                 per_position_graphs=path == "per_position_graph",
-                compile=self.compile if path is not None else None,
-                compile_cache=work.compile_cache,
-                graph_attention=work.graph_attention,
-                fuse_projections=work.fuse_projections,
+                **settings,
             )
             engine = RolloutEngine(work.model, config)
             # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.
             pin = work.new_tokens if path == "per_position_graph" else 0
             sampling = SamplingParams(
-                max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0
+                max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0, **work.sampling
             )
 
             def call() -> CallOutput:
                 out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
-                s = out.stats
-                step = s.decode_s / s.steps if s.steps else None
-                return CallOutput(out.sequences[:, work.prompt_width :].cpu(), s.prefill_s, step, s)
+                return _engine_output(out.sequences[:, work.prompt_width :], out.stats)
 
             yield call
         finally:
-            if engine is not None:
+            if self.drop_in and engine is not None:
+                accelerated.restore()  # also shuts its engine down
+            elif engine is not None:
                 engine.shutdown()
             if compiles:
                 torch.compiler.reset()
+
+
+def _engine_output(tokens: torch.Tensor, s: RolloutStats) -> CallOutput:
+    return CallOutput(tokens.cpu(), s.prefill_s, s.decode_s / s.steps if s.steps else None, s)
+
+
+def _drop_in_call(work: Workload, accelerated: Any) -> CallOutput:
+    """``model.generate`` served by the drop-in; a call it handed to ``generate`` is an error."""
+    served = accelerated.stats.served
+    with torch.no_grad():
+        out = work.model.generate(work.input_ids, **work.generate_kwargs())
+    if accelerated.stats.served == served:
+        reasons = ", ".join(accelerated.stats.fallbacks)
+        raise RuntimeError(f"the drop-in handed the call to generate(): {reasons}")
+    return _engine_output(out[:, work.prompt_width :], accelerated.stats.last)
 
 
 def _cpu(backend: Backend) -> bool:
@@ -196,17 +246,25 @@ MODES: dict[str, Mode] = {
         Mode("graphcap-graph-uncompiled", "static_graph", compile=False),
         Mode("graphcap-continuous", "continuous_graph"),
         Mode("graphcap-per-position", "per_position_graph"),
+        Mode("graphcap-drop-in", "static_graph", drop_in=True),
     )
 }
 
 
-def default_modes(backend: Backend) -> list[str]:
+#: The rl-round workload's modes: transformers' generate, the drop-in, the engine's two paths.
+ROUND_MODES = ["hf-eager", "graphcap-drop-in", "graphcap-graph", "graphcap-continuous"]
+
+
+def default_modes(backend: Backend, workload: str = "step") -> list[str]:
     """Every mode that means something on this backend: HF's compile only on accelerators, and
-    the uncompiled graph only where the default graph compiles (elsewhere they are one mode)."""
+    the uncompiled graph only where the default graph compiles (elsewhere they are one mode);
+    the drop-in in rounds only (in steps it is graphcap-graph with another padding)."""
+    if workload == "rl-round":
+        return ROUND_MODES
     skip = {"graphcap-graph-uncompiled"} if not MODES["graphcap-graph"].compiles(backend) else set()
     if _cpu(backend):
         skip.add("hf-static-compile")
-    return [name for name in MODES if name not in skip]
+    return [name for name in MODES if name not in skip | {"graphcap-drop-in"}]
 
 
 def parse_modes(text: str) -> list[str]:

@@ -54,6 +54,13 @@ class ModeResult:
     compile_cache: str | None = None
     joined_projections: int | None = None
     first_call_phases: dict[str, float] | None = None
+    # rl-round only: per round (the first, then the steady ones) each row's useful tokens and the
+    # round's physical limit; medians over the steady rounds (tokens_per_s counts useful ones)
+    round_lengths: list[list[int]] | None = None
+    round_limit_s: list[float | None] | None = None
+    useful_tokens: int | None = None
+    dead_share: float | None = None
+    limit_fraction: float | None = None
 
 
 #: Where a graphcap mode's first call spends its time (``first_call_phases``): the prefill
@@ -124,14 +131,17 @@ class BenchReport:
     weight_bytes_per_step: int
     peak_bandwidth_gbps: float | None
     reference_mode: str | None
+    peak_flops: float | None = None
+    eos_ids: int | None = None  # rl-round: how many EOS ids end rows
     results: list[ModeResult] = field(default_factory=list)
     rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
     #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention;
     #: 4: compiled, compile_cache, first_call_phases; 5: joined_projections; 6: the phases'
-    #: compile_s (warmup_s is the rest of the warm-up).
-    schema_version: int = 6
+    #: compile_s (warmup_s is the rest of the warm-up); 7: the rl-round workload (peak_flops,
+    #: eos_ids, round_lengths, round_limit_s, useful_tokens, dead_share, limit_fraction).
+    schema_version: int = 7
 
     def write_json(self, path: str | Path) -> Path:
         (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -151,11 +161,12 @@ def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> 
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
-def _ms(values: tuple[float | None, ...], spec: str = ".1f") -> str:
-    """``median [min-max]`` in ms, from (median, min, max); the median alone without a spread."""
+def _ms(values: tuple[float | None, ...], spec: str = ".1f", scale: float = 1e3) -> str:
+    """``median [min-max]`` (ms by default), from (median, min, max); the median alone without a
+    spread."""
     if None in values[1:]:
-        return _num(values[0], spec, 1e3)
-    return "{} [{}-{}]".format(*(_num(v, spec, 1e3) for v in values))
+        return _num(values[0], spec, scale)
+    return "{} [{}-{}]".format(*(_num(v, spec, scale) for v in values))
 
 
 #: header -> cell, for a mode that ran (the others show their status after the batch size).
@@ -174,6 +185,21 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "tokens": lambda r: "same" if r.tokens_identical else _num(r.token_agreement, ".1f", 100, "%"),
     "x hf-eager": lambda r: _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
     "x hf-static": lambda r: _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
+}
+ROUND_COLUMNS: dict[str, Callable[[ModeResult], str]] = {
+    "mode": COLUMNS["mode"],
+    "rows": COLUMNS["bs"],
+    "first(s)": lambda r: _num(r.first_call_s, ".2f"),
+    "round s [min-max]": lambda r: _ms(
+        (r.steady_median_s, r.steady_min_s, r.steady_max_s), ".2f", 1
+    ),
+    "useful tok": lambda r: _num(r.useful_tokens, "d"),
+    "useful tok/s": COLUMNS["tok/s"],
+    "ended%": lambda r: _num(r.dead_share, ".0f", 100),
+    "limit(s)": lambda r: _num(spread((r.round_limit_s or [None])[1:])[0], ".2f"),
+    "%limit": lambda r: _num(r.limit_fraction, ".0f", 100),
+    "capt": COLUMNS["capt"],
+    "x hf-eager": COLUMNS["x hf-eager"],
 }
 RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
     "iter": lambda i: str(i.iteration),
@@ -198,28 +224,47 @@ def render_table(
     ]
 
 
-def _mode_row(r: ModeResult) -> list[str]:
+def _mode_row(r: ModeResult, columns: dict[str, Callable[[ModeResult], str]]) -> list[str]:
     if r.status in (OK, FALLBACK):
-        return [cell(r) for cell in COLUMNS.values()]
-    return [r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3)]
+        return [cell(r) for cell in columns.values()]
+    return [r.mode, str(r.batch_size), r.status, *[""] * (len(columns) - 3)]
 
 
 def format_table(report: BenchReport) -> str:
     """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
     cfg, model, backend = report.config, report.model, report.backend
     where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
+    peaks = f"peak bandwidth {_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')}"
     lines = [
         f"graphcap bench: {cfg['model']} ({model['architecture']}, "
         f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
         f"{backend['device_name']} [backend {backend['name']}], {where}",
-        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
-        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
-        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
-        f"bandwidth {_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')}",
-        f"tokens: agreement with {report.reference_mode} at the same batch size",
-        "",
-        *render_table(list(COLUMNS), [_mode_row(r) for r in report.results]),
     ]
+    if cfg.get("workload") == "rl-round":
+        columns = ROUND_COLUMNS
+        hf = cfg["repeats"] if cfg["hf_repeats"] is None else cfg["hf_repeats"] or "the first"
+        lines += [
+            f"rl-round: {cfg['prompts']} prompts of {cfg['prompt_widths'][0]}-"
+            f"{cfg['prompt_widths'][1]} tokens (left-padded) x {cfg['samples']} samples, up to "
+            f"{cfg['new_tokens']} new; temperature {cfg['temperature']:g}, top-k "
+            f"{cfg['top_k'] or 'off'}, top-p {cfg['top_p']:g}; rows end at {report.eos_ids} EOS "
+            f"ids (mean length {cfg['eos_fraction']:g} of the cap before it cuts); continuous "
+            f"slots {cfg['continuous_slots']}",
+            f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds (hf: "
+            f"{hf}); useful = response tokens up to EOS; ended% = row-steps of rows already "
+            f"ended; limit = the round's physical limit at {peaks.removeprefix('peak bandwidth ')} "
+            f"and {_num(report.peak_flops, '.3g', suffix=' FLOP/s')}",
+        ]
+    else:
+        columns = COLUMNS
+        lines += [
+            f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
+            f"call timed alone, steady = median [min-max] of {cfg['repeats']} after "
+            f"{cfg['warmup']} warmup; weights read per step "
+            f"{report.weight_bytes_per_step / 1e9:.3f} GB; {peaks}",
+            f"tokens: agreement with {report.reference_mode} at the same batch size",
+        ]
+    lines += ["", *render_table(list(columns), [_mode_row(r, columns) for r in report.results])]
     for res in report.rl_loop:
         its = res.iterations
         lines += [

@@ -24,17 +24,9 @@ import transformers
 
 import graphcap
 from graphcap.backend import Backend
-from graphcap.bench import models
+from graphcap.bench import models, modes, rounds
 from graphcap.bench.config import BenchConfig, resolve
-from graphcap.bench.modes import (
-    MODES,
-    CallOutput,
-    Workload,
-    compile_counts,
-    compile_seconds,
-    spread,
-    timed_call,
-)
+from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
 from graphcap.bench.report import (
     ERROR,
     FALLBACK,
@@ -84,7 +76,10 @@ def run_benchmark(
                 gbps = result.weight_bandwidth_gbps = report.weight_bytes_per_step / step / 1e9
                 peak = report.peak_bandwidth_gbps
                 result.bandwidth_fraction = None if peak is None else gbps / peak
-        _agreement(report, outputs)
+        if cfg.workload == "step":  # sampled rounds differ between modes by design
+            _agreement(report, outputs)
+        elif cfg.draws and not modes.draws_option(cfg.draws):
+            report.warnings.append(f"--draws {cfg.draws} ignored: RolloutConfig has no draws field")
         fill_ratios(report.results)
         if cfg.rl_loop:
             from graphcap.bench.rl_loop import run_rl_loop
@@ -117,6 +112,7 @@ def _prepare(
         cfg.model, dtype=dtype, device=device, seed=cfg.seed, backend_seed=backend.manual_seed
     )
     peak = models.peak_bandwidth(name, cfg.peak_bandwidth)
+    flops = models.peak_bandwidth(name, cfg.peak_flops, models.PEAK_FLOPS)
     report = BenchReport(
         environment={
             **{m.__name__: m.__version__ for m in (graphcap, torch, transformers)},
@@ -129,6 +125,7 @@ def _prepare(
         model=models.describe_model(model),
         weight_bytes_per_step=models.weight_bytes_per_step(model),
         peak_bandwidth_gbps=None if peak is None else peak / 1e9,
+        peak_flops=flops,
         reference_mode=next((m for m in REFERENCES if m in cfg.modes), None),
     )
     if not describe_only:
@@ -136,14 +133,52 @@ def _prepare(
             model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
         backend.synchronize()
 
-    def workload(batch: int, slots: int | None = None) -> Workload:
-        vocab = model.config.vocab_size
-        ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
-        attention = None if cfg.graph_attention == "model" else cfg.graph_attention
-        cache = None if cfg.compile_cache == "none" else cfg.compile_cache
-        return Workload(
-            model, backend, ids, mask, cfg.new_tokens, slots, attention, cfg.fuse_projections, cache
+    attention = None if cfg.graph_attention == "model" else cfg.graph_attention
+    cache, vocab = (
+        None if cfg.compile_cache == "none" else cfg.compile_cache,
+        model.config.vocab_size,
+    )
+    options = (attention, cfg.fuse_projections, cache)
+    if cfg.workload == "rl-round":
+        ids, mask = rounds.round_prompts(vocab, cfg.prompts, cfg.prompt_widths, cfg.seed, device)
+        eos = rounds.eos_ids(vocab, cfg.new_tokens, cfg.eos_fraction, cfg.seed)
+        sampling = {"do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k}
+        sampling.update(top_p=cfg.top_p, eos_token_id=eos, num_return_sequences=cfg.samples)
+        limit = None
+        if peak and flops:
+            w, n = (
+                models.weight_bytes_per_step(model),
+                sum(p.numel() for p in models.step_parameters(model)),
+            )
+            kv = models.kv_bytes_per_token(model)
+            limit = functools.partial(
+                rounds.round_limit,
+                weight_bytes=w,
+                parameters=n,
+                kv_bytes_per_token=kv,
+                bandwidth=peak,
+                flops=flops,
+            )
+        round_work = Workload(
+            model,
+            backend,
+            ids,
+            mask,
+            cfg.new_tokens,
+            cfg.continuous_slots,
+            *options,
+            sampling,
+            cfg.seed,
+            cfg.draws,
+            limit,
         )
+        report.eos_ids = len(eos)
+
+    def workload(batch: int, slots: int | None = None) -> Workload:
+        if cfg.workload == "rl-round":
+            return round_work
+        ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
+        return Workload(model, backend, ids, mask, cfg.new_tokens, slots, *options)
 
     return report, workload
 
@@ -241,13 +276,18 @@ def _run_mode(
 
     try:
         with mode.session(work) as call:
-            compiled_before = compile_seconds()
+            compiled_before, hf = (
+                modes.compile_seconds(),
+                mode.hf_kwargs is not None and config.hf_repeats is not None,
+            )
             first = timed("first")
-            first_compile_s = compile_seconds() - compiled_before
+            first_compile_s = modes.compile_seconds() - compiled_before
             graphs1, held = compile_counts()[0], backend.memory_allocated()
-            for i in range(config.warmup):
+            for i in range(0 if hf else config.warmup):
                 timed(f"warmup {i + 1}")
-            calls = [timed(f"steady {i + 1}") for i in range(config.repeats)]
+            calls = [
+                timed(f"steady {i + 1}") for i in range(config.hf_repeats if hf else config.repeats)
+            ]
     except Exception as exc:  # one broken mode must not lose the others' figures
         r.status, r.reason = ERROR, f"{type(exc).__name__}: {exc}"
         say(f"  error: {r.reason}\n{traceback.format_exc()}")
@@ -257,6 +297,7 @@ def _run_mode(
     r.graph_breaks, r.first_call_s = breaks2 - breaks0, first.seconds
     r.engine_memory_bytes = None if None in (held, before) else held - before  # kept by the engine
     r.peak_memory_bytes = backend.max_memory_allocated()
+    calls = calls or [first]  # --hf-repeats 0
     r.steady_s = [c.seconds for c in calls]
     r.steady_median_s, r.steady_min_s, r.steady_max_s = spread(r.steady_s)
     r.tokens_per_s = work.batch_size * work.new_tokens / r.steady_median_s
@@ -281,6 +322,8 @@ def _run_mode(
             f"recompiled {r.recompiles_steady} graph(s) after the first call: a broken "
             "baseline (its steady time includes compilation); not used for ratios"
         )
+    if config.workload == "rl-round":
+        rounds.fill_round(r, work, first, calls)
     return r, (first, calls[-1])
 
 
