@@ -545,7 +545,7 @@ def test_round_reports_useful_tokens_dead_share_and_limit(
         rounds_run = 1 + (ROUND["hf_repeats"] if r.mode == "hf-eager" else ROUND["repeats"])
         assert len(r.round_lengths) == len(r.round_limit_s) == rounds_run
         steady = r.round_lengths[1:]
-        assert all(len(n) == rows and 1 <= min(n) and max(n) <= ROUND["new_tokens"] for n in steady)
+        assert all(len(n) == rows and min(n) >= 1 and max(n) <= ROUND["new_tokens"] for n in steady)
         useful = [sum(n) for n in steady]
         assert r.useful_tokens == round(statistics.median(useful))
         per_s = [u / s for u, s in zip(useful, r.steady_s, strict=True)]
