@@ -52,9 +52,10 @@ def compile_seconds() -> float:
 
 @dataclass
 class Workload:
-    """What every mode generates from; ``continuous_slots`` None means one slot per row;
-    ``sampling``: generate()'s and SamplingParams' keywords (empty: greedy, EOS off); ``seed``
-    seeds each mode's draws alike; ``draws``: RolloutConfig.draws, where the field exists."""
+    """What every mode generates from; ``continuous_slots`` None means one slot per row.
+    ``settings``: RolloutConfig keywords of the graphcap modes; ``sampling``: generate()'s and
+    SamplingParams' keywords (none: greedy, EOS off), each mode's draws seeded by ``seed``;
+    ``limit``: a round's least seconds (rounds.round_limit)."""
 
     model: PreTrainedModel
     backend: Backend
@@ -62,15 +63,10 @@ class Workload:
     attention_mask: torch.Tensor
     new_tokens: int
     continuous_slots: int | None = None
-    graph_attention: str | None = "auto"  # RolloutConfig.graph_attention (None: the model's own)
-    fuse_projections: bool | None = None  # RolloutConfig.fuse_projections (None: the backend's)
-    compile_cache: str | None = "auto"  # RolloutConfig.compile_cache
+    settings: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
-    draws: str | None = None
-    limit: Callable[..., float] | None = None  # a round's least seconds (rounds.round_limit)
-    batch_size: int = field(init=False)
-    prompt_width: int = field(init=False)
+    limit: Callable[..., float] | None = None
 
     def __post_init__(self) -> None:
         prompts, self.prompt_width = self.input_ids.shape
@@ -78,14 +74,23 @@ class Workload:
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keywords of a ``generate`` call (``do_sample`` and the rest from ``sampling``)."""
-        mask, new = self.attention_mask, self.new_tokens
-        kwargs = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": 0}
-        return {**kwargs, "do_sample": False, "pad_token_id": 0, **self.sampling}
+        kwargs = {"attention_mask": self.attention_mask, "max_new_tokens": self.new_tokens}
+        return {
+            **kwargs,
+            "min_new_tokens": 0,
+            "do_sample": False,
+            "pad_token_id": 0,
+            **self.sampling,
+        }
 
 
-def draws_option(draws: str | None) -> dict[str, Any]:
-    """``{"draws": draws}`` where RolloutConfig has that field and a value is given, else ``{}``."""
-    return {"draws": draws} if draws and "draws" in {f.name for f in fields(RolloutConfig)} else {}
+def engine_settings(attention: str, fuse: bool | None, cache: str, draws: str | None) -> dict:
+    """RolloutConfig keywords from the bench's options; ``draws`` only where the field exists."""
+    settings = {"graph_attention": None if attention == "model" else attention}
+    settings.update(fuse_projections=fuse, compile_cache=None if cache == "none" else cache)
+    if draws and "draws" in {f.name for f in fields(RolloutConfig)}:
+        settings["draws"] = draws
+    return settings
 
 
 @dataclass
@@ -98,6 +103,11 @@ class CallOutput:
     decode_step_s: float | None
     stats: RolloutStats | None = None
     seconds: float | None = None
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, s: RolloutStats) -> CallOutput:
+        """An engine call's output, from its response tokens and stats."""
+        return cls(tokens.cpu(), s.prefill_s, s.decode_s / s.steps if s.steps else None, s)
 
 
 class StepClock(StoppingCriteria):
@@ -115,11 +125,9 @@ class StepClock(StoppingCriteria):
         return self.false
 
     def generate(self, work: Workload, **kwargs: Any) -> CallOutput:
-        self.stamps = [time.perf_counter()]
+        self.stamps, kwargs = [time.perf_counter()], {**work.generate_kwargs(), **kwargs}
         with torch.no_grad():
-            out = work.model.generate(
-                work.input_ids, **work.generate_kwargs(), **kwargs, stopping_criteria=[self]
-            )
+            out = work.model.generate(work.input_ids, **kwargs, stopping_criteria=[self])
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
         return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0], spread(gaps[1:])[0])
 
@@ -136,102 +144,84 @@ class Mode:
     compile: bool | None = None
     drop_in: bool = False
 
+    def config(self, **settings: Any) -> RolloutConfig:
+        """The engine's configuration in this mode (the drop-in's default one), and ``settings``."""
+        path, settings["compile"] = self.expected_path, self.compile if self.expected_path else None
+        if self.drop_in:
+            return replace(drop_in.default_config(settings.pop("model")), **settings)
+        graphs = {"enable_graph_capture": path is not None}
+        return RolloutConfig(**graphs, per_position_graphs=path == "per_position_graph", **settings)
+
     def compiles(self, backend: Backend) -> bool:
         """Whether this mode's first call compiles on ``backend``: transformers' static cache
         (it compiles the decode where it can; the runner counts what it compiled), graphcap's
         graph modes where ``compile`` (or, unset, the backend's declared default) says so."""
         if self.hf_kwargs is not None:
             return self.hf_kwargs.get("cache_implementation") == "static"
-        config = RolloutConfig(
-            enable_graph_capture=self.expected_path is not None,
-            per_position_graphs=self.expected_path == "per_position_graph",
-            compile=self.compile,
-        )
+        config = replace(self, drop_in=False).config()
         return config.enable_graph_capture and config.wants_compile(backend)
 
     def unsupported(self, backend: Backend) -> str | None:
         """Why this mode cannot run on ``backend`` (``None`` when it can)."""
         if self.expected_path and not backend.supports_graph_capture:
             return f"backend {backend.name!r} cannot capture graphs"
-        if self.expected_path and self.compile and _cpu(backend):
+        if self.expected_path and self.compile and backend.device.type == "cpu":
             return "the CPU reference backend refuses compiled (inductor) regions at capture"
         return None
 
     @contextmanager
     def session(self, work: Workload) -> Iterator[Callable[[], CallOutput]]:
         """The mode opened on ``work``: yields the call to time, releases everything after."""
-        compiles = self.compiles(work.backend)
+        compiles, path = self.compiles(work.backend), self.expected_path
         if compiles:  # a cold start in this process: earlier compilations must not help it
             torch.compiler.reset()
-        path, engine, sync = self.expected_path, None, work.backend.synchronize
         if work.sampling:  # every mode's first call draws from the same generator state
             torch.manual_seed(work.seed)
             work.backend.manual_seed(work.seed)
+        settings, engine, installed = {"backend": work.backend, **work.settings}, None, None
+        if path == "continuous_graph":
+            settings["continuous_batch_size"] = min(
+                work.continuous_slots or work.batch_size, work.batch_size
+            )
         try:
             if self.hf_kwargs is not None:
-                yield functools.partial(StepClock(sync).generate, work, **self.hf_kwargs)
-                return
-            slots = min(work.continuous_slots or work.batch_size, work.batch_size)
-            settings = {
-                "compile": self.compile if path is not None else None,
-                "compile_cache": work.compile_cache,
-                "graph_attention": work.graph_attention,
-                "fuse_projections": work.fuse_projections,
-                **draws_option(work.draws),
-            }
-            if self.drop_in:
-                config = replace(
-                    drop_in.default_config(work.model), backend=work.backend, **settings
+                yield functools.partial(
+                    StepClock(work.backend.synchronize).generate, work, **self.hf_kwargs
                 )
-                accelerated = drop_in.accelerate_generate(work.model, config)
-                engine = accelerated.engine
-                yield functools.partial(_drop_in_call, work, accelerated)
-                return
-            config = RolloutConfig(
-                backend=work.backend,
-                enable_graph_capture=path is not None,
-                continuous_batch_size=slots if path == "continuous_graph" else None,
-                per_position_graphs=path == "per_position_graph",
-                **settings,
-            )
-            engine = RolloutEngine(work.model, config)
-            # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.
-            pin = work.new_tokens if path == "per_position_graph" else 0
-            sampling = SamplingParams(
-                max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0, **work.sampling
-            )
+            elif self.drop_in:
+                config = self.config(model=work.model, **settings)
+                installed = drop_in.accelerate_generate(work.model, config)
+                yield functools.partial(_drop_in_call, work, installed)
+            else:
+                engine = RolloutEngine(work.model, self.config(**settings))
+                # EOS is off: pinning min_new_tokens (per-position graphs need it) changes no token.
+                pin = work.new_tokens if path == "per_position_graph" else 0
+                lengths = {"max_new_tokens": work.new_tokens, "min_new_tokens": pin}
+                sampling = SamplingParams(**lengths, pad_token_id=0, **work.sampling)
 
-            def call() -> CallOutput:
-                out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
-                return _engine_output(out.sequences[:, work.prompt_width :], out.stats)
+                def call() -> CallOutput:
+                    out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
+                    return CallOutput.of(out.sequences[:, work.prompt_width :], out.stats)
 
-            yield call
+                yield call
         finally:
-            if self.drop_in and engine is not None:
-                accelerated.restore()  # also shuts its engine down
-            elif engine is not None:
+            if installed is not None:
+                installed.restore()  # also shuts its engine down
+            if engine is not None:
                 engine.shutdown()
             if compiles:
                 torch.compiler.reset()
 
 
-def _engine_output(tokens: torch.Tensor, s: RolloutStats) -> CallOutput:
-    return CallOutput(tokens.cpu(), s.prefill_s, s.decode_s / s.steps if s.steps else None, s)
-
-
-def _drop_in_call(work: Workload, accelerated: Any) -> CallOutput:
+def _drop_in_call(work: Workload, installed: drop_in.AcceleratedGenerate) -> CallOutput:
     """``model.generate`` served by the drop-in; a call it handed to ``generate`` is an error."""
-    served = accelerated.stats.served
+    served = installed.stats.served
     with torch.no_grad():
         out = work.model.generate(work.input_ids, **work.generate_kwargs())
-    if accelerated.stats.served == served:
-        reasons = ", ".join(accelerated.stats.fallbacks)
+    if installed.stats.served == served:
+        reasons = ", ".join(installed.stats.fallbacks)
         raise RuntimeError(f"the drop-in handed the call to generate(): {reasons}")
-    return _engine_output(out[:, work.prompt_width :], accelerated.stats.last)
-
-
-def _cpu(backend: Backend) -> bool:
-    return backend.device.type == "cpu"
+    return CallOutput.of(out[:, work.prompt_width :], installed.stats.last)
 
 
 # transformers decides whether hf-static-compile compiles; the runner counts compiled graphs.
@@ -249,8 +239,6 @@ MODES: dict[str, Mode] = {
         Mode("graphcap-drop-in", "static_graph", drop_in=True),
     )
 }
-
-
 #: The rl-round workload's modes: transformers' generate, the drop-in, the engine's two paths.
 ROUND_MODES = ["hf-eager", "graphcap-drop-in", "graphcap-graph", "graphcap-continuous"]
 
@@ -261,10 +249,9 @@ def default_modes(backend: Backend, workload: str = "step") -> list[str]:
     the drop-in in rounds only (in steps it is graphcap-graph with another padding)."""
     if workload == "rl-round":
         return ROUND_MODES
-    skip = {"graphcap-graph-uncompiled"} if not MODES["graphcap-graph"].compiles(backend) else set()
-    if _cpu(backend):
-        skip.add("hf-static-compile")
-    return [name for name in MODES if name not in skip | {"graphcap-drop-in"}]
+    skip = {"graphcap-drop-in"} | ({"hf-static-compile"} if backend.device.type == "cpu" else set())
+    skip |= set() if MODES["graphcap-graph"].compiles(backend) else {"graphcap-graph-uncompiled"}
+    return [name for name in MODES if name not in skip]
 
 
 def parse_modes(text: str) -> list[str]:

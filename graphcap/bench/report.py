@@ -63,29 +63,20 @@ class ModeResult:
     limit_fraction: float | None = None
 
 
-#: Where a graphcap mode's first call spends its time (``first_call_phases``): the prefill
-#: (input checks and the model scan included), the warm-up run before capture split into
-#: compiling (dynamo's and inductor's, by dynamo's own clock; 0 where the step compiles
-#: nothing or finds its code cached in memory) and the rest of it (the first use of every
-#: kernel in this process, inductor's runtime choice among its kernels' launch settings), the
-#: capture itself, the decode loop, and the rest (collecting the result, the call's own setup).
+#: Where a graphcap mode's first call spends its time: the prefill (input checks and the model
+#: scan included), the warm-up before capture split into compiling (by dynamo's own clock) and the
+#: rest (each kernel's first use), the capture, the decode loop, and the rest of the call.
 PHASES: tuple[str, ...] = ("prefill_s", "compile_s", "warmup_s", "capture_s", "decode_s", "other_s")
 
 
 def first_call_phases(stats: Any, total_s: float, compile_s: float = 0.0) -> dict[str, float]:
-    """The phases of a first call that took ``total_s`` from its engine ``stats`` and the
-    seconds dynamo spent compiling during it (counted against the warm-up, where a capture
-    compiles)."""
+    """The phases of a first call that took ``total_s``, from its engine ``stats`` and the
+    seconds dynamo spent compiling during it (counted against the warm-up)."""
     compiling = min(max(compile_s, 0.0), stats.warmup_s)
-    phases = {
-        "prefill_s": stats.prefill_s,
-        "compile_s": compiling,
-        "warmup_s": stats.warmup_s - compiling,
-        "capture_s": stats.capture_s - stats.warmup_s,
-        "decode_s": stats.decode_s,
-    }
-    phases["other_s"] = max(0.0, total_s - sum(phases.values()))
-    return phases
+    values = (stats.prefill_s, compiling, stats.warmup_s - compiling)
+    values += (stats.capture_s - stats.warmup_s, stats.decode_s)
+    phases = dict(zip(PHASES, values, strict=False))
+    return {**phases, "other_s": max(0.0, total_s - sum(phases.values()))}
 
 
 @dataclass
@@ -137,23 +128,15 @@ class BenchReport:
     rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
-    #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention;
-    #: 4: compiled, compile_cache, first_call_phases; 5: joined_projections; 6: the phases'
-    #: compile_s (warmup_s is the rest of the warm-up); 7: the rl-round workload (peak_flops,
-    #: eos_ids, round_lengths, round_limit_s, useful_tokens, dead_share, limit_fraction).
-    schema_version: int = 7
+    schema_version: int = 7  # the changes of each version: docs/benchmarks.md
 
     def write_json(self, path: str | Path) -> Path:
-        (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        (target := Path(path)).parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(asdict(self), indent=2) + "\n")
         return target
 
     def result(self, mode: str, batch_size: int) -> ModeResult | None:
         return next((r for r in self.results if (r.mode, r.batch_size) == (mode, batch_size)), None)
-
-
-def _target(path: str | Path) -> Path:
-    (target := Path(path)).parent.mkdir(parents=True, exist_ok=True)
-    return target
 
 
 # ---- text -------------------------------------------------------------------------------------
@@ -161,12 +144,15 @@ def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> 
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
-def _ms(values: tuple[float | None, ...], spec: str = ".1f", scale: float = 1e3) -> str:
-    """``median [min-max]`` (ms by default), from (median, min, max); the median alone without a
-    spread."""
+def _ms(values: Sequence[float | None], spec: str = ".1f", scale: float = 1e3) -> str:
+    """``median [min-max]`` (ms), from (median, min, max); the median alone without a spread."""
     if None in values[1:]:
         return _num(values[0], spec, scale)
     return "{} [{}-{}]".format(*(_num(v, spec, scale) for v in values))
+
+
+def _steady(r: ModeResult, spec: str = ".1f", scale: float = 1e3) -> str:
+    return _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s), spec, scale)
 
 
 #: header -> cell, for a mode that ran (the others show their status after the batch size).
@@ -174,10 +160,8 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "mode": lambda r: r.mode if r.status == OK else f"{r.mode} [{r.status}]",
     "bs": lambda r: str(r.batch_size),
     "first(s)": lambda r: _num(r.first_call_s, ".2f"),
-    "steady ms [min-max]": lambda r: _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s)),
-    "step ms [min-max]": lambda r: _ms(
-        (r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"
-    ),
+    "steady ms [min-max]": _steady,
+    "step ms [min-max]": lambda r: _ms((r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s)),
     "tok/s": lambda r: _num(r.tokens_per_s, ".0f"),
     "BW%": lambda r: _num(r.bandwidth_fraction, ".0f", 100),
     "peak mem": lambda r: _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
@@ -186,20 +170,15 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "x hf-eager": lambda r: _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
     "x hf-static": lambda r: _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
 }
-ROUND_COLUMNS: dict[str, Callable[[ModeResult], str]] = {
-    "mode": COLUMNS["mode"],
-    "rows": COLUMNS["bs"],
-    "first(s)": lambda r: _num(r.first_call_s, ".2f"),
-    "round s [min-max]": lambda r: _ms(
-        (r.steady_median_s, r.steady_min_s, r.steady_max_s), ".2f", 1
-    ),
+ROUND_COLUMNS = {"mode": COLUMNS["mode"], "rows": COLUMNS["bs"], "first(s)": COLUMNS["first(s)"]}
+ROUND_COLUMNS |= {
+    "round s [min-max]": lambda r: _steady(r, ".2f", 1),
     "useful tok": lambda r: _num(r.useful_tokens, "d"),
     "useful tok/s": COLUMNS["tok/s"],
     "ended%": lambda r: _num(r.dead_share, ".0f", 100),
-    "limit(s)": lambda r: _num(spread((r.round_limit_s or [None])[1:])[0], ".2f"),
+    "limit(s)": lambda r: _num(spread((r.round_limit_s or [None])[1:])[0], ".3g"),
     "%limit": lambda r: _num(r.limit_fraction, ".0f", 100),
-    "capt": COLUMNS["capt"],
-    "x hf-eager": COLUMNS["x hf-eager"],
+    **{k: COLUMNS[k] for k in ("capt", "x hf-eager")},
 }
 RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
     "iter": lambda i: str(i.iteration),
@@ -234,37 +213,25 @@ def format_table(report: BenchReport) -> str:
     """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
     cfg, model, backend = report.config, report.model, report.backend
     where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
-    peaks = f"peak bandwidth {_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')}"
+    bandwidth = _num(report.peak_bandwidth_gbps, ".0f", suffix=" GB/s")
+    rounds, hf = cfg.get("workload") == "rl-round", cfg.get("hf_repeats")
+    columns = ROUND_COLUMNS if rounds else COLUMNS
     lines = [
         f"graphcap bench: {cfg['model']} ({model['architecture']}, "
         f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
         f"{backend['device_name']} [backend {backend['name']}], {where}",
+        *(_round_header(report) if rounds else ()),
+        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
+        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
+        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
+        f"bandwidth {bandwidth}"
+        if not rounds
+        else f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds "
+        f"(hf modes: {cfg['repeats'] if hf is None else hf or 'the first'}); limit: the round's "
+        f"physical limit at {bandwidth} and {_num(report.peak_flops, '.3g', suffix=' FLOP/s')}",
+        "" if rounds else f"tokens: agreement with {report.reference_mode} at the same batch size",
+        *render_table(list(columns), [_mode_row(r, columns) for r in report.results]),
     ]
-    if cfg.get("workload") == "rl-round":
-        columns = ROUND_COLUMNS
-        hf = cfg["repeats"] if cfg["hf_repeats"] is None else cfg["hf_repeats"] or "the first"
-        lines += [
-            f"rl-round: {cfg['prompts']} prompts of {cfg['prompt_widths'][0]}-"
-            f"{cfg['prompt_widths'][1]} tokens (left-padded) x {cfg['samples']} samples, up to "
-            f"{cfg['new_tokens']} new; temperature {cfg['temperature']:g}, top-k "
-            f"{cfg['top_k'] or 'off'}, top-p {cfg['top_p']:g}; rows end at {report.eos_ids} EOS "
-            f"ids (mean length {cfg['eos_fraction']:g} of the cap before it cuts); continuous "
-            f"slots {cfg['continuous_slots']}",
-            f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds (hf: "
-            f"{hf}); useful = response tokens up to EOS; ended% = row-steps of rows already "
-            f"ended; limit = the round's physical limit at {peaks.removeprefix('peak bandwidth ')} "
-            f"and {_num(report.peak_flops, '.3g', suffix=' FLOP/s')}",
-        ]
-    else:
-        columns = COLUMNS
-        lines += [
-            f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
-            f"call timed alone, steady = median [min-max] of {cfg['repeats']} after "
-            f"{cfg['warmup']} warmup; weights read per step "
-            f"{report.weight_bytes_per_step / 1e9:.3f} GB; {peaks}",
-            f"tokens: agreement with {report.reference_mode} at the same batch size",
-        ]
-    lines += ["", *render_table(list(columns), [_mode_row(r, columns) for r in report.results])]
     for res in report.rl_loop:
         its = res.iterations
         lines += [
@@ -285,6 +252,18 @@ def format_table(report: BenchReport) -> str:
     notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
     notes += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _round_header(report: BenchReport) -> list[str]:
+    cfg = report.config
+    return [
+        f"rl-round: {cfg['prompts']} prompts of {cfg['prompt_widths'][0]}-"
+        f"{cfg['prompt_widths'][1]} tokens (left-padded) x {cfg['samples']} samples, up to "
+        f"{cfg['new_tokens']} new; temperature {cfg['temperature']:g}, top-k "
+        f"{cfg['top_k'] or 'off'}, top-p {cfg['top_p']:g}; rows end at {report.eos_ids} EOS ids "
+        f"(mean length {cfg['eos_fraction']:g} of the cap before it cuts); continuous slots "
+        f"{cfg['continuous_slots']}; useful: tokens up to EOS; ended%: row-steps of ended rows",
+    ]
 
 
 def _phases_line(r: ModeResult) -> str:

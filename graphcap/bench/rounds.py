@@ -3,14 +3,41 @@ each, sampled rows ending at EOS ids), and what a round's own lengths say it cos
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from graphcap.backend import Backend
+from graphcap.bench import models
+from graphcap.bench.config import BenchConfig
 from graphcap.bench.modes import CallOutput, Workload
 from graphcap.bench.report import ModeResult
+
+
+def round_workload(
+    cfg: BenchConfig, model: Any, backend: Backend, peaks: tuple, settings: dict
+) -> Workload:
+    """The round every mode runs: ``cfg``'s prompts, samples and EOS ids, the engine's
+    ``settings``; its limit from ``peaks`` (bytes/s, FLOP/s) where both are known."""
+    vocab = model.config.vocab_size
+    ids, mask = round_prompts(vocab, cfg.prompts, cfg.prompt_widths, cfg.seed, backend.device)
+    eos = eos_ids(vocab, cfg.new_tokens, cfg.eos_fraction, cfg.seed)
+    sampling = {"do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k}
+    sampling.update(top_p=cfg.top_p, eos_token_id=eos, num_return_sequences=cfg.samples)
+    weights, parameters = models.weight_bytes_per_step(model), models.step_parameters(model)
+    limit = functools.partial(
+        round_limit,
+        weight_bytes=weights,
+        parameters=sum(p.numel() for p in parameters),
+        kv_bytes_per_token=models.kv_bytes_per_token(model),
+        bandwidth=peaks[0],
+        flops=peaks[1],
+    )
+    args = (model, backend, ids, mask, cfg.new_tokens, cfg.continuous_slots, settings, sampling)
+    return Workload(*args, cfg.seed, limit if all(peaks) else None)
 
 
 def round_prompts(

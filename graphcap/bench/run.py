@@ -25,31 +25,24 @@ import transformers
 import graphcap
 from graphcap.backend import Backend
 from graphcap.bench import models, modes, rounds
+from graphcap.bench import report as rep
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
-from graphcap.bench.report import (
-    ERROR,
-    FALLBACK,
-    OK,
-    SKIPPED,
-    UNSUPPORTED,
-    BenchReport,
-    ModeResult,
-    first_call_phases,
-)
+from graphcap.bench.report import BenchReport, ModeResult
 
 #: Fewer distinct response tokens than this in the reference makes agreement nearly vacuous.
 MIN_DISTINCT_TOKENS = 4
 REFERENCES = ("graphcap-eager", "hf-eager")
 #: Lines of a failed child's output (stderr included) kept as its result's reason.
 CHILD_REASON_LINES = 8
+Say = Callable[[str], None]
 
 
 def run_benchmark(
     config: BenchConfig | None = None,
     *,
     backend: Backend | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Say | None = None,
 ) -> BenchReport:
     """Every selected mode at every batch size (same model and prompts, so ratios are
     comparable; one process, or a fresh one per pair with ``isolate``); ``progress`` receives one
@@ -63,9 +56,7 @@ def run_benchmark(
         in_child = functools.partial(_run_child, cfg, backend.name, say)
         isolated = _sweep(cfg, backend, started, say, in_child) if cfg.isolate else None
         # After isolated pairs the model only describes the run (unless the RL loop runs here).
-        report, workload = _prepare(
-            cfg, backend, say, describe_only=cfg.isolate and not cfg.rl_loop
-        )
+        report, workload = _prepare(cfg, backend, say, cfg.isolate and not cfg.rl_loop)
 
         def in_process(bs: int, mode: str) -> tuple[ModeResult, Any]:
             return _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
@@ -78,19 +69,16 @@ def run_benchmark(
                 result.bandwidth_fraction = None if peak is None else gbps / peak
         if cfg.workload == "step":  # sampled rounds differ between modes by design
             _agreement(report, outputs)
-        elif cfg.draws and not modes.draws_option(cfg.draws):
+        elif cfg.draws and "draws" not in modes.engine_settings("auto", None, "auto", cfg.draws):
             report.warnings.append(f"--draws {cfg.draws} ignored: RolloutConfig has no draws field")
         fill_ratios(report.results)
         if cfg.rl_loop:
             from graphcap.bench.rl_loop import run_rl_loop
 
             say(f"rl-loop: {cfg.rl_loop} iterations at bs {cfg.rl_batch_size}")
+            options = {"optimizer": cfg.rl_optimizer, "lr": cfg.rl_lr, "seed": cfg.seed}
             report.rl_loop, warnings = run_rl_loop(
-                workload(cfg.rl_batch_size),
-                iterations=cfg.rl_loop,
-                optimizer=cfg.rl_optimizer,
-                lr=cfg.rl_lr,
-                seed=cfg.seed,
+                workload(cfg.rl_batch_size), iterations=cfg.rl_loop, **options
             )
             report.warnings += warnings
         report.elapsed_s = time.monotonic() - started
@@ -100,111 +88,65 @@ def run_benchmark(
 
 
 def _prepare(
-    cfg: BenchConfig, backend: Backend, say: Callable[[str], None], describe_only: bool = False
+    cfg: BenchConfig, backend: Backend, say: Say, describe_only: bool = False
 ) -> tuple[BenchReport, Callable[..., Workload]]:
     """Build the model: an empty report describing the run, and a workload builder (batch
     size, continuous slots) on that model. ``describe_only``: the model is built on the meta
     device (shapes, no weights), enough for the report; no workload runs on it."""
     device = torch.device("meta") if describe_only else backend.device
     say(f"building {cfg.model} ({cfg.dtype}) on {device}")
-    dtype, name = models.DTYPES[cfg.dtype], backend.device_name()
+    dtype, name, seed = models.DTYPES[cfg.dtype], backend.device_name(), cfg.seed
     model = models.build_model(
-        cfg.model, dtype=dtype, device=device, seed=cfg.seed, backend_seed=backend.manual_seed
+        cfg.model, dtype=dtype, device=device, seed=seed, backend_seed=backend.manual_seed
     )
-    peak = models.peak_bandwidth(name, cfg.peak_bandwidth)
-    flops = models.peak_bandwidth(name, cfg.peak_flops, models.PEAK_FLOPS)
+    peaks = models.peak_bandwidth(name, cfg.peak_bandwidth), None
+    peaks = peaks[0], models.peak_bandwidth(name, cfg.peak_flops, models.PEAK_FLOPS)
+    versions = {m.__name__: m.__version__ for m in (graphcap, torch, transformers)}
     report = BenchReport(
-        environment={
-            **{m.__name__: m.__version__ for m in (graphcap, torch, transformers)},
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        },
-        backend={**backend.describe(), "device_name": name},
-        config=asdict(cfg),
-        model=models.describe_model(model),
-        weight_bytes_per_step=models.weight_bytes_per_step(model),
-        peak_bandwidth_gbps=None if peak is None else peak / 1e9,
-        peak_flops=flops,
-        reference_mode=next((m for m in REFERENCES if m in cfg.modes), None),
+        {**versions, "python": platform.python_version(), "platform": platform.platform()}
+        | {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        {**backend.describe(), "device_name": name},
+        asdict(cfg),
+        models.describe_model(model),
+        models.weight_bytes_per_step(model),
+        None if peaks[0] is None else peaks[0] / 1e9,
+        next((m for m in REFERENCES if m in cfg.modes), None),
+        peaks[1],
     )
     if not describe_only:
         with torch.no_grad():  # one forward first: the first mode must not pay device start-up
             model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
         backend.synchronize()
-
-    attention = None if cfg.graph_attention == "model" else cfg.graph_attention
-    cache, vocab = (
-        None if cfg.compile_cache == "none" else cfg.compile_cache,
-        model.config.vocab_size,
-    )
-    options = (attention, cfg.fuse_projections, cache)
+    settings = (cfg.graph_attention, cfg.fuse_projections, cfg.compile_cache, cfg.draws)
+    settings = modes.engine_settings(*settings)
     if cfg.workload == "rl-round":
-        ids, mask = rounds.round_prompts(vocab, cfg.prompts, cfg.prompt_widths, cfg.seed, device)
-        eos = rounds.eos_ids(vocab, cfg.new_tokens, cfg.eos_fraction, cfg.seed)
-        sampling = {"do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k}
-        sampling.update(top_p=cfg.top_p, eos_token_id=eos, num_return_sequences=cfg.samples)
-        limit = None
-        if peak and flops:
-            w, n = (
-                models.weight_bytes_per_step(model),
-                sum(p.numel() for p in models.step_parameters(model)),
-            )
-            kv = models.kv_bytes_per_token(model)
-            limit = functools.partial(
-                rounds.round_limit,
-                weight_bytes=w,
-                parameters=n,
-                kv_bytes_per_token=kv,
-                bandwidth=peak,
-                flops=flops,
-            )
-        round_work = Workload(
-            model,
-            backend,
-            ids,
-            mask,
-            cfg.new_tokens,
-            cfg.continuous_slots,
-            *options,
-            sampling,
-            cfg.seed,
-            cfg.draws,
-            limit,
-        )
-        report.eos_ids = len(eos)
+        round_work = rounds.round_workload(cfg, model, backend, peaks, settings)
+        report.eos_ids = len(round_work.sampling["eos_token_id"])
 
     def workload(batch: int, slots: int | None = None) -> Workload:
         if cfg.workload == "rl-round":
             return round_work
-        ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, cfg.seed, device)
-        return Workload(model, backend, ids, mask, cfg.new_tokens, slots, *options)
+        ids, mask = models.make_prompts(
+            model.config.vocab_size, batch, cfg.prompt_len, seed, device
+        )
+        return Workload(model, backend, ids, mask, cfg.new_tokens, slots, settings)
 
     return report, workload
 
 
 def _sweep(
-    cfg: BenchConfig,
-    backend: Backend,
-    started: float,
-    say: Callable[[str], None],
-    run_pair: Callable[[int, str], tuple[ModeResult, Any]],
+    cfg: BenchConfig, backend: Backend, started: float, say: Say, run_pair: Callable[..., Any]
 ) -> tuple[list[ModeResult], dict[tuple[str, int], tuple[Any, Any]]]:
     """Every (batch size, mode) pair in order, measured by ``run_pair`` while the time budget
     lasts (the rest are skipped); the results, and the first and last calls by (mode, size)."""
     compiled = cfg.compile_batch_sizes or cfg.batch_sizes
-    pairs = [
-        (b, m)
-        for b in cfg.batch_sizes
-        for m in cfg.modes
-        if b in compiled or not MODES[m].compiles(backend)
-    ]
-    results: list[ModeResult] = []
-    outputs: dict[tuple[str, int], tuple[Any, Any]] = {}
+    pairs = [(b, m) for b in cfg.batch_sizes for m in cfg.modes]
+    pairs = [(b, m) for b, m in pairs if b in compiled or not MODES[m].compiles(backend)]
+    results, outputs = [], {}
     for done, (bs, mode) in enumerate(pairs):
         if cfg.budget_s is not None and time.monotonic() - started > cfg.budget_s:
-            reason = f"time budget of {cfg.budget_s:g} s spent"
-            results.append(ModeResult(mode, bs, SKIPPED, reason))
+            spent = f"time budget of {cfg.budget_s:g} s spent"
+            results.append(ModeResult(mode, bs, rep.SKIPPED, spent))
             continue
         say(f"[{done + 1}/{len(pairs)}, {len(pairs) - done - 1} left] bs {bs}: {mode}")
         result, calls = run_pair(bs, mode)
@@ -215,7 +157,7 @@ def _sweep(
 
 
 def _run_child(
-    cfg: BenchConfig, backend: str, say: Callable[[str], None], bs: int, mode: str
+    cfg: BenchConfig, backend: str, say: Say, bs: int, mode: str
 ) -> tuple[ModeResult, Any]:
     """One pair in a fresh process (``python -m graphcap.bench.run``), so that it inherits no
     other mode's compiled code, allocator state or caches; its output lines go to ``say``, and
@@ -231,11 +173,10 @@ def _run_child(
         tail: collections.deque[str] = collections.deque(maxlen=CHILD_REASON_LINES)
         for line in proc.stdout or ():
             say(line.rstrip())
-            if line.strip():
-                tail.append(line.rstrip())
+            tail.extend([line.rstrip()] if line.strip() else [])
         if proc.wait() != 0:
             reason = f"child process exited with status {proc.returncode}: " + "\n".join(tail)
-            return ModeResult(mode, bs, ERROR, reason), None
+            return ModeResult(mode, bs, rep.ERROR, reason), None
         saved = torch.load(Path(folder) / "result.pt", weights_only=True)
     tokens = saved["tokens"]
     calls = None if tokens is None else tuple(CallOutput(t, None, None) for t in tokens)
@@ -246,8 +187,7 @@ def _child_main(folder: str) -> None:
     """A child of :func:`_run_child`: its one pair, measured as in-process runs measure theirs."""
     cfg = BenchConfig(**json.loads((Path(folder) / "config.json").read_text()))
     backend, say = graphcap.get_backend(cfg.backend), functools.partial(print, flush=True)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
     _, workload = _prepare(cfg, backend, say)
     (bs,), (mode,) = cfg.batch_sizes, cfg.modes
     result, calls = _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
@@ -255,14 +195,13 @@ def _child_main(folder: str) -> None:
     torch.save({"result": asdict(result), "tokens": tokens}, Path(folder) / "result.pt")
 
 
-def _run_mode(
-    name: str, work: Workload, config: BenchConfig, say: Callable[[str], None]
-) -> tuple[ModeResult, Any]:
+def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple[ModeResult, Any]:
     """Measure one mode at one batch size; also return its first and last call's output."""
     r, mode, backend = ModeResult(name, work.batch_size), MODES[name], work.backend
     if (reason := mode.unsupported(backend)) is not None:
         say(f"  unsupported: {reason}")
-        return ModeResult(name, work.batch_size, UNSUPPORTED, reason), None
+        return ModeResult(name, work.batch_size, rep.UNSUPPORTED, reason), None
+    hf = mode.hf_kwargs is not None and config.hf_repeats is not None  # fewer calls of HF's
     gc.collect()
     backend.empty_cache()
     backend.reset_peak_memory_stats()
@@ -276,20 +215,16 @@ def _run_mode(
 
     try:
         with mode.session(work) as call:
-            compiled_before, hf = (
-                modes.compile_seconds(),
-                mode.hf_kwargs is not None and config.hf_repeats is not None,
-            )
+            compiled_before = modes.compile_seconds()
             first = timed("first")
             first_compile_s = modes.compile_seconds() - compiled_before
             graphs1, held = compile_counts()[0], backend.memory_allocated()
             for i in range(0 if hf else config.warmup):
                 timed(f"warmup {i + 1}")
-            calls = [
-                timed(f"steady {i + 1}") for i in range(config.hf_repeats if hf else config.repeats)
-            ]
+            repeats = config.hf_repeats if hf else config.repeats
+            calls = [timed(f"steady {i + 1}") for i in range(repeats)] or [first]
     except Exception as exc:  # one broken mode must not lose the others' figures
-        r.status, r.reason = ERROR, f"{type(exc).__name__}: {exc}"
+        r.status, r.reason = rep.ERROR, f"{type(exc).__name__}: {exc}"
         say(f"  error: {r.reason}\n{traceback.format_exc()}")
         return r, None
     graphs2, breaks2 = compile_counts()
@@ -297,26 +232,24 @@ def _run_mode(
     r.graph_breaks, r.first_call_s = breaks2 - breaks0, first.seconds
     r.engine_memory_bytes = None if None in (held, before) else held - before  # kept by the engine
     r.peak_memory_bytes = backend.max_memory_allocated()
-    calls = calls or [first]  # --hf-repeats 0
     r.steady_s = [c.seconds for c in calls]
     r.steady_median_s, r.steady_min_s, r.steady_max_s = spread(r.steady_s)
     r.tokens_per_s = work.batch_size * work.new_tokens / r.steady_median_s
     r.prefill_s = spread(c.prefill_s for c in calls)[0]
-    r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s = spread(
-        c.decode_step_s for c in calls
-    )
+    steps = spread(c.decode_step_s for c in calls)
+    r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s = steps
     if (stats := calls[-1].stats) is not None:
         r.captures, r.replays_per_call, r.attention = stats.captures, stats.replays, stats.attention
         r.occupancy = spread(c.stats.occupancy for c in calls)[0]
         r.compiled, r.compile_cache = first.stats.compiled, first.stats.compile_cache
         r.joined_projections = stats.joined_projections
-        r.first_call_phases = first_call_phases(first.stats, first.seconds, first_compile_s)
+        r.first_call_phases = rep.first_call_phases(first.stats, first.seconds, first_compile_s)
     r.path = "hf" if stats is None else stats.path
     if mode.expected_path is not None and r.path != mode.expected_path:
-        r.status = FALLBACK
+        r.status = rep.FALLBACK
         r.reason = f"ran eagerly: {stats.fallback_reason or 'no graph was captured'}"
     elif name == "hf-static-compile" and not r.compiled_graphs_first_call:
-        r.status, r.reason = FALLBACK, "generate() compiled nothing here (ran uncompiled)"
+        r.status, r.reason = rep.FALLBACK, "generate() compiled nothing here (ran uncompiled)"
     elif name == "hf-static-compile" and r.recompiles_steady:
         r.reason = (
             f"recompiled {r.recompiles_steady} graph(s) after the first call: a broken "
@@ -348,20 +281,17 @@ def _agreement(report: BenchReport, outputs: dict[tuple[str, int], tuple[Any, An
             continue
         r.token_agreement, r.tokens_identical = agree, agree == 1.0
         r.first_call_tokens_identical = token_agreement(first.tokens, expected.tokens) == 1.0
-        if r.status == OK and not r.tokens_identical:
+        if r.status == rep.OK and not r.tokens_identical:
             warn(f"{name} (bs {bs}) differs from {ref} in {(1 - r.token_agreement):.1%} of tokens")
 
 
 def fill_ratios(results: list[ModeResult]) -> None:
     """Speed-ups over the HF baselines at the same batch size (> 1 is faster); a baseline that
     fell back, errored or recompiled in the steady state gives none."""
-    base = {
-        (r.mode, r.batch_size): r.steady_median_s
-        for r in results
-        if r.status == OK and r.steady_median_s and not r.recompiles_steady
-    }
+    ok = [r for r in results if r.status == rep.OK and not r.recompiles_steady]
+    base = {(r.mode, r.batch_size): r.steady_median_s for r in ok if r.steady_median_s}
     for r in results:
-        if r.status in (OK, FALLBACK) and r.steady_median_s:
+        if r.status in (rep.OK, rep.FALLBACK) and r.steady_median_s:
             eager, static = (base.get((m, r.batch_size)) for m in ("hf-eager", "hf-static-compile"))
             r.speedup_vs_hf_eager = eager / r.steady_median_s if eager else None
             r.speedup_vs_hf_static_compile = static / r.steady_median_s if static else None
