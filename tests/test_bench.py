@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphcap.bench import command, config, models, modes, report, rounds
+from graphcap.bench import command, config, models, modes, report, run
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, Workload, default_modes, parse_modes
 from graphcap.bench.report import ModeResult, RLLoopResult
@@ -513,20 +513,18 @@ ROUND.update(prompt_widths=[3, 6], new_tokens=8, repeats=2, hf_repeats=1, eos_fr
 
 
 def test_round_inputs_lengths_and_limit_by_hand() -> None:
-    ids, mask = rounds.round_prompts(100, 5, [3, 6], seed=0, device=CPU)
+    ids, mask = models.round_prompts(100, 5, [3, 6], seed=0, device=CPU)
     widths = mask.sum(1)
     assert ids.shape == (5, int(widths.max())) and bool(((widths >= 3) & (widths <= 6)).all())
     assert bool((ids[mask == 0] == 0).all()) and bool((ids[mask == 1] > 0).all())
     assert bool((mask.cummax(1).values == mask).all())  # left-padded
-    eos = rounds.eos_ids(8192, 16, 0.4, seed=0)
+    eos = models.eos_ids(8192, 16, 0.4, seed=0)
     assert len(eos) == 1280 and 0 not in eos and len(set(eos)) == 1280
     tokens = torch.tensor([[5, 7, 0, 0], [5, 5, 5, 5], [7, 7, 7, 7]])
-    assert rounds.response_lengths(tokens, [7, 9], cap=4) == [2, 4, 1]
-    assert rounds.dead_share([2, 4, 1]) == pytest.approx(1 - 7 / 12)
+    assert run.response_lengths(tokens, [7, 9], cap=4) == [2, 4, 1]
+    assert run.dead_share([2, 4, 1]) == pytest.approx(1 - 7 / 12)
     # two rows of 3 and 1 tokens after prompts of 2 and 4: decode steps 1 and 2 serve row 0 only
-    limit = rounds.round_limit(
-        [3, 1], [2, 4], weight_bytes=10, parameters=4, kv_bytes_per_token=2, bandwidth=2, flops=8
-    )
+    limit = models.round_limit([3, 1], [2, 4], costs=(10, 4, 2, 2, 8))
     prefill = 2 * 4 * 6 / 8
     steps = (max(5, 2 * 4 * 1 / 8) + 2 * 3 / 2) + (max(5, 1) + 2 * 4 / 2)
     assert limit == pytest.approx(prefill + steps)
@@ -543,25 +541,28 @@ def test_round_reports_useful_tokens_dead_share_and_limit(
     for r, path in zip(result.results, paths, strict=True):
         assert (r.status, r.path, r.batch_size) == ("ok", path, rows), r.reason
         rounds_run = 1 + (ROUND["hf_repeats"] if r.mode == "hf-eager" else ROUND["repeats"])
-        assert len(r.round_lengths) == len(r.round_limit_s) == rounds_run
-        steady = r.round_lengths[1:]
+        figures = r.round
+        assert len(figures["lengths"]) == len(figures["limits_s"]) == rounds_run
+        steady = figures["lengths"][1:]
         assert all(len(n) == rows and min(n) >= 1 and max(n) <= ROUND["new_tokens"] for n in steady)
         useful = [sum(n) for n in steady]
-        assert r.useful_tokens == round(statistics.median(useful))
+        assert figures["useful_tokens"] == round(statistics.median(useful))
         per_s = [u / s for u, s in zip(useful, r.steady_s, strict=True)]
         assert r.tokens_per_s == pytest.approx(statistics.median(per_s))
         dead = [1 - sum(n) / (rows * max(n)) for n in steady]  # row-steps by hand
-        assert 0 <= r.dead_share < 1 and r.dead_share == pytest.approx(statistics.median(dead))
-        assert all(0 < lim < s for lim, s in zip(r.round_limit_s[1:], r.steady_s, strict=True))
-        assert 0 < r.limit_fraction < 1
+        assert 0 <= figures["dead_share"] < 1
+        assert figures["dead_share"] == pytest.approx(statistics.median(dead))
+        limits = figures["limits_s"][1:]
+        assert all(0 < lim < s for lim, s in zip(limits, r.steady_s, strict=True))
+        assert figures["limit_s"] == statistics.median(limits) and 0 < figures["limit_fraction"] < 1
         assert r.speedup_vs_hf_eager == pytest.approx(
             result.result("hf-eager", rows).steady_median_s / r.steady_median_s
         )
     # the same seed gives every mode the same prompts and draws: the drop-in draws generate's
     hf, drop = result.result("hf-eager", rows), result.result("graphcap-drop-in", rows)
-    assert hf.round_lengths[0] == drop.round_lengths[0]
+    assert hf.round["lengths"][0] == drop.round["lengths"][0]
     data = json.loads(result.write_json(tmp_path / "round.json").read_text())
-    assert data["schema_version"] == 7 and data["results"][0]["round_lengths"] == hf.round_lengths
+    assert data["schema_version"] == 7 and data["results"][0]["round"] == hf.round
     table = report.format_table(result)
     assert "round s [min-max]" in table and "rl-round: 2 prompts of 3-6 tokens" in table
 

@@ -1,11 +1,12 @@
-"""Benchmark models and prompts, and the weight-bandwidth roofline. Presets have real checkpoints'
-shapes (which set a step's cost) and random weights with a std of ``INIT_SCALE / sqrt(hidden)``:
-at transformers' default a greedy random model repeats one token, making agreement vacuous."""
+"""Benchmark models and prompts (a round's too), the weight-bandwidth roofline and a round's
+physical limit. Presets have real checkpoints' shapes (which set a step's cost) and random weights
+with a std of ``INIT_SCALE / sqrt(hidden)``: at transformers' default a greedy random model
+repeats one token, making agreement vacuous."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +41,12 @@ def preset_config(name: str) -> Any:
 
 def default_dtype_name(model: str, device_type: str) -> str:
     """fp32 on CPU; fp16 for GPT-2 shapes and bf16 otherwise on accelerators."""
-    if device_type == "cpu":
-        return "fp32"
-    return "fp16" if PRESETS.get(model, ("",))[0] == "gpt2" else "bf16"
+    gpt2 = PRESETS.get(model, ("",))[0] == "gpt2"
+    return "fp32" if device_type == "cpu" else "fp16" if gpt2 else "bf16"
 
 
 def build_model(
-    model: str,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    seed: int = 0,
-    backend_seed: Callable[[int], None] | None = None,
+    model: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0, backend_seed: Any = None
 ) -> PreTrainedModel:
     """A preset (random weights, built on the device) or a local model directory, with EOS off
     so that every mode generates exactly ``max_new_tokens``; on the meta device, shapes only
@@ -62,11 +57,8 @@ def build_model(
     local = (Path(model) / "config.json").is_file()
     if model in PRESETS or (local and device.type == "meta"):  # a meta model reads no weights
         with torch.device(device):
-            config = (
-                preset_config(model)
-                if model in PRESETS
-                else AutoConfig.from_pretrained(model, local_files_only=True)
-            )
+            preset = model in PRESETS
+            config = preset_config(model) if preset else AutoConfig.from_pretrained(model)
             built = AutoModelForCausalLM.from_config(config, dtype=dtype)
     elif local:
         built = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, local_files_only=True)
@@ -95,9 +87,53 @@ def make_prompts(
     vocab: int, batch: int, length: int, seed: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random full-length token prompts (no padding), the same for every mode."""
-    generator = torch.Generator().manual_seed(seed + batch)
-    ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    ids = torch.randint(
+        0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed + batch)
+    )
     return ids.to(device), torch.ones_like(ids).to(device)
+
+
+def round_prompts(
+    vocab: int, prompts: int, widths: Sequence[int], seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's random prompts, widths drawn from ``widths`` (least, most), left-padded (id 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(widths[0], widths[-1] + 1, (prompts, 1), generator=generator)
+    mask = (torch.arange(width := int(lengths.max())) >= width - lengths).long()
+    ids = torch.randint(1, vocab, (prompts, width), generator=generator) * mask
+    return ids.to(device), mask.to(device)
+
+
+def eos_ids(vocab: int, new_tokens: int, mean_fraction: float, seed: int) -> list[int]:
+    """EOS ids (never the pad id 0) so many that a near-flat distribution ends a row at each step
+    with probability ~ |E| / vocab: a mean length of ``mean_fraction`` x ``new_tokens`` before
+    the cap cuts the longest rows."""
+    count = min(vocab - 1, max(1, round(vocab / (mean_fraction * new_tokens))))
+    ids = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(seed + 1))[:count]
+    return sorted((ids + 1).tolist())
+
+
+def round_limit(lengths: Sequence[int], prompts: Sequence[int], costs: Sequence[float]) -> float:
+    """Seconds a round of these response ``lengths`` after these ``prompts`` (tokens per row)
+    takes at least; ``costs``: weight bytes a step reads, parameters, K/V bytes a token, bytes/s,
+    FLOP/s. The prefill's products, then per decode step the weights' read or the live rows'
+    products, whichever is slower, plus the live rows' K/V read. A row's first token comes from
+    the prefill: step ``s`` serves the rows longer than ``s``."""
+    weights, parameters, kv, bandwidth, flops = costs
+    seconds = 2 * parameters * sum(prompts) / flops
+    for s in range(1, max(lengths)):
+        live = [w + s for n, w in zip(lengths, prompts, strict=True) if n > s]
+        products = max(weights / bandwidth, 2 * parameters * len(live) / flops)
+        seconds += products + kv * sum(live) / bandwidth
+    return seconds
+
+
+def round_costs(model: nn.Module, peaks: Sequence[float | None]) -> tuple | None:
+    """:func:`round_limit`'s ``costs`` for ``model`` at ``peaks`` (bytes/s, FLOP/s); None
+    where either peak is unknown."""
+    parameters = sum(p.numel() for p in step_parameters(model))
+    costs = (weight_bytes_per_step(model), parameters, kv_bytes_per_token(model), *peaks)
+    return costs if all(peaks) else None
 
 
 #: Peak memory bandwidth (bytes/s, datasheets) and attainable dense bf16 products (FLOP/s, below
@@ -122,21 +158,13 @@ def weight_bytes_per_step(model: nn.Module) -> int:
 
 def kv_bytes_per_token(model: nn.Module) -> int:
     """Bytes of keys and values one token keeps in every layer's cache."""
-    c, bytes_ = model.config, next(model.parameters()).element_size()
-    heads = c.num_attention_heads
+    c, heads = model.config, model.config.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return (
-        2
-        * c.num_hidden_layers
-        * (getattr(c, "num_key_value_heads", None) or heads)
-        * head_dim
-        * bytes_
-    )
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
 
 
-def peak_bandwidth(
-    name: str, override: float | None = None, table: tuple = PEAK_BANDWIDTH
-) -> float | None:
+def peak_bandwidth(name: str, override: float | None = None, table: tuple = PEAK_BANDWIDTH) -> Any:
     """Peak rate for ``name`` (bytes/s, or FLOP/s from ``PEAK_FLOPS``): the override, else the
     table (accelerators only), else None."""
     if override is not None and override <= 0:

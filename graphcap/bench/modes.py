@@ -55,7 +55,7 @@ class Workload:
     """What every mode generates from; ``continuous_slots`` None means one slot per row.
     ``settings``: RolloutConfig keywords of the graphcap modes; ``sampling``: generate()'s and
     SamplingParams' keywords (none: greedy, EOS off), each mode's draws seeded by ``seed``;
-    ``limit``: a round's least seconds (rounds.round_limit)."""
+    ``costs``: a round's limit costs (models.round_costs)."""
 
     model: PreTrainedModel
     backend: Backend
@@ -66,7 +66,7 @@ class Workload:
     settings: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
-    limit: Callable[..., float] | None = None
+    costs: tuple | None = None
 
     def __post_init__(self) -> None:
         prompts, self.prompt_width = self.input_ids.shape

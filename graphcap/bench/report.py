@@ -54,13 +54,7 @@ class ModeResult:
     compile_cache: str | None = None
     joined_projections: int | None = None
     first_call_phases: dict[str, float] | None = None
-    # rl-round only: per round (the first, then the steady ones) each row's useful tokens and the
-    # round's physical limit; medians over the steady rounds (tokens_per_s counts useful ones)
-    round_lengths: list[list[int]] | None = None
-    round_limit_s: list[float | None] | None = None
-    useful_tokens: int | None = None
-    dead_share: float | None = None
-    limit_fraction: float | None = None
+    round: dict[str, Any] | None = None  # rl-round figures (rounds.fill_round)
 
 
 #: Where a graphcap mode's first call spends its time: the prefill (input checks and the model
@@ -155,13 +149,21 @@ def _steady(r: ModeResult, spec: str = ".1f", scale: float = 1e3) -> str:
     return _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s), spec, scale)
 
 
+def _step(r: ModeResult) -> str:
+    return _ms((r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f")
+
+
+def _round(key: str, spec: str, scale: float = 1) -> Callable[[ModeResult], str]:
+    return lambda r: _num(r.round and r.round[key], spec, scale)
+
+
 #: header -> cell, for a mode that ran (the others show their status after the batch size).
 COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "mode": lambda r: r.mode if r.status == OK else f"{r.mode} [{r.status}]",
     "bs": lambda r: str(r.batch_size),
     "first(s)": lambda r: _num(r.first_call_s, ".2f"),
     "steady ms [min-max]": _steady,
-    "step ms [min-max]": lambda r: _ms((r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s)),
+    "step ms [min-max]": _step,
     "tok/s": lambda r: _num(r.tokens_per_s, ".0f"),
     "BW%": lambda r: _num(r.bandwidth_fraction, ".0f", 100),
     "peak mem": lambda r: _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
@@ -171,15 +173,11 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "x hf-static": lambda r: _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
 }
 ROUND_COLUMNS = {"mode": COLUMNS["mode"], "rows": COLUMNS["bs"], "first(s)": COLUMNS["first(s)"]}
-ROUND_COLUMNS |= {
-    "round s [min-max]": lambda r: _steady(r, ".2f", 1),
-    "useful tok": lambda r: _num(r.useful_tokens, "d"),
-    "useful tok/s": COLUMNS["tok/s"],
-    "ended%": lambda r: _num(r.dead_share, ".0f", 100),
-    "limit(s)": lambda r: _num(spread((r.round_limit_s or [None])[1:])[0], ".3g"),
-    "%limit": lambda r: _num(r.limit_fraction, ".0f", 100),
-    **{k: COLUMNS[k] for k in ("capt", "x hf-eager")},
-}
+ROUND_COLUMNS |= {"round s [min-max]": lambda r: _steady(r, ".2f", 1)}
+ROUND_COLUMNS |= {"useful tok": _round("useful_tokens", "d"), "useful tok/s": COLUMNS["tok/s"]}
+ROUND_COLUMNS |= {"ended%": _round("dead_share", ".0f", 100), "limit(s)": _round("limit_s", ".3g")}
+ROUND_COLUMNS |= {"%limit": _round("limit_fraction", ".0f", 100), "capt": COLUMNS["capt"]}
+ROUND_COLUMNS |= {"x hf-eager": COLUMNS["x hf-eager"]}
 RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
     "iter": lambda i: str(i.iteration),
     "generate(ms)": lambda i: _num(i.generate_s, ".1f", 1e3),
@@ -197,9 +195,10 @@ def render_table(
 ) -> list[str]:
     """Left-aligned columns two spaces apart, a dashed rule under the header."""
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+    rules = ["-" * w for w in widths]
     return [
         indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in (columns, ["-" * w for w in widths], *rows)
+        for r in (columns, rules, *rows)
     ]
 
 
@@ -213,23 +212,14 @@ def format_table(report: BenchReport) -> str:
     """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
     cfg, model, backend = report.config, report.model, report.backend
     where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
-    bandwidth = _num(report.peak_bandwidth_gbps, ".0f", suffix=" GB/s")
-    rounds, hf = cfg.get("workload") == "rl-round", cfg.get("hf_repeats")
+    rounds = cfg.get("workload") == "rl-round"
     columns = ROUND_COLUMNS if rounds else COLUMNS
     lines = [
         f"graphcap bench: {cfg['model']} ({model['architecture']}, "
         f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
         f"{backend['device_name']} [backend {backend['name']}], {where}",
-        *(_round_header(report) if rounds else ()),
-        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
-        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
-        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
-        f"bandwidth {bandwidth}"
-        if not rounds
-        else f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds "
-        f"(hf modes: {cfg['repeats'] if hf is None else hf or 'the first'}); limit: the round's "
-        f"physical limit at {bandwidth} and {_num(report.peak_flops, '.3g', suffix=' FLOP/s')}",
-        "" if rounds else f"tokens: agreement with {report.reference_mode} at the same batch size",
+        *(_round_header if rounds else _step_header)(report),
+        "",
         *render_table(list(columns), [_mode_row(r, columns) for r in report.results]),
     ]
     for res in report.rl_loop:
@@ -245,8 +235,7 @@ def format_table(report: BenchReport) -> str:
             ),
         ]
     rs = report.results
-    phased = [r for r in rs if r.first_call_phases]
-    if phased:
+    if phased := [r for r in rs if r.first_call_phases]:
         lines += ["", "first calls (s): " + " + ".join(p.removesuffix("_s") for p in PHASES)]
         lines += [f"  {_phases_line(r)}" for r in phased]
     notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
@@ -254,8 +243,20 @@ def format_table(report: BenchReport) -> str:
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
+def _step_header(report: BenchReport) -> list[str]:
+    cfg, bandwidth = report.config, _num(report.peak_bandwidth_gbps, ".0f", suffix=" GB/s")
+    return [
+        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
+        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
+        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
+        f"bandwidth {bandwidth}",
+        f"tokens: agreement with {report.reference_mode} at the same batch size",
+    ]
+
+
 def _round_header(report: BenchReport) -> list[str]:
-    cfg = report.config
+    cfg, hf = report.config, report.config["hf_repeats"]
+    hf = cfg["repeats"] if hf is None else hf or "the first"
     return [
         f"rl-round: {cfg['prompts']} prompts of {cfg['prompt_widths'][0]}-"
         f"{cfg['prompt_widths'][1]} tokens (left-padded) x {cfg['samples']} samples, up to "
@@ -263,6 +264,10 @@ def _round_header(report: BenchReport) -> list[str]:
         f"{cfg['top_k'] or 'off'}, top-p {cfg['top_p']:g}; rows end at {report.eos_ids} EOS ids "
         f"(mean length {cfg['eos_fraction']:g} of the cap before it cuts); continuous slots "
         f"{cfg['continuous_slots']}; useful: tokens up to EOS; ended%: row-steps of ended rows",
+        f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds (hf "
+        f"modes: {hf}); limit: the round's physical limit at "
+        f"{_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')} and "
+        f"{_num(report.peak_flops, '.3g', suffix=' FLOP/s')}",
     ]
 
 

@@ -9,12 +9,13 @@ import functools
 import gc
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import transformers
 
 import graphcap
 from graphcap.backend import Backend
-from graphcap.bench import models, modes, rounds
+from graphcap.bench import models, modes
 from graphcap.bench import report as rep
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
@@ -77,9 +78,8 @@ def run_benchmark(
 
             say(f"rl-loop: {cfg.rl_loop} iterations at bs {cfg.rl_batch_size}")
             options = {"optimizer": cfg.rl_optimizer, "lr": cfg.rl_lr, "seed": cfg.seed}
-            report.rl_loop, warnings = run_rl_loop(
-                workload(cfg.rl_batch_size), iterations=cfg.rl_loop, **options
-            )
+            loop = run_rl_loop(workload(cfg.rl_batch_size), iterations=cfg.rl_loop, **options)
+            report.rl_loop, warnings = loop
             report.warnings += warnings
         report.elapsed_s = time.monotonic() - started
         return report
@@ -95,16 +95,16 @@ def _prepare(
     device (shapes, no weights), enough for the report; no workload runs on it."""
     device = torch.device("meta") if describe_only else backend.device
     say(f"building {cfg.model} ({cfg.dtype}) on {device}")
-    dtype, name, seed = models.DTYPES[cfg.dtype], backend.device_name(), cfg.seed
+    dtype, name, seed, vocab = models.DTYPES[cfg.dtype], backend.device_name(), cfg.seed, None
     model = models.build_model(
         cfg.model, dtype=dtype, device=device, seed=seed, backend_seed=backend.manual_seed
     )
-    peaks = models.peak_bandwidth(name, cfg.peak_bandwidth), None
-    peaks = peaks[0], models.peak_bandwidth(name, cfg.peak_flops, models.PEAK_FLOPS)
-    versions = {m.__name__: m.__version__ for m in (graphcap, torch, transformers)}
+    peaks = [models.peak_bandwidth(name, cfg.peak_bandwidth)]
+    peaks.append(models.peak_bandwidth(name, cfg.peak_flops, models.PEAK_FLOPS))
+    environment = {m.__name__: m.__version__ for m in (graphcap, torch, transformers)}
+    environment.update(python=platform.python_version(), platform=platform.platform())
     report = BenchReport(
-        {**versions, "python": platform.python_version(), "platform": platform.platform()}
-        | {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        {**environment, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
         {**backend.describe(), "device_name": name},
         asdict(cfg),
         models.describe_model(model),
@@ -118,17 +118,20 @@ def _prepare(
             model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
         backend.synchronize()
     settings = (cfg.graph_attention, cfg.fuse_projections, cfg.compile_cache, cfg.draws)
-    settings = modes.engine_settings(*settings)
+    settings, vocab = modes.engine_settings(*settings), model.config.vocab_size
     if cfg.workload == "rl-round":
-        round_work = rounds.round_workload(cfg, model, backend, peaks, settings)
-        report.eos_ids = len(round_work.sampling["eos_token_id"])
+        ids, mask = models.round_prompts(vocab, cfg.prompts, cfg.prompt_widths, seed, device)
+        eos = models.eos_ids(vocab, cfg.new_tokens, cfg.eos_fraction, seed)
+        sampling = {"do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k}
+        sampling.update(top_p=cfg.top_p, eos_token_id=eos, num_return_sequences=cfg.samples)
+        args = (ids, mask, cfg.new_tokens, cfg.continuous_slots, settings, sampling, seed)
+        round_work = Workload(model, backend, *args, models.round_costs(model, peaks))
+        report.eos_ids = len(eos)
 
     def workload(batch: int, slots: int | None = None) -> Workload:
         if cfg.workload == "rl-round":
             return round_work
-        ids, mask = models.make_prompts(
-            model.config.vocab_size, batch, cfg.prompt_len, seed, device
-        )
+        ids, mask = models.make_prompts(vocab, batch, cfg.prompt_len, seed, device)
         return Workload(model, backend, ids, mask, cfg.new_tokens, slots, settings)
 
     return report, workload
@@ -156,9 +159,7 @@ def _sweep(
     return results, outputs
 
 
-def _run_child(
-    cfg: BenchConfig, backend: str, say: Say, bs: int, mode: str
-) -> tuple[ModeResult, Any]:
+def _run_child(cfg: BenchConfig, backend: str, say: Say, bs: int, mode: str) -> tuple[Any, Any]:
     """One pair in a fresh process (``python -m graphcap.bench.run``), so that it inherits no
     other mode's compiled code, allocator state or caches; its output lines go to ``say``, and
     the last ones are the reason of the ERROR result a failed child gives."""
@@ -255,9 +256,37 @@ def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple
             f"recompiled {r.recompiles_steady} graph(s) after the first call: a broken "
             "baseline (its steady time includes compilation); not used for ratios"
         )
-    if config.workload == "rl-round":
-        rounds.fill_round(r, work, first, calls)
+    if work.sampling:
+        fill_round(r, work, [first, *calls])
     return r, (first, calls[-1])
+
+
+def response_lengths(tokens: torch.Tensor, eos: Sequence[int], cap: int) -> list[int]:
+    """Each row's useful tokens: up to and including its first EOS, else the cap."""
+    ended = torch.isin(tokens, torch.tensor(list(eos), dtype=tokens.dtype))
+    return torch.where(ended.any(1), ended.int().argmax(1) + 1, cap).tolist()
+
+
+def dead_share(lengths: Sequence[int]) -> float:
+    """Share of row-steps (rows x steps until the longest row ended) spent on ended rows."""
+    return 1 - sum(lengths) / (len(lengths) * max(lengths))
+
+
+def fill_round(r: ModeResult, work: Workload, calls: list[CallOutput]) -> None:
+    """``r.round``: per call (the first, then the steady ones) each row's length and the
+    round's limit; medians over the steady calls. ``r.tokens_per_s`` counts useful tokens."""
+    prompts = work.attention_mask.sum(1).repeat_interleave(work.sampling["num_return_sequences"])
+    eos, cap = work.sampling["eos_token_id"], work.new_tokens
+    lengths = [response_lengths(c.tokens, eos, cap) for c in calls]
+    limits = [work.costs and models.round_limit(n, prompts.tolist(), work.costs) for n in lengths]
+    steady = list(zip(lengths[1:], limits[1:], r.steady_s, strict=True))
+    r.tokens_per_s = statistics.median(sum(n) / s for n, _, s in steady)
+    r.round = {"lengths": lengths, "limits_s": limits, "dead_share": None, "limit_fraction": None}
+    r.round["useful_tokens"] = round(statistics.median(sum(n) for n, _, _ in steady))
+    r.round["dead_share"] = statistics.median(dead_share(n) for n, _, _ in steady)
+    r.round["limit_s"] = spread(limits[1:])[0]
+    if work.costs:
+        r.round["limit_fraction"] = statistics.median(lim / s for _, lim, s in steady)
 
 
 def token_agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float | None:
