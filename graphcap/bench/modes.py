@@ -21,8 +21,7 @@ from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutStats, Samplin
 def timed_call(call: Callable[[], Any], sync: Callable[[], None]) -> tuple[float, Any]:
     """Seconds ``call`` took between two device synchronisations, and what it returned."""
     sync()
-    start = time.perf_counter()
-    value = call()
+    start, value = time.perf_counter(), call()
     sync()
     return time.perf_counter() - start, value
 
@@ -71,17 +70,9 @@ class Workload:
     def __post_init__(self) -> None:
         prompts, self.prompt_width = self.input_ids.shape
         self.batch_size = prompts * self.sampling.get("num_return_sequences", 1)
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        """Keywords of a ``generate`` call (``do_sample`` and the rest from ``sampling``)."""
-        kwargs = {"attention_mask": self.attention_mask, "max_new_tokens": self.new_tokens}
-        return {
-            **kwargs,
-            "min_new_tokens": 0,
-            "do_sample": False,
-            "pad_token_id": 0,
-            **self.sampling,
-        }
+        lengths = {"max_new_tokens": self.new_tokens, "min_new_tokens": 0, "pad_token_id": 0}
+        greedy = {"attention_mask": self.attention_mask, "do_sample": False, **lengths}
+        self.generate_kwargs = {**greedy, **self.sampling}  # a ``generate`` call's keywords
 
 
 def engine_settings(attention: str, fuse: bool | None, cache: str, draws: str | None) -> dict:
@@ -125,7 +116,7 @@ class StepClock(StoppingCriteria):
         return self.false
 
     def generate(self, work: Workload, **kwargs: Any) -> CallOutput:
-        self.stamps, kwargs = [time.perf_counter()], {**work.generate_kwargs(), **kwargs}
+        self.stamps, kwargs = [time.perf_counter()], {**work.generate_kwargs, **kwargs}
         with torch.no_grad():
             out = work.model.generate(work.input_ids, **kwargs, stopping_criteria=[self])
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
@@ -172,52 +163,52 @@ class Mode:
     @contextmanager
     def session(self, work: Workload) -> Iterator[Callable[[], CallOutput]]:
         """The mode opened on ``work``: yields the call to time, releases everything after."""
-        compiles, path = self.compiles(work.backend), self.expected_path
+        compiles, path, close = self.compiles(work.backend), self.expected_path, None
         if compiles:  # a cold start in this process: earlier compilations must not help it
             torch.compiler.reset()
         if work.sampling:  # every mode's first call draws from the same generator state
             torch.manual_seed(work.seed)
             work.backend.manual_seed(work.seed)
-        settings, engine, installed = {"backend": work.backend, **work.settings}, None, None
+        settings = {"backend": work.backend, **work.settings}
         if path == "continuous_graph":
             settings["continuous_batch_size"] = min(
-                work.continuous_slots or work.batch_size, work.batch_size
+                work.continuous_slots or 1 << 62, work.batch_size
             )
         try:
             if self.hf_kwargs is not None:
-                yield functools.partial(
-                    StepClock(work.backend.synchronize).generate, work, **self.hf_kwargs
-                )
+                clock = StepClock(work.backend.synchronize)
+                call = functools.partial(clock.generate, work, **self.hf_kwargs)
             elif self.drop_in:
-                config = self.config(model=work.model, **settings)
-                installed = drop_in.accelerate_generate(work.model, config)
-                yield functools.partial(_drop_in_call, work, installed)
+                installed = drop_in.accelerate_generate(
+                    work.model, self.config(model=work.model, **settings)
+                )
+                call, close = functools.partial(_drop_in_call, work, installed), installed.restore
             else:
                 engine = RolloutEngine(work.model, self.config(**settings))
-                # EOS is off: pinning min_new_tokens (per-position graphs need it) changes no token.
-                pin = work.new_tokens if path == "per_position_graph" else 0
-                lengths = {"max_new_tokens": work.new_tokens, "min_new_tokens": pin}
-                sampling = SamplingParams(**lengths, pad_token_id=0, **work.sampling)
-
-                def call() -> CallOutput:
-                    out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
-                    return CallOutput.of(out.sequences[:, work.prompt_width :], out.stats)
-
-                yield call
+                call, close = functools.partial(_engine_call, work, engine, path), engine.shutdown
+            yield call
         finally:
-            if installed is not None:
-                installed.restore()  # also shuts its engine down
-            if engine is not None:
-                engine.shutdown()
+            if close is not None:
+                close()  # the drop-in's restore shuts its engine down
             if compiles:
                 torch.compiler.reset()
+
+
+def _engine_call(work: Workload, engine: RolloutEngine, path: str | None) -> CallOutput:
+    # EOS is off in steps: pinning min_new_tokens (per-position graphs need it) changes no token.
+    pin = work.new_tokens if path == "per_position_graph" else 0
+    sampling = SamplingParams(
+        max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0, **work.sampling
+    )
+    out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
+    return CallOutput.of(out.sequences[:, work.prompt_width :], out.stats)
 
 
 def _drop_in_call(work: Workload, installed: drop_in.AcceleratedGenerate) -> CallOutput:
     """``model.generate`` served by the drop-in; a call it handed to ``generate`` is an error."""
     served = installed.stats.served
     with torch.no_grad():
-        out = work.model.generate(work.input_ids, **work.generate_kwargs())
+        out = work.model.generate(work.input_ids, **work.generate_kwargs)
     if installed.stats.served == served:
         reasons = ", ".join(installed.stats.fallbacks)
         raise RuntimeError(f"the drop-in handed the call to generate(): {reasons}")
