@@ -25,7 +25,7 @@ import transformers
 
 import graphcap
 from graphcap.backend import Backend
-from graphcap.bench import models, modes
+from graphcap.bench import models, modes, rl_loop
 from graphcap.bench import report as rep
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
@@ -74,11 +74,11 @@ def run_benchmark(
             report.warnings.append(f"--draws {cfg.draws} ignored: RolloutConfig has no draws field")
         fill_ratios(report.results)
         if cfg.rl_loop:
-            from graphcap.bench.rl_loop import run_rl_loop
-
             say(f"rl-loop: {cfg.rl_loop} iterations at bs {cfg.rl_batch_size}")
             options = {"optimizer": cfg.rl_optimizer, "lr": cfg.rl_lr, "seed": cfg.seed}
-            loop = run_rl_loop(workload(cfg.rl_batch_size), iterations=cfg.rl_loop, **options)
+            loop = rl_loop.run_rl_loop(
+                workload(cfg.rl_batch_size), iterations=cfg.rl_loop, **options
+            )
             report.rl_loop, warnings = loop
             report.warnings += warnings
         report.elapsed_s = time.monotonic() - started
@@ -252,10 +252,8 @@ def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple
     elif name == "hf-static-compile" and not r.compiled_graphs_first_call:
         r.status, r.reason = rep.FALLBACK, "generate() compiled nothing here (ran uncompiled)"
     elif name == "hf-static-compile" and r.recompiles_steady:
-        r.reason = (
-            f"recompiled {r.recompiles_steady} graph(s) after the first call: a broken "
-            "baseline (its steady time includes compilation); not used for ratios"
-        )
+        r.reason = f"recompiled {r.recompiles_steady} graph(s) after the first call: a broken "
+        r.reason += "baseline (its steady time includes compilation); not used for ratios"
     if work.sampling:
         fill_round(r, work, [first, *calls])
     return r, (first, calls[-1])
