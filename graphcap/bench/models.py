@@ -75,12 +75,10 @@ def build_model(
 
 def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     """Architecture, shape, distinct parameter count (a tied weight counts once) and dtype."""
-    return {
-        "architecture": type(model).__name__,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        **{k: v for k in SHAPE if (v := getattr(model.config, k, None)) is not None},
-    }
+    dtype, parameters = next(model.parameters()).dtype, sum(p.numel() for p in model.parameters())
+    described = {"architecture": type(model).__name__, "parameters": parameters}
+    described["dtype"] = str(dtype).removeprefix("torch.")
+    return described | {k: v for k in SHAPE if (v := getattr(model.config, k, None)) is not None}
 
 
 def make_prompts(
@@ -105,20 +103,18 @@ def round_prompts(
 
 
 def eos_ids(vocab: int, new_tokens: int, mean_fraction: float, seed: int) -> list[int]:
-    """EOS ids (never the pad id 0) so many that a near-flat distribution ends a row at each step
-    with probability ~ |E| / vocab: a mean length of ``mean_fraction`` x ``new_tokens`` before
-    the cap cuts the longest rows."""
+    """EOS ids (never the pad id 0), vocab / (``mean_fraction`` x ``new_tokens``) of them: a
+    near-flat distribution ends a row at each step with probability ~ |E| / vocab."""
     count = min(vocab - 1, max(1, round(vocab / (mean_fraction * new_tokens))))
     ids = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(seed + 1))[:count]
     return sorted((ids + 1).tolist())
 
 
 def round_limit(lengths: Sequence[int], prompts: Sequence[int], costs: Sequence[float]) -> float:
-    """Seconds a round of these response ``lengths`` after these ``prompts`` (tokens per row)
-    takes at least; ``costs``: weight bytes a step reads, parameters, K/V bytes a token, bytes/s,
-    FLOP/s. The prefill's products, then per decode step the weights' read or the live rows'
-    products, whichever is slower, plus the live rows' K/V read. A row's first token comes from
-    the prefill: step ``s`` serves the rows longer than ``s``."""
+    """Least seconds of a round of these response ``lengths`` after ``prompts`` (tokens a row), at
+    ``costs`` (:func:`round_costs`): the prefill's products, then per decode step the weights'
+    read or the live rows' products (the slower) plus their K/V read. A row's first token comes
+    from the prefill: step ``s`` serves the rows longer than ``s``."""
     weights, parameters, kv, bandwidth, flops = costs
     seconds = 2 * parameters * sum(prompts) / flops
     for s in range(1, max(lengths)):
@@ -129,8 +125,8 @@ def round_limit(lengths: Sequence[int], prompts: Sequence[int], costs: Sequence[
 
 
 def round_costs(model: nn.Module, peaks: Sequence[float | None]) -> tuple | None:
-    """:func:`round_limit`'s ``costs`` for ``model`` at ``peaks`` (bytes/s, FLOP/s); None
-    where either peak is unknown."""
+    """Weight bytes a step reads, parameters, K/V bytes a token, and ``peaks`` (bytes/s, FLOP/s;
+    None where either is unknown)."""
     parameters = sum(p.numel() for p in step_parameters(model))
     costs = (weight_bytes_per_step(model), parameters, kv_bytes_per_token(model), *peaks)
     return costs if all(peaks) else None

@@ -96,8 +96,7 @@ class CallOutput:
     seconds: float | None = None
 
     @classmethod
-    def of(cls, tokens: torch.Tensor, s: RolloutStats) -> CallOutput:
-        """An engine call's output, from its response tokens and stats."""
+    def of(cls, tokens: torch.Tensor, s: RolloutStats) -> CallOutput:  # an engine call's
         return cls(tokens.cpu(), s.prefill_s, s.decode_s / s.steps if s.steps else None, s)
 
 
@@ -145,8 +144,7 @@ class Mode:
 
     def compiles(self, backend: Backend) -> bool:
         """Whether this mode's first call compiles on ``backend``: transformers' static cache
-        (it compiles the decode where it can; the runner counts what it compiled), graphcap's
-        graph modes where ``compile`` (or, unset, the backend's declared default) says so."""
+        (where it can), graphcap's graphs where ``compile`` or the backend says so."""
         if self.hf_kwargs is not None:
             return self.hf_kwargs.get("cache_implementation") == "static"
         config = replace(self, drop_in=False).config()
@@ -235,9 +233,8 @@ ROUND_MODES = ["hf-eager", "graphcap-drop-in", "graphcap-graph", "graphcap-conti
 
 
 def default_modes(backend: Backend, workload: str = "step") -> list[str]:
-    """Every mode that means something on this backend: HF's compile only on accelerators, and
-    the uncompiled graph only where the default graph compiles (elsewhere they are one mode);
-    the drop-in in rounds only (in steps it is graphcap-graph with another padding)."""
+    """The modes that mean something here: HF's compile on accelerators, the uncompiled graph where
+    the default one compiles; the drop-in in rounds (in steps it is graphcap-graph)."""
     if workload == "rl-round":
         return ROUND_MODES
     skip = {"graphcap-drop-in"} | ({"hf-static-compile"} if backend.device.type == "cpu" else set())

@@ -140,17 +140,12 @@ def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> 
 
 def _ms(values: Sequence[float | None], spec: str = ".1f", scale: float = 1e3) -> str:
     """``median [min-max]`` (ms), from (median, min, max); the median alone without a spread."""
-    if None in values[1:]:
-        return _num(values[0], spec, scale)
-    return "{} [{}-{}]".format(*(_num(v, spec, scale) for v in values))
+    median, *rest = (_num(v, spec, scale) for v in values)
+    return median if None in values[1:] else f"{median} [{rest[0]}-{rest[1]}]"
 
 
 def _steady(r: ModeResult, spec: str = ".1f", scale: float = 1e3) -> str:
     return _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s), spec, scale)
-
-
-def _step(r: ModeResult) -> str:
-    return _ms((r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f")
 
 
 def _round(key: str, spec: str, scale: float = 1) -> Callable[[ModeResult], str]:
@@ -163,7 +158,9 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "bs": lambda r: str(r.batch_size),
     "first(s)": lambda r: _num(r.first_call_s, ".2f"),
     "steady ms [min-max]": _steady,
-    "step ms [min-max]": _step,
+    "step ms [min-max]": lambda r: _ms(
+        (r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"
+    ),
     "tok/s": lambda r: _num(r.tokens_per_s, ".0f"),
     "BW%": lambda r: _num(r.bandwidth_fraction, ".0f", 100),
     "peak mem": lambda r: _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
@@ -176,8 +173,8 @@ ROUND_COLUMNS = {"mode": COLUMNS["mode"], "rows": COLUMNS["bs"], "first(s)": COL
 ROUND_COLUMNS |= {"round s [min-max]": lambda r: _steady(r, ".2f", 1)}
 ROUND_COLUMNS |= {"useful tok": _round("useful_tokens", "d"), "useful tok/s": COLUMNS["tok/s"]}
 ROUND_COLUMNS |= {"ended%": _round("dead_share", ".0f", 100), "limit(s)": _round("limit_s", ".3g")}
-ROUND_COLUMNS |= {"%limit": _round("limit_fraction", ".0f", 100), "capt": COLUMNS["capt"]}
-ROUND_COLUMNS |= {"x hf-eager": COLUMNS["x hf-eager"]}
+ROUND_COLUMNS |= {"%limit": _round("limit_fraction", ".0f", 100)}
+ROUND_COLUMNS |= {k: COLUMNS[k] for k in ("capt", "x hf-eager")}
 RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
     "iter": lambda i: str(i.iteration),
     "generate(ms)": lambda i: _num(i.generate_s, ".1f", 1e3),
@@ -203,9 +200,8 @@ def render_table(
 
 
 def _mode_row(r: ModeResult, columns: dict[str, Callable[[ModeResult], str]]) -> list[str]:
-    if r.status in (OK, FALLBACK):
-        return [cell(r) for cell in columns.values()]
-    return [r.mode, str(r.batch_size), r.status, *[""] * (len(columns) - 3)]
+    cells = [c(r) for c in columns.values()] if r.status in (OK, FALLBACK) else None
+    return cells or [r.mode, str(r.batch_size), r.status, *[""] * (len(columns) - 3)]
 
 
 def format_table(report: BenchReport) -> str:

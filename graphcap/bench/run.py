@@ -9,7 +9,6 @@ import functools
 import gc
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -278,13 +277,12 @@ def fill_round(r: ModeResult, work: Workload, calls: list[CallOutput]) -> None:
     lengths = [response_lengths(c.tokens, eos, cap) for c in calls]
     limits = [work.costs and models.round_limit(n, prompts.tolist(), work.costs) for n in lengths]
     steady = list(zip(lengths[1:], limits[1:], r.steady_s, strict=True))
-    r.tokens_per_s = statistics.median(sum(n) / s for n, _, s in steady)
-    r.round = {"lengths": lengths, "limits_s": limits, "dead_share": None, "limit_fraction": None}
-    r.round["useful_tokens"] = round(statistics.median(sum(n) for n, _, _ in steady))
-    r.round["dead_share"] = statistics.median(dead_share(n) for n, _, _ in steady)
+    r.tokens_per_s = spread(sum(n) / s for n, _, s in steady)[0]
+    fraction = spread(lim / s for _, lim, s in steady)[0] if work.costs else None
+    r.round = {"lengths": lengths, "limits_s": limits, "limit_fraction": fraction}
+    r.round["useful_tokens"] = round(spread(sum(n) for n, _, _ in steady)[0])
+    r.round["dead_share"] = spread(dead_share(n) for n, _, _ in steady)[0]
     r.round["limit_s"] = spread(limits[1:])[0]
-    if work.costs:
-        r.round["limit_fraction"] = statistics.median(lim / s for _, lim, s in steady)
 
 
 def token_agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float | None:
