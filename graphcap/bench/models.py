@@ -85,9 +85,8 @@ def make_prompts(
     vocab: int, batch: int, length: int, seed: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random full-length token prompts (no padding), the same for every mode."""
-    ids = torch.randint(
-        0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed + batch)
-    )
+    generator = torch.Generator().manual_seed(seed + batch)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator)
     return ids.to(device), torch.ones_like(ids).to(device)
 
 

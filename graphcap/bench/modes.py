@@ -32,21 +32,19 @@ def spread(values: Iterable[float | None]) -> tuple[float | None, float | None, 
     return (statistics.median(known), min(known), max(known)) if known else (None, None, None)
 
 
-def compile_counts() -> tuple[int, int]:
-    """(graphs compiled, recompilations included; graph breaks) so far in this process."""
-    # private: dynamo's counters are torch's only record of what it compiled and broke
-    from torch._dynamo.utils import counters
+def compile_counts() -> tuple[int, int, float]:
+    """(graphs compiled, recompilations included; graph breaks; seconds dynamo spent compiling,
+    inductor's part included, by its own clock) so far in this process: the seconds separate
+    compiling from a warm-up's first kernel uses."""
+    # private: dynamo's counters and phase times are torch's only record of what it compiled
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
-
-
-def compile_seconds() -> float:
-    """Seconds dynamo has spent compiling frames so far in this process (inductor's part
-    included), by its own clock: what separates compiling from a warm-up's first kernel uses."""
-    # private: dynamo's phase times are torch's only record of how long compiling took
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+    seconds = float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+    return (
+        int(counters["stats"]["unique_graphs"]),
+        int(sum(counters["graph_break"].values())),
+        seconds,
+    )
 
 
 @dataclass
@@ -167,19 +165,16 @@ class Mode:
         if work.sampling:  # every mode's first call draws from the same generator state
             torch.manual_seed(work.seed)
             work.backend.manual_seed(work.seed)
-        settings = {"backend": work.backend, **work.settings}
-        if path == "continuous_graph":
-            settings["continuous_batch_size"] = min(
-                work.continuous_slots or 1 << 62, work.batch_size
-            )
+        settings, rows = {"backend": work.backend, **work.settings}, work.batch_size
+        if path == "continuous_graph":  # one slot per row unless given fewer
+            settings["continuous_batch_size"] = min(work.continuous_slots or rows, rows)
         try:
             if self.hf_kwargs is not None:
                 clock = StepClock(work.backend.synchronize)
                 call = functools.partial(clock.generate, work, **self.hf_kwargs)
             elif self.drop_in:
-                installed = drop_in.accelerate_generate(
-                    work.model, self.config(model=work.model, **settings)
-                )
+                config = self.config(model=work.model, **settings)
+                installed = drop_in.accelerate_generate(work.model, config)
                 call, close = functools.partial(_drop_in_call, work, installed), installed.restore
             else:
                 engine = RolloutEngine(work.model, self.config(**settings))
@@ -195,9 +190,8 @@ class Mode:
 def _engine_call(work: Workload, engine: RolloutEngine, path: str | None) -> CallOutput:
     # EOS is off in steps: pinning min_new_tokens (per-position graphs need it) changes no token.
     pin = work.new_tokens if path == "per_position_graph" else 0
-    sampling = SamplingParams(
-        max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0, **work.sampling
-    )
+    lengths = {"max_new_tokens": work.new_tokens, "min_new_tokens": pin, "pad_token_id": 0}
+    sampling = SamplingParams(**lengths, **work.sampling)
     out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
     return CallOutput.of(out.sequences[:, work.prompt_width :], out.stats)
 

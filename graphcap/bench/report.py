@@ -208,13 +208,12 @@ def format_table(report: BenchReport) -> str:
     """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
     cfg, model, backend = report.config, report.model, report.backend
     where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
-    rounds = cfg.get("workload") == "rl-round"
-    columns = ROUND_COLUMNS if rounds else COLUMNS
+    columns = ROUND_COLUMNS if cfg.get("workload") == "rl-round" else COLUMNS
     lines = [
         f"graphcap bench: {cfg['model']} ({model['architecture']}, "
         f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
         f"{backend['device_name']} [backend {backend['name']}], {where}",
-        *(_round_header if rounds else _step_header)(report),
+        *_header(report),
         "",
         *render_table(list(columns), [_mode_row(r, columns) for r in report.results]),
     ]
@@ -239,20 +238,18 @@ def format_table(report: BenchReport) -> str:
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
-def _step_header(report: BenchReport) -> list[str]:
+def _header(report: BenchReport) -> list[str]:
+    """What the rows measured: the steps' or the round's settings, the peaks."""
     cfg, bandwidth = report.config, _num(report.peak_bandwidth_gbps, ".0f", suffix=" GB/s")
-    return [
-        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
-        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
-        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
-        f"bandwidth {bandwidth}",
-        f"tokens: agreement with {report.reference_mode} at the same batch size",
-    ]
-
-
-def _round_header(report: BenchReport) -> list[str]:
-    cfg, hf = report.config, report.config["hf_repeats"]
-    hf = cfg["repeats"] if hf is None else hf or "the first"
+    if cfg.get("workload") != "rl-round":
+        return [
+            f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
+            f"call timed alone, steady = median [min-max] of {cfg['repeats']} after "
+            f"{cfg['warmup']} warmup; weights read per step "
+            f"{report.weight_bytes_per_step / 1e9:.3f} GB; peak bandwidth {bandwidth}",
+            f"tokens: agreement with {report.reference_mode} at the same batch size",
+        ]
+    hf = cfg["repeats"] if cfg["hf_repeats"] is None else cfg["hf_repeats"] or "the first"
     return [
         f"rl-round: {cfg['prompts']} prompts of {cfg['prompt_widths'][0]}-"
         f"{cfg['prompt_widths'][1]} tokens (left-padded) x {cfg['samples']} samples, up to "
@@ -261,8 +258,7 @@ def _round_header(report: BenchReport) -> list[str]:
         f"(mean length {cfg['eos_fraction']:g} of the cap before it cuts); continuous slots "
         f"{cfg['continuous_slots']}; useful: tokens up to EOS; ended%: row-steps of ended rows",
         f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds (hf "
-        f"modes: {hf}); limit: the round's physical limit at "
-        f"{_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')} and "
+        f"modes: {hf}); limit: the round's physical limit at {bandwidth} and "
         f"{_num(report.peak_flops, '.3g', suffix=' FLOP/s')}",
     ]
 

@@ -205,7 +205,7 @@ def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple
     gc.collect()
     backend.empty_cache()
     backend.reset_peak_memory_stats()
-    before, (graphs0, breaks0) = backend.memory_allocated(), compile_counts()
+    before, (graphs0, breaks0, _) = backend.memory_allocated(), compile_counts()
 
     def timed(label: str) -> Any:
         seconds, out = timed_call(call, backend.synchronize)
@@ -215,10 +215,10 @@ def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple
 
     try:
         with mode.session(work) as call:
-            compiled_before = modes.compile_seconds()
+            compiled_before = compile_counts()[2]
             first = timed("first")
-            first_compile_s = modes.compile_seconds() - compiled_before
-            graphs1, held = compile_counts()[0], backend.memory_allocated()
+            graphs1, _, compiled = compile_counts()
+            first_compile_s, held = compiled - compiled_before, backend.memory_allocated()
             for i in range(0 if hf else config.warmup):
                 timed(f"warmup {i + 1}")
             repeats = config.hf_repeats if hf else config.repeats
@@ -227,7 +227,7 @@ def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple
         r.status, r.reason = rep.ERROR, f"{type(exc).__name__}: {exc}"
         say(f"  error: {r.reason}\n{traceback.format_exc()}")
         return r, None
-    graphs2, breaks2 = compile_counts()
+    graphs2, breaks2, _ = compile_counts()
     r.compiled_graphs_first_call, r.recompiles_steady = graphs1 - graphs0, graphs2 - graphs1
     r.graph_breaks, r.first_call_s = breaks2 - breaks0, first.seconds
     r.engine_memory_bytes = None if None in (held, before) else held - before  # kept by the engine
