@@ -62,10 +62,10 @@ def run_benchmark(
             return _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
 
         report.results, outputs = isolated or _sweep(cfg, backend, started, say, in_process)
+        peak = report.peak_bandwidth_gbps
         for result in report.results:  # the roofline: weight bytes a step reads / step time
             if step := result.decode_step_s:
                 gbps = result.weight_bandwidth_gbps = report.weight_bytes_per_step / step / 1e9
-                peak = report.peak_bandwidth_gbps
                 result.bandwidth_fraction = None if peak is None else gbps / peak
         if cfg.workload == "step":  # sampled rounds differ between modes by design
             _agreement(report, outputs)
