@@ -22,8 +22,7 @@ import torch
 from graphcap.bench import command, config, models, modes, report, run
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, Workload, default_modes, parse_modes
-from graphcap.bench.report import ModeResult, RLLoopResult
-from graphcap.bench.rl_loop import make_optimizer, rl_warnings, run_rl_loop
+from graphcap.bench.report import ModeResult
 from graphcap.bench.run import fill_ratios, run_benchmark, token_agreement
 from graphcap.cpu.backend import CPUBackend
 
@@ -353,7 +352,9 @@ def test_rl_loop_keeps_one_capture_across_in_place_updates(optimizer: str, lr: f
     work = tiny(batch=2)
     before = {n: p.data_ptr() for n, p in work.model.named_parameters()}
     weight = work.model.lm_head.weight.clone()
-    (eager, graph), warnings = run_rl_loop(work, iterations=3, optimizer=optimizer, lr=lr)
+    (eager, graph), warnings = _script("rl_loop").run_rl_loop(
+        work, iterations=3, optimizer=optimizer, lr=lr
+    )
     assert (eager.mode, graph.mode) == ("graphcap-eager", "graphcap-graph") and warnings == []
     assert graph.captures_final == 1 and eager.captures_final == 0
     assert [it.captures for it in graph.iterations] == [1, 1, 1]
@@ -367,13 +368,21 @@ def test_rl_loop_keeps_one_capture_across_in_place_updates(optimizer: str, lr: f
     assert not work.model.training and not torch.equal(work.model.lm_head.weight, weight)
 
 
-def test_rl_warnings_and_adamw_on_fp16() -> None:
-    assert rl_warnings([RLLoopResult("graphcap-graph", 2, "sgd", captures_final=1)]) == []
-    bad = RLLoopResult("graphcap-graph", 2, "sgd", captures_final=3, parameters_reallocated=True)
-    text = " ".join(rl_warnings([bad]))
+def test_rl_warnings_adamw_on_fp16_and_the_script(tmp_path: Any, capsys: Any) -> None:
+    rl = _script("rl_loop")
+    assert rl.rl_warnings([rl.RLLoopResult("graphcap-graph", 2, "sgd", captures_final=1)]) == []
+    bad = rl.RLLoopResult("graphcap-graph", 2, "sgd", captures_final=3, parameters_reallocated=True)
+    text = " ".join(rl.rl_warnings([bad]))
     assert "captured 3 times" in text and "reallocated" in text
     with pytest.raises(ValueError, match="fp16"):
-        make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], 1e-3)
+        rl.make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], 1e-3)
+    argv = (
+        f"--batch-size 2 --prompt-len 4 --new-tokens 3 --iterations 2 --json {tmp_path / 'r.json'}"
+    )
+    assert rl.main(argv.split()) == 0
+    assert "rl-loop graphcap-graph (bs 2, sgd): captures at end 1" in capsys.readouterr().out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert [r["captures_final"] for r in data["results"]] == [0, 1] and data["warnings"] == []
 
 
 class CompilingBackend(CPUBackend):
@@ -407,7 +416,7 @@ def test_defaults_come_from_the_fields(backend: CPUBackend) -> None:
         if "cpu" in f.metadata:
             assert getattr(resolved, f.name) == f.metadata["cpu"]
     assert resolved.dtype == "fp32" and resolved.modes == default_modes(backend)
-    assert "hf-static-compile" not in resolved.modes and resolved.rl_batch_size == 1
+    assert "hf-static-compile" not in resolved.modes
     for bad, message in [
         ({"new_tokens": 1}, "new tokens"),
         ({"repeats": 0}, "repeats"),
@@ -423,10 +432,10 @@ def test_every_option_is_a_config_field() -> None:
     for f in dataclasses.fields(BenchConfig):
         assert "--" + f.name.replace("_", "-") in parser.format_help()
     argv = "--model llama-8b --dtype bf16 --batch-sizes 1,8,32,64 --modes hf-eager,graphcap-graph"
-    args = parser.parse_args([*argv.split(), "--peak-bandwidth", "4.8TB/s", "--rl-loop", "3"])
+    args = parser.parse_args([*argv.split(), "--peak-bandwidth", "4.8TB/s", "--repeats", "3"])
     cfg = config.from_args(BenchConfig, args)
     assert cfg.batch_sizes == [1, 8, 32, 64] and cfg.modes == ["hf-eager", "graphcap-graph"]
-    assert cfg.peak_bandwidth == pytest.approx(4.8e12) and cfg.rl_loop == 3
+    assert cfg.peak_bandwidth == pytest.approx(4.8e12) and cfg.repeats == 3
     assert parse_modes("graphcap-graph, hf-eager") == ["graphcap-graph", "hf-eager"]
 
 
@@ -442,14 +451,12 @@ def test_bad_options_are_usage_errors_that_say_why(bad: list[str], capsys: Any) 
 def test_command_writes_json_and_prints_table(tmp_path: Any, capsys: Any) -> None:
     out = tmp_path / "r" / "bench.json"
     argv = "--batch-sizes 1 --prompt-len 4 --new-tokens 3 --repeats 1 --warmup 0 --quiet "
-    argv += f"--rl-loop 1 --modes graphcap-eager,graphcap-graph --json {out}"
+    argv += f"--modes graphcap-eager,graphcap-graph --json {out}"
     assert command.main(argv.split()) == 0
     text = capsys.readouterr().out
-    assert "graphcap-graph" in text and "rl-loop graphcap-graph" in text
+    assert "graphcap-graph" in text
     data = json.loads(out.read_text())
-    assert data["results"][1]["captures"] == 1 and [
-        r["captures_final"] for r in data["rl_loop"]
-    ] == [0, 1]
+    assert data["results"][1]["captures"] == 1 and "rl_loop" not in data
     assert command.main(["--model", "no-such-model", "--quiet"]) == 2
     assert "neither a preset" in capsys.readouterr().err
 
@@ -462,10 +469,11 @@ def test_graph_attention_option_reaches_the_engine_and_is_recorded(backend: CPUB
     assert typo.status == "error" and "graph_attention='no-such'" in typo.reason
 
 
-def _plot_script() -> Any:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plot_report.py"
-    spec = importlib.util.spec_from_file_location("plot_report", path)
+def _script(name: str) -> Any:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -474,7 +482,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
-        _plot_script().plot_throughput({"config": {}, "results": []}, "out.png")
+        _script("plot_report").plot_throughput({"config": {}, "results": []}, "out.png")
 
 
 def test_plot_writes_png_when_matplotlib_is_installed(tmp_path: Any, backend: CPUBackend) -> None:
@@ -482,7 +490,9 @@ def test_plot_writes_png_when_matplotlib_is_installed(tmp_path: Any, backend: CP
     result = run_benchmark(
         BenchConfig(batch_sizes=[1, 2], modes=["graphcap-eager"], **SMALL), backend=backend
     )
-    written = _plot_script().plot_throughput(dataclasses.asdict(result), tmp_path / "tps.png")
+    written = _script("plot_report").plot_throughput(
+        dataclasses.asdict(result), tmp_path / "tps.png"
+    )
     assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

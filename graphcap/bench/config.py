@@ -31,8 +31,8 @@ def option(help: str, default: Any = None, on: tuple | None = None, **metadata: 
 
 @dataclass
 class BenchConfig:
-    """What to measure (docs/benchmarks.md, "Options"). The RL loop runs after the mode sweep,
-    outside ``budget_s``. ``round`` in a field's metadata: its (CPU, device) defaults in rounds."""
+    """What to measure (docs/benchmarks.md, "Options"). ``round`` in a field's metadata: its
+    (CPU, device) defaults in the rl-round workload."""
 
     workload: str = option("step or rl-round", "step", choices=("step", "rl-round"))
     model: str | None = option(f"a preset ({', '.join(PRESETS)}) or a local model directory",
@@ -72,10 +72,6 @@ class BenchConfig:
     fuse_projections: bool | None = option("join q/k/v and gate/up (default: the backend's)",
         action=argparse.BooleanOptionalAction)  # fmt: skip
     compile_cache: str = option("auto, a directory, or none", "auto")
-    rl_loop: int = option("also run N generate -> train iterations", 0, type=int, metavar="N", ge=0)
-    rl_batch_size: int | None = option("RL loop batch size (default: the first)", type=int, ge=1)
-    rl_optimizer: str = option("RL loop optimizer", "sgd", choices=("sgd", "adamw"))
-    rl_lr: float = option("RL loop learning rate", 1e-3, type=float)
 
 
 def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -115,15 +111,14 @@ def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
     c.dtype = c.dtype or default_dtype_name(c.model, backend.device.type)
     c.modes = parse_modes(",".join(c.modes or default_modes(backend, c.workload)))
     if rounds:
-        if c.isolate or c.rl_loop:
-            raise ValueError("--isolate and --rl-loop measure the step workload, not rl-round")
+        if c.isolate:
+            raise ValueError("--isolate measures the step workload, not rl-round")
         c.batch_sizes, c.compile_batch_sizes = [c.prompts * c.samples], None
         c.continuous_slots = c.continuous_slots or max(1, c.batch_sizes[0] // 2)
         if len(c.prompt_widths) != 2 or c.prompt_widths[0] > c.prompt_widths[1]:
             raise ValueError(f"--prompt-widths takes least,most, got {c.prompt_widths}")
         if not 0 < c.eos_fraction <= 1 or not 0 < c.top_p <= 1 or c.temperature <= 0:
             raise ValueError("rounds sample: --eos-fraction and --top-p in (0, 1], temperature > 0")
-    c.rl_batch_size = c.batch_sizes[0] if c.rl_batch_size is None else c.rl_batch_size
     for f in fields(c):
         value, m, what = getattr(c, f.name), f.metadata, f.name.replace("_", " ")
         if "choices" in m and value not in m["choices"]:

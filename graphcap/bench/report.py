@@ -9,8 +9,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from graphcap.bench.modes import spread
-
 OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
 
 
@@ -74,38 +72,6 @@ def first_call_phases(stats: Any, total_s: float, compile_s: float = 0.0) -> dic
 
 
 @dataclass
-class RLIteration:
-    """One generate -> train-step iteration of the RL loop for one engine."""
-
-    iteration: int
-    generate_s: float
-    train_step_s: float
-    loss: float
-    captures: int | None
-    path: str | None
-    peak_memory_bytes: int | None = None
-    train_peak_memory_bytes: int | None = None
-    tokens_match_eager: bool | None = None
-    tokens_changed: bool | None = None
-
-
-@dataclass
-class RLLoopResult:
-    """The RL loop for one mode (eager or graph): per-iteration phases and the invariants."""
-
-    mode: str
-    batch_size: int
-    optimizer: str
-    iterations: list[RLIteration] = field(default_factory=list)
-    parameters_reallocated: bool = False
-    captures_final: int | None = None
-    first_generate_s: float | None = None
-    steady_generate_median_s: float | None = None
-    train_step_median_s: float | None = None
-    iteration_median_s: float | None = None
-
-
-@dataclass
 class BenchReport:
     """Everything one ``graphcap bench`` run measured, with the context needed to read it."""
 
@@ -119,7 +85,6 @@ class BenchReport:
     peak_flops: float | None = None
     eos_ids: int | None = None  # rl-round: how many EOS ids end rows
     results: list[ModeResult] = field(default_factory=list)
-    rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
     schema_version: int = 7  # the changes of each version: docs/benchmarks.md
@@ -175,16 +140,6 @@ ROUND_COLUMNS |= {"useful tok": _round("useful_tokens", "d"), "useful tok/s": CO
 ROUND_COLUMNS |= {"ended%": _round("dead_share", ".0f", 100), "limit(s)": _round("limit_s", ".3g")}
 ROUND_COLUMNS |= {"%limit": _round("limit_fraction", ".0f", 100)}
 ROUND_COLUMNS |= {k: COLUMNS[k] for k in ("capt", "x hf-eager")}
-RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
-    "iter": lambda i: str(i.iteration),
-    "generate(ms)": lambda i: _num(i.generate_s, ".1f", 1e3),
-    "train(ms)": lambda i: _num(i.train_step_s, ".1f", 1e3),
-    "captures": lambda i: _num(i.captures, "d"),
-    "path": lambda i: str(i.path),
-    "peak mem": lambda i: _num(i.peak_memory_bytes, ".2f", 2**-30, "G"),
-    "=eager": lambda i: str(i.tokens_match_eager),
-    "changed": lambda i: _num(i.tokens_changed, ""),
-}
 
 
 def render_table(
@@ -205,7 +160,7 @@ def _mode_row(r: ModeResult, columns: dict[str, Callable[[ModeResult], str]]) ->
 
 
 def format_table(report: BenchReport) -> str:
-    """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
+    """The report as text: what ran, one row per (mode, batch size), notes."""
     cfg, model, backend = report.config, report.model, report.backend
     where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
     columns = ROUND_COLUMNS if cfg.get("workload") == "rl-round" else COLUMNS
@@ -217,18 +172,6 @@ def format_table(report: BenchReport) -> str:
         "",
         *render_table(list(columns), [_mode_row(r, columns) for r in report.results]),
     ]
-    for res in report.rl_loop:
-        its = res.iterations
-        lines += [
-            "",
-            f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
-            f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; "
-            f"generate after the first {_ms(spread(i.generate_s for i in its[1:]))} ms, train "
-            f"step {_ms(spread(i.train_step_s for i in its))} ms",
-            *render_table(
-                list(RL_COLUMNS), [[c(i) for c in RL_COLUMNS.values()] for i in its], "  "
-            ),
-        ]
     rs = report.results
     if phased := [r for r in rs if r.first_call_phases]:
         lines += ["", "first calls (s): " + " + ".join(p.removesuffix("_s") for p in PHASES)]

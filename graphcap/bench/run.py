@@ -24,7 +24,7 @@ import transformers
 
 import graphcap
 from graphcap.backend import Backend
-from graphcap.bench import models, modes, rl_loop
+from graphcap.bench import models, modes
 from graphcap.bench import report as rep
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
@@ -55,8 +55,8 @@ def run_benchmark(
         # Isolated pairs run before this process builds its model: none shares the device with it.
         in_child = functools.partial(_run_child, cfg, backend.name, say)
         isolated = _sweep(cfg, backend, started, say, in_child) if cfg.isolate else None
-        # After isolated pairs the model only describes the run (unless the RL loop runs here).
-        report, workload = _prepare(cfg, backend, say, cfg.isolate and not cfg.rl_loop)
+        # After isolated pairs the model only describes the run.
+        report, workload = _prepare(cfg, backend, say, cfg.isolate)
 
         def in_process(bs: int, mode: str) -> tuple[ModeResult, Any]:
             return _run_mode(mode, workload(bs, cfg.continuous_slots), cfg, say)
@@ -72,14 +72,6 @@ def run_benchmark(
         elif cfg.draws and "draws" not in modes.engine_settings("auto", None, "auto", cfg.draws):
             report.warnings.append(f"--draws {cfg.draws} ignored: RolloutConfig has no draws field")
         fill_ratios(report.results)
-        if cfg.rl_loop:
-            say(f"rl-loop: {cfg.rl_loop} iterations at bs {cfg.rl_batch_size}")
-            options = {"optimizer": cfg.rl_optimizer, "lr": cfg.rl_lr, "seed": cfg.seed}
-            loop = rl_loop.run_rl_loop(
-                workload(cfg.rl_batch_size), iterations=cfg.rl_loop, **options
-            )
-            report.rl_loop, warnings = loop
-            report.warnings += warnings
         report.elapsed_s = time.monotonic() - started
         return report
     finally:
@@ -162,7 +154,7 @@ def _run_child(cfg: BenchConfig, backend: str, say: Say, bs: int, mode: str) -> 
     """One pair in a fresh process (``python -m graphcap.bench.run``), so that it inherits no
     other mode's compiled code, allocator state or caches; its output lines go to ``say``, and
     the last ones are the reason of the ERROR result a failed child gives."""
-    only = {"batch_sizes": [bs], "modes": [mode], "compile_batch_sizes": None, "rl_loop": 0}
+    only = {"batch_sizes": [bs], "modes": [mode], "compile_batch_sizes": None}
     child = replace(cfg, **only, budget_s=None, isolate=False, backend=backend)
     with tempfile.TemporaryDirectory(prefix="graphcap-bench-") as folder:
         (Path(folder) / "config.json").write_text(json.dumps(asdict(child)))
