@@ -4,6 +4,11 @@
 #
 #   bash benchmarks/h200.sh OUT [PART...]      # no PART: every one-GPU part, in this order
 #
+#   round            graphcap bench --workload rl-round, the default configuration: a GRPO-shaped
+#                    round (32 prompts of 64-256 tokens x 8 samples, temperature 1, rows ending at
+#                    EOS ids) for llama-1b (up to 1024 new tokens) then llama-8b (512), from empty
+#                    caches: HF generate (its first round only), the drop-in, the engine's static
+#                    and continuous (128 slots) paths, first round and 2 steady rounds each
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
 #                    new tokens, --repeats 2 --warmup 1, each mode and batch size in its own
 #                    process): graphcap-graph (the default configuration) and
@@ -73,7 +78,7 @@ OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 cd "$(dirname "$0")/.."
 
-DEFAULT_PARTS=(steps-llama-8b steps-llama-1b first-call trl checks kernels split-kv-launch
+DEFAULT_PARTS=(round steps-llama-8b steps-llama-1b first-call trl checks kernels split-kv-launch
     profile continuous logits)
 PARTS=("$@")
 [[ ${#PARTS[@]} -eq 0 ]] && PARTS=("${DEFAULT_PARTS[@]}")
@@ -164,6 +169,15 @@ steps() {
     bench "steps-$1" "$2" --model "$1" --batch-sizes 1,256,64 --compile-batch-sizes 1,256,64 \
         "${STEP[@]}" --isolate --modes graphcap-graph,graphcap-graph-uncompiled \
         --compile-cache "$COMPILE_CACHE"
+}
+# round: the rl-round figures of llama-1b then llama-8b (one cold cache: the later modes of a
+# model find what its first graphcap mode compiled, as a trainer's later rounds would).
+part_round() {
+    cold_caches
+    bench round-llama-1b 120 --workload rl-round --model llama-1b --new-tokens 1024 \
+        --repeats 2 --hf-repeats 0 --compile-cache "$COMPILE_CACHE"
+    bench round-llama-8b 150 --workload rl-round --model llama-8b --new-tokens 512 \
+        --repeats 2 --hf-repeats 0 --compile-cache "$COMPILE_CACHE"
 }
 part_steps_llama_8b() { steps llama-8b 100; }
 part_steps_llama_1b() { steps llama-1b 60; }
@@ -366,7 +380,7 @@ part_distributed() {
 for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
-    steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
+    round | steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed)

@@ -55,6 +55,8 @@ HOOKED_COMPILE = (
     "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
 )
 
+ROUND_BY_HAND = "tests/test_bench.py::test_round_inputs_lengths_and_limit_by_hand"
+
 PLANTS = (
     Plant(
         "mask not cleared on reuse",
@@ -778,6 +780,28 @@ PLANTS = (
         'if os.environ.get(TASK_QUEUE_VAR, "").strip() == "2":',
         "if False:",
         (NPU_RULES + "::test_task_queue_2_is_named_and_the_call_runs_eagerly",),
+    ),
+    Plant(
+        "a round's limit counts rows at the step they ended",
+        "graphcap/bench/models.py",
+        "if n > s]",
+        "if n >= s]",
+        (ROUND_BY_HAND,),
+    ),
+    Plant(
+        "a round's useful tokens stop before the EOS",
+        "graphcap/bench/run.py",
+        "ended.int().argmax(1) + 1",
+        "ended.int().argmax(1)",
+        (ROUND_BY_HAND,),
+    ),
+    Plant(
+        "round modes draw from different generator states",
+        "graphcap/bench/modes.py",
+        "            torch.manual_seed(work.seed)\n"
+        "            work.backend.manual_seed(work.seed)\n",
+        "            pass\n",
+        ("tests/test_bench.py::test_round_reports_useful_tokens_dead_share_and_limit",),
     ),
 )
 

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -18,11 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from graphcap.bench import command, config, models, modes, report
+from graphcap.bench import command, config, models, modes, report, run
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, Workload, default_modes, parse_modes
-from graphcap.bench.report import ModeResult, RLLoopResult
-from graphcap.bench.rl_loop import make_optimizer, rl_warnings, run_rl_loop
+from graphcap.bench.report import ModeResult
 from graphcap.bench.run import fill_ratios, run_benchmark, token_agreement
 from graphcap.cpu.backend import CPUBackend
 
@@ -196,7 +196,7 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
     backend: CPUBackend, tmp_path: Any
 ) -> None:
     lines: list[str] = []
-    names = [m for m in MODES if m != "hf-static-compile"]
+    names = [m for m in MODES if m not in ("hf-static-compile", "graphcap-drop-in")]
     result = run_benchmark(
         BenchConfig(batch_sizes=[1, 2], modes=names, **SMALL),
         backend=backend,
@@ -230,7 +230,7 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
         )
         assert result.result("graphcap-eager", bs).captures == 0
     data = json.loads(result.write_json(tmp_path / "r" / "bench.json").read_text())
-    assert data["schema_version"] == 6 and data["config"]["dtype"] == "fp32"
+    assert data["schema_version"] == 7 and data["config"]["dtype"] == "fp32"
     for r in result.results:  # graphcap's graph modes say where their first call went
         if r.mode.startswith("graphcap-") and r.path != "eager":
             phases = r.first_call_phases
@@ -352,7 +352,9 @@ def test_rl_loop_keeps_one_capture_across_in_place_updates(optimizer: str, lr: f
     work = tiny(batch=2)
     before = {n: p.data_ptr() for n, p in work.model.named_parameters()}
     weight = work.model.lm_head.weight.clone()
-    (eager, graph), warnings = run_rl_loop(work, iterations=3, optimizer=optimizer, lr=lr)
+    (eager, graph), warnings = _script("rl_loop").run_rl_loop(
+        work, iterations=3, optimizer=optimizer, lr=lr
+    )
     assert (eager.mode, graph.mode) == ("graphcap-eager", "graphcap-graph") and warnings == []
     assert graph.captures_final == 1 and eager.captures_final == 0
     assert [it.captures for it in graph.iterations] == [1, 1, 1]
@@ -366,13 +368,21 @@ def test_rl_loop_keeps_one_capture_across_in_place_updates(optimizer: str, lr: f
     assert not work.model.training and not torch.equal(work.model.lm_head.weight, weight)
 
 
-def test_rl_warnings_and_adamw_on_fp16() -> None:
-    assert rl_warnings([RLLoopResult("graphcap-graph", 2, "sgd", captures_final=1)]) == []
-    bad = RLLoopResult("graphcap-graph", 2, "sgd", captures_final=3, parameters_reallocated=True)
-    text = " ".join(rl_warnings([bad]))
+def test_rl_warnings_adamw_on_fp16_and_the_script(tmp_path: Any, capsys: Any) -> None:
+    rl = _script("rl_loop")
+    assert rl.rl_warnings([rl.RLLoopResult("graphcap-graph", 2, "sgd", captures_final=1)]) == []
+    bad = rl.RLLoopResult("graphcap-graph", 2, "sgd", captures_final=3, parameters_reallocated=True)
+    text = " ".join(rl.rl_warnings([bad]))
     assert "captured 3 times" in text and "reallocated" in text
     with pytest.raises(ValueError, match="fp16"):
-        make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], 1e-3)
+        rl.make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], 1e-3)
+    argv = (
+        f"--batch-size 2 --prompt-len 4 --new-tokens 3 --iterations 2 --json {tmp_path / 'r.json'}"
+    )
+    assert rl.main(argv.split()) == 0
+    assert "rl-loop graphcap-graph (bs 2, sgd): captures at end 1" in capsys.readouterr().out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert [r["captures_final"] for r in data["results"]] == [0, 1] and data["warnings"] == []
 
 
 class CompilingBackend(CPUBackend):
@@ -406,7 +416,7 @@ def test_defaults_come_from_the_fields(backend: CPUBackend) -> None:
         if "cpu" in f.metadata:
             assert getattr(resolved, f.name) == f.metadata["cpu"]
     assert resolved.dtype == "fp32" and resolved.modes == default_modes(backend)
-    assert "hf-static-compile" not in resolved.modes and resolved.rl_batch_size == 1
+    assert "hf-static-compile" not in resolved.modes
     for bad, message in [
         ({"new_tokens": 1}, "new tokens"),
         ({"repeats": 0}, "repeats"),
@@ -422,10 +432,10 @@ def test_every_option_is_a_config_field() -> None:
     for f in dataclasses.fields(BenchConfig):
         assert "--" + f.name.replace("_", "-") in parser.format_help()
     argv = "--model llama-8b --dtype bf16 --batch-sizes 1,8,32,64 --modes hf-eager,graphcap-graph"
-    args = parser.parse_args([*argv.split(), "--peak-bandwidth", "4.8TB/s", "--rl-loop", "3"])
+    args = parser.parse_args([*argv.split(), "--peak-bandwidth", "4.8TB/s", "--repeats", "3"])
     cfg = config.from_args(BenchConfig, args)
     assert cfg.batch_sizes == [1, 8, 32, 64] and cfg.modes == ["hf-eager", "graphcap-graph"]
-    assert cfg.peak_bandwidth == pytest.approx(4.8e12) and cfg.rl_loop == 3
+    assert cfg.peak_bandwidth == pytest.approx(4.8e12) and cfg.repeats == 3
     assert parse_modes("graphcap-graph, hf-eager") == ["graphcap-graph", "hf-eager"]
 
 
@@ -441,14 +451,12 @@ def test_bad_options_are_usage_errors_that_say_why(bad: list[str], capsys: Any) 
 def test_command_writes_json_and_prints_table(tmp_path: Any, capsys: Any) -> None:
     out = tmp_path / "r" / "bench.json"
     argv = "--batch-sizes 1 --prompt-len 4 --new-tokens 3 --repeats 1 --warmup 0 --quiet "
-    argv += f"--rl-loop 1 --modes graphcap-eager,graphcap-graph --json {out}"
+    argv += f"--modes graphcap-eager,graphcap-graph --json {out}"
     assert command.main(argv.split()) == 0
     text = capsys.readouterr().out
-    assert "graphcap-graph" in text and "rl-loop graphcap-graph" in text
+    assert "graphcap-graph" in text
     data = json.loads(out.read_text())
-    assert data["results"][1]["captures"] == 1 and [
-        r["captures_final"] for r in data["rl_loop"]
-    ] == [0, 1]
+    assert data["results"][1]["captures"] == 1 and "rl_loop" not in data
     assert command.main(["--model", "no-such-model", "--quiet"]) == 2
     assert "neither a preset" in capsys.readouterr().err
 
@@ -461,10 +469,11 @@ def test_graph_attention_option_reaches_the_engine_and_is_recorded(backend: CPUB
     assert typo.status == "error" and "graph_attention='no-such'" in typo.reason
 
 
-def _plot_script() -> Any:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plot_report.py"
-    spec = importlib.util.spec_from_file_location("plot_report", path)
+def _script(name: str) -> Any:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -473,7 +482,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
-        _plot_script().plot_throughput({"config": {}, "results": []}, "out.png")
+        _script("plot_report").plot_throughput({"config": {}, "results": []}, "out.png")
 
 
 def test_plot_writes_png_when_matplotlib_is_installed(tmp_path: Any, backend: CPUBackend) -> None:
@@ -481,7 +490,9 @@ def test_plot_writes_png_when_matplotlib_is_installed(tmp_path: Any, backend: CP
     result = run_benchmark(
         BenchConfig(batch_sizes=[1, 2], modes=["graphcap-eager"], **SMALL), backend=backend
     )
-    written = _plot_script().plot_throughput(dataclasses.asdict(result), tmp_path / "tps.png")
+    written = _script("plot_report").plot_throughput(
+        dataclasses.asdict(result), tmp_path / "tps.png"
+    )
     assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -500,7 +511,86 @@ def test_the_first_call_s_compiling_is_taken_out_of_its_warm_up() -> None:
 
 
 def test_compile_seconds_counts_what_dynamo_compiles() -> None:
-    before = modes.compile_seconds()
+    before = modes.compile_counts()[2]
     compiled = torch.compile(lambda x: torch.sin(x) + 1, backend="eager", fullgraph=True)
     compiled(torch.ones(3))
-    assert modes.compile_seconds() > before
+    assert modes.compile_counts()[2] > before
+
+
+# ---- the rl-round workload ----------------------------------------------------------------------
+ROUND = {"model": "tiny-llama", "workload": "rl-round", "prompts": 2, "samples": 3}
+ROUND.update(prompt_widths=[3, 6], new_tokens=8, repeats=2, hf_repeats=1, eos_fraction=0.3)
+
+
+def test_round_inputs_lengths_and_limit_by_hand() -> None:
+    ids, mask = models.round_prompts(100, 5, [3, 6], seed=0, device=CPU)
+    widths = mask.sum(1)
+    assert ids.shape == (5, int(widths.max())) and bool(((widths >= 3) & (widths <= 6)).all())
+    assert bool((ids[mask == 0] == 0).all()) and bool((ids[mask == 1] > 0).all())
+    assert bool((mask.cummax(1).values == mask).all())  # left-padded
+    eos = models.eos_ids(8192, 16, 0.4, seed=0)
+    assert len(eos) == 1280 and 0 not in eos and len(set(eos)) == 1280
+    tokens = torch.tensor([[5, 7, 0, 0], [5, 5, 5, 5], [7, 7, 7, 7]])
+    assert run.response_lengths(tokens, [7, 9], cap=4) == [2, 4, 1]
+    assert run.dead_share([2, 4, 1]) == pytest.approx(1 - 7 / 12)
+    # two rows of 3 and 1 tokens after prompts of 2 and 4: decode steps 1 and 2 serve row 0 only
+    limit = models.round_limit([3, 1], [2, 4], costs=(10, 4, 2, 2, 8))
+    prefill = 2 * 4 * 6 / 8
+    steps = (max(5, 2 * 4 * 1 / 8) + 2 * 3 / 2) + (max(5, 1) + 2 * 4 / 2)
+    assert limit == pytest.approx(prefill + steps)
+
+
+def test_round_reports_useful_tokens_dead_share_and_limit(
+    backend: CPUBackend, tmp_path: Any
+) -> None:
+    peaks = {"peak_bandwidth": 4.8e12, "peak_flops": 7.9e14, "draws": "generate"}
+    result = run_benchmark(BenchConfig(**ROUND, **peaks), backend=backend)
+    rows = ROUND["prompts"] * ROUND["samples"]
+    assert [r.mode for r in result.results] == modes.ROUND_MODES and result.eos_ids > 0
+    paths = ["hf", "static_graph", "static_graph", "continuous_graph"]
+    for r, path in zip(result.results, paths, strict=True):
+        assert (r.status, r.path, r.batch_size) == ("ok", path, rows), r.reason
+        rounds_run = 1 + (ROUND["hf_repeats"] if r.mode == "hf-eager" else ROUND["repeats"])
+        figures = r.round
+        assert len(figures["lengths"]) == len(figures["limits_s"]) == rounds_run
+        steady = figures["lengths"][1:]
+        assert all(len(n) == rows and min(n) >= 1 and max(n) <= ROUND["new_tokens"] for n in steady)
+        useful = [sum(n) for n in steady]
+        assert figures["useful_tokens"] == round(statistics.median(useful))
+        per_s = [u / s for u, s in zip(useful, r.steady_s, strict=True)]
+        assert r.tokens_per_s == pytest.approx(statistics.median(per_s))
+        dead = [1 - sum(n) / (rows * max(n)) for n in steady]  # row-steps by hand
+        assert 0 <= figures["dead_share"] < 1
+        assert figures["dead_share"] == pytest.approx(statistics.median(dead))
+        limits = figures["limits_s"][1:]
+        assert all(0 < lim < s for lim, s in zip(limits, r.steady_s, strict=True))
+        assert figures["limit_s"] == statistics.median(limits) and 0 < figures["limit_fraction"] < 1
+        assert r.speedup_vs_hf_eager == pytest.approx(
+            result.result("hf-eager", rows).steady_median_s / r.steady_median_s
+        )
+    # the same seed gives every mode the same prompts and draws: the drop-in draws generate's
+    hf, drop = result.result("hf-eager", rows), result.result("graphcap-drop-in", rows)
+    assert hf.round["lengths"][0] == drop.round["lengths"][0]
+    data = json.loads(result.write_json(tmp_path / "round.json").read_text())
+    assert data["schema_version"] == 7 and data["results"][0]["round"] == hf.round
+    table = report.format_table(result)
+    assert "round s [min-max]" in table and "rl-round: 2 prompts of 3-6 tokens" in table
+
+
+def test_round_options_resolve_and_refuse(backend: CPUBackend) -> None:
+    cfg = resolve(BenchConfig(workload="rl-round"), backend)
+    assert cfg.batch_sizes == [16] and cfg.continuous_slots == 8 and cfg.modes == modes.ROUND_MODES
+    assert (cfg.new_tokens, cfg.repeats, cfg.warmup) == (16, 2, 0)
+    assert resolve(BenchConfig(), backend).new_tokens == 16  # the step workload keeps its own
+    for bad, message in [
+        ({"prompt_widths": [9, 3]}, "least,most"),
+        ({"isolate": True}, "step workload"),
+        ({"top_p": 0.0}, "top-p"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            resolve(BenchConfig(**{**ROUND, **bad}), backend)
+    has = "draws" in {f.name for f in dataclasses.fields(modes.RolloutConfig)}
+    settings = modes.engine_settings("model", None, "none", "per_row")
+    assert settings["graph_attention"] is None and settings["compile_cache"] is None
+    assert settings.get("draws") == ("per_row" if has else None)
+    assert "draws" not in modes.engine_settings("auto", None, "auto", None)

@@ -22,84 +22,66 @@ def int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-def option(help: str, default: Any = None, **metadata: Any) -> Any:
-    """A dataclass field that is also a ``--field-name`` option (see the module docstring)."""
-    return field(default=default, metadata={"help": help, **metadata})
+def option(help: str, default: Any = None, on: tuple | None = None, **metadata: Any) -> Any:
+    """A dataclass field that is also a ``--field-name`` option; ``on``: its (CPU, device)
+    defaults (see the module docstring)."""
+    where = {} if on is None else {"cpu": on[0], "device": on[1]}
+    return field(default=default, metadata={"help": help, **where, **metadata})
 
 
 @dataclass
 class BenchConfig:
-    """What to measure. The RL loop runs after the mode sweep, outside ``budget_s``."""
+    """What to measure (docs/benchmarks.md, "Options"). ``round`` in a field's metadata: its
+    (CPU, device) defaults in the rl-round workload."""
 
-    model: str | None = option(
-        f"a preset ({', '.join(PRESETS)}; random weights) or a local model directory",
-        cpu="tiny-llama",
-        device="llama-1b",
-    )
-    dtype: str | None = option(
-        "weights dtype (default: fp32 on CPU, fp16 for gpt2 presets, bf16 otherwise)",
-        choices=sorted(DTYPES),
-    )
-    batch_sizes: list[int] | None = option(
-        "e.g. 1,8,32,64", type=int_list, cpu=[1, 4], device=[1], ge=1
-    )
-    compile_batch_sizes: list[int] | None = option(
-        "run the compiling modes only at these batch sizes (default: all)", type=int_list
-    )
-    prompt_len: int | None = option("prompt tokens per row", type=int, cpu=16, device=128, ge=1)
-    new_tokens: int | None = option("generated tokens per row", type=int, cpu=16, device=128, ge=2)
-    repeats: int | None = option("steady-state calls", type=int, cpu=3, device=5, ge=1)
-    warmup: int | None = option("discarded calls after the first", type=int, cpu=1, device=2, ge=0)
-    modes: list[str] | None = option(
-        f"comma-separated subset of {', '.join(MODES)} (default: those that run here)",
-        type=parse_modes,
-    )
-    continuous_slots: int | None = option(
-        "slots of graphcap-continuous (default: one per row)", type=int, ge=1
-    )
+    workload: str = option("step or rl-round", "step", choices=("step", "rl-round"))
+    model: str | None = option(f"a preset ({', '.join(PRESETS)}) or a local model directory",
+        on=("tiny-llama", "llama-1b"))  # fmt: skip
+    dtype: str | None = option("weights dtype (default: fp32 on CPU, fp16 for gpt2, else bf16)",
+        choices=sorted(DTYPES))  # fmt: skip
+    batch_sizes: list[int] | None = option("e.g. 1,8,32", on=([1, 4], [1]), type=int_list, ge=1)
+    compile_batch_sizes: list[int] | None = option("compiling modes' sizes", type=int_list)
+    prompt_len: int | None = option("prompt tokens per row", on=(16, 128), type=int, ge=1)
+    new_tokens: int | None = option("generated tokens per row (a round's most)", on=(16, 128),
+        type=int, ge=2, round=(16, 1024))  # fmt: skip
+    repeats: int | None = option("steady calls (rounds)", on=(3, 5), type=int, ge=1, round=(2, 3))
+    warmup: int | None = option("dropped calls", on=(1, 2), type=int, ge=0, round=(0, 0))
+    hf_repeats: int | None = option("hf modes' steady calls (0: the first)", type=int, ge=0)
+    prompts: int | None = option("a round's prompts", on=(4, 32), type=int, ge=1)
+    samples: int | None = option("a round's samples per prompt", on=(4, 8), type=int, ge=1)
+    prompt_widths: list[int] | None = option("least,most prompt tokens of a round",
+        on=([4, 12], [64, 256]), type=int_list, ge=1)  # fmt: skip
+    eos_fraction: float = option("a round's mean length / --new-tokens", 0.4, type=float)
+    temperature: float = option("a round's temperature", 1.0, type=float)
+    top_k: int = option("a round's top-k (0: off)", 0, type=int, ge=0)
+    top_p: float = option("a round's top-p (1: off)", 1.0, type=float)
+    draws: str | None = option("RolloutConfig.draws, where graphcap has the field")
+    modes: list[str] | None = option(f"some of {', '.join(MODES)}", type=parse_modes)
+    continuous_slots: int | None = option("graphcap-continuous's slots", type=int, ge=1)
     # One thread on the CPU: more do not speed up a tiny model and add noise on a busy machine.
-    threads: int | None = option("intra-op threads (0: torch's)", type=int, cpu=1, device=0, ge=0)
-    seed: int = option("weights and prompts seed", 0, type=int)
-    peak_bandwidth: float | None = option(
-        "memory bandwidth for the roofline, e.g. 4.8TB/s (default: known devices)",
-        type=parse_bandwidth,
-    )
-    budget_s: float | None = option(
-        "time limit for the mode sweep; pairs not started in time are reported skipped", type=float
-    )
-    isolate: bool = option(
-        "run each mode and batch size in a fresh Python process, so that none inherits another's "
-        "compiled code, allocator state or caches (costs one process start and model build per "
-        "pair; the backend is found again by name)",
-        False,
-        action="store_true",
-    )
+    threads: int | None = option("intra-op threads (0: torch's)", on=(1, 0), type=int, ge=0)
+    seed: int = option("weights, prompts and draws seed", 0, type=int)
+    peak_bandwidth: float | None = option("e.g. 4.8TB/s (default: known devices)",
+        type=parse_bandwidth)  # fmt: skip
+    peak_flops: float | None = option("e.g. 790TFLOP/s (default: known devices)",
+        type=parse_bandwidth)  # fmt: skip
+    budget_s: float | None = option("seconds for the mode sweep (then: skipped)", type=float)
+    isolate: bool = option("a fresh process per mode and size", False, action="store_true")
     backend: str | None = option("graphcap backend name (default: $GRAPHCAP_BACKEND)")
-    graph_attention: str = option("graph steps' attention: auto (backend's), model, a name", "auto")
-    fuse_projections: bool | None = option(
-        "graphcap modes join q/k/v and gate/up products (RolloutConfig.fuse_projections; "
-        "default: where the backend declares it pays)",
-        action=argparse.BooleanOptionalAction,
-    )
-    compile_cache: str = option(
-        "where compiled captures keep compiled code between processes (RolloutConfig."
-        "compile_cache): auto ($GRAPHCAP_COMPILE_CACHE or ~/.cache/graphcap/compile), a "
-        "directory, or none",
-        "auto",
-    )
-    rl_loop: int = option("also run N generate -> train iterations", 0, type=int, metavar="N", ge=0)
-    rl_batch_size: int | None = option("RL loop batch size (default: the first)", type=int, ge=1)
-    rl_optimizer: str = option("RL loop optimizer", "sgd", choices=("sgd", "adamw"))
-    rl_lr: float = option("RL loop learning rate", 1e-3, type=float)
+    graph_attention: str = option("graph steps' attention: auto, model, a name", "auto")
+    fuse_projections: bool | None = option("join q/k/v and gate/up (default: the backend's)",
+        action=argparse.BooleanOptionalAction)  # fmt: skip
+    compile_cache: str = option("auto, a directory, or none", "auto")
 
 
 def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--field-name`` option per field of the dataclass ``cls``."""
     for f in fields(cls):
         m = f.metadata
-        kwargs = {k: v for k, v in m.items() if k not in ("cpu", "device", "ge")}
+        kwargs = {k: v for k, v in m.items() if k not in ("cpu", "device", "ge", "round")}
         if "cpu" in m:
-            kwargs["help"] += f" (default: {m['cpu']} on CPU, {m['device']} on a device)"
+            rounds = f"; rounds: {m['round'][0]}, {m['round'][1]}" if "round" in m else ""
+            kwargs["help"] += f" (default: {m['cpu']} on CPU, {m['device']} on a device{rounds})"
         if "type" in kwargs:
             kwargs["type"] = functools.partial(_usage_error, kwargs["type"])
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
@@ -119,12 +101,24 @@ def _usage_error(parse: Callable[[str], Any], text: str) -> Any:
 
 def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
     """Fill unset fields with this device's defaults, and validate."""
-    where = "cpu" if backend.device.type == "cpu" else "device"
-    unset = [f for f in fields(config) if getattr(config, f.name) is None and where in f.metadata]
-    c = replace(config, **{f.name: f.metadata[where] for f in unset})
+    where, rounds = backend.device.type != "cpu", config.workload == "rl-round"
+    defaults = {
+        f.name: f.metadata["round"][where] if rounds and "round" in f.metadata else f.metadata[k]
+        for f in fields(config)
+        if getattr(config, f.name) is None and (k := ("cpu", "device")[where]) in f.metadata
+    }
+    c = replace(config, **defaults)
     c.dtype = c.dtype or default_dtype_name(c.model, backend.device.type)
-    c.modes = parse_modes(",".join(c.modes or default_modes(backend)))
-    c.rl_batch_size = c.batch_sizes[0] if c.rl_batch_size is None else c.rl_batch_size
+    c.modes = parse_modes(",".join(c.modes or default_modes(backend, c.workload)))
+    if rounds:
+        if c.isolate:
+            raise ValueError("--isolate measures the step workload, not rl-round")
+        c.batch_sizes, c.compile_batch_sizes = [c.prompts * c.samples], None
+        c.continuous_slots = c.continuous_slots or max(1, c.batch_sizes[0] // 2)
+        if len(c.prompt_widths) != 2 or c.prompt_widths[0] > c.prompt_widths[1]:
+            raise ValueError(f"--prompt-widths takes least,most, got {c.prompt_widths}")
+        if not 0 < c.eos_fraction <= 1 or not 0 < c.top_p <= 1 or c.temperature <= 0:
+            raise ValueError("rounds sample: --eos-fraction and --top-p in (0, 1], temperature > 0")
     for f in fields(c):
         value, m, what = getattr(c, f.name), f.metadata, f.name.replace("_", " ")
         if "choices" in m and value not in m["choices"]:

@@ -8,21 +8,20 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, StoppingCriteria
 
 from graphcap.backend import Backend
-from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutStats, SamplingParams
+from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutStats, SamplingParams, drop_in
 
 
 def timed_call(call: Callable[[], Any], sync: Callable[[], None]) -> tuple[float, Any]:
     """Seconds ``call`` took between two device synchronisations, and what it returned."""
     sync()
-    start = time.perf_counter()
-    value = call()
+    start, value = time.perf_counter(), call()
     sync()
     return time.perf_counter() - start, value
 
@@ -33,26 +32,27 @@ def spread(values: Iterable[float | None]) -> tuple[float | None, float | None, 
     return (statistics.median(known), min(known), max(known)) if known else (None, None, None)
 
 
-def compile_counts() -> tuple[int, int]:
-    """(graphs compiled, recompilations included; graph breaks) so far in this process."""
-    # private: dynamo's counters are torch's only record of what it compiled and broke
-    from torch._dynamo.utils import counters
+def compile_counts() -> tuple[int, int, float]:
+    """(graphs compiled, recompilations included; graph breaks; seconds dynamo spent compiling,
+    inductor's part included, by its own clock) so far in this process: the seconds separate
+    compiling from a warm-up's first kernel uses."""
+    # private: dynamo's counters and phase times are torch's only record of what it compiled
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
-
-
-def compile_seconds() -> float:
-    """Seconds dynamo has spent compiling frames so far in this process (inductor's part
-    included), by its own clock: what separates compiling from a warm-up's first kernel uses."""
-    # private: dynamo's phase times are torch's only record of how long compiling took
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+    seconds = float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+    return (
+        int(counters["stats"]["unique_graphs"]),
+        int(sum(counters["graph_break"].values())),
+        seconds,
+    )
 
 
 @dataclass
 class Workload:
-    """What every mode generates from; ``continuous_slots`` None means one slot per row."""
+    """What every mode generates from; ``continuous_slots`` None means one slot per row.
+    ``settings``: RolloutConfig keywords of the graphcap modes; ``sampling``: generate()'s and
+    SamplingParams' keywords (none: greedy, EOS off), each mode's draws seeded by ``seed``;
+    ``costs``: a round's limit costs (models.round_costs)."""
 
     model: PreTrainedModel
     backend: Backend
@@ -60,14 +60,26 @@ class Workload:
     attention_mask: torch.Tensor
     new_tokens: int
     continuous_slots: int | None = None
-    graph_attention: str | None = "auto"  # RolloutConfig.graph_attention (None: the model's own)
-    fuse_projections: bool | None = None  # RolloutConfig.fuse_projections (None: the backend's)
-    compile_cache: str | None = "auto"  # RolloutConfig.compile_cache
-    batch_size: int = field(init=False)
-    prompt_width: int = field(init=False)
+    settings: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    costs: tuple | None = None
 
     def __post_init__(self) -> None:
-        self.batch_size, self.prompt_width = self.input_ids.shape
+        prompts, self.prompt_width = self.input_ids.shape
+        self.batch_size = prompts * self.sampling.get("num_return_sequences", 1)
+        lengths = {"max_new_tokens": self.new_tokens, "min_new_tokens": 0, "pad_token_id": 0}
+        greedy = {"attention_mask": self.attention_mask, "do_sample": False, **lengths}
+        self.generate_kwargs = {**greedy, **self.sampling}  # a ``generate`` call's keywords
+
+
+def engine_settings(attention: str, fuse: bool | None, cache: str, draws: str | None) -> dict:
+    """RolloutConfig keywords from the bench's options; ``draws`` only where the field exists."""
+    settings = {"graph_attention": None if attention == "model" else attention}
+    settings.update(fuse_projections=fuse, compile_cache=None if cache == "none" else cache)
+    if draws and "draws" in {f.name for f in fields(RolloutConfig)}:
+        settings["draws"] = draws
+    return settings
 
 
 @dataclass
@@ -80,6 +92,10 @@ class CallOutput:
     decode_step_s: float | None
     stats: RolloutStats | None = None
     seconds: float | None = None
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, s: RolloutStats) -> CallOutput:  # an engine call's
+        return cls(tokens.cpu(), s.prefill_s, s.decode_s / s.steps if s.steps else None, s)
 
 
 class StepClock(StoppingCriteria):
@@ -97,11 +113,9 @@ class StepClock(StoppingCriteria):
         return self.false
 
     def generate(self, work: Workload, **kwargs: Any) -> CallOutput:
-        self.stamps = [time.perf_counter()]
-        kwargs.update(attention_mask=work.attention_mask, max_new_tokens=work.new_tokens)
-        kwargs.update(min_new_tokens=0, do_sample=False, pad_token_id=0, stopping_criteria=[self])
+        self.stamps, kwargs = [time.perf_counter()], {**work.generate_kwargs, **kwargs}
         with torch.no_grad():
-            out = work.model.generate(work.input_ids, **kwargs)
+            out = work.model.generate(work.input_ids, **kwargs, stopping_criteria=[self])
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
         return CallOutput(out[:, work.prompt_width :].cpu(), gaps[0], spread(gaps[1:])[0])
 
@@ -109,79 +123,88 @@ class StepClock(StoppingCriteria):
 @dataclass(frozen=True)
 class Mode:
     """transformers' ``generate`` with ``hf_kwargs``, or graphcap's engine on ``expected_path``
-    (None: graphs off; another path is a fallback) with ``RolloutConfig(compile=compile)``."""
+    (None: graphs off; another path is a fallback) with ``RolloutConfig(compile=compile)``,
+    called directly or (``drop_in``) through ``model.generate`` after ``accelerate_generate``."""
 
     name: str
     expected_path: str | None = None
     hf_kwargs: dict[str, Any] | None = None
     compile: bool | None = None
+    drop_in: bool = False
+
+    def config(self, **settings: Any) -> RolloutConfig:
+        """The engine's configuration in this mode (the drop-in's default one), and ``settings``."""
+        path, settings["compile"] = self.expected_path, self.compile if self.expected_path else None
+        if self.drop_in:
+            return replace(drop_in.default_config(settings.pop("model")), **settings)
+        graphs = {"enable_graph_capture": path is not None}
+        return RolloutConfig(**graphs, per_position_graphs=path == "per_position_graph", **settings)
 
     def compiles(self, backend: Backend) -> bool:
         """Whether this mode's first call compiles on ``backend``: transformers' static cache
-        (it compiles the decode where it can; the runner counts what it compiled), graphcap's
-        graph modes where ``compile`` (or, unset, the backend's declared default) says so."""
+        (where it can), graphcap's graphs where ``compile`` or the backend says so."""
         if self.hf_kwargs is not None:
             return self.hf_kwargs.get("cache_implementation") == "static"
-        config = RolloutConfig(
-            enable_graph_capture=self.expected_path is not None,
-            per_position_graphs=self.expected_path == "per_position_graph",
-            compile=self.compile,
-        )
+        config = replace(self, drop_in=False).config()
         return config.enable_graph_capture and config.wants_compile(backend)
 
     def unsupported(self, backend: Backend) -> str | None:
         """Why this mode cannot run on ``backend`` (``None`` when it can)."""
         if self.expected_path and not backend.capabilities.graph_capture:
             return f"backend {backend.name!r} cannot capture graphs"
-        if self.expected_path and self.compile and _cpu(backend):
+        if self.expected_path and self.compile and backend.device.type == "cpu":
             return "the CPU reference backend refuses compiled (inductor) regions at capture"
         return None
 
     @contextmanager
     def session(self, work: Workload) -> Iterator[Callable[[], CallOutput]]:
         """The mode opened on ``work``: yields the call to time, releases everything after."""
-        compiles = self.compiles(work.backend)
+        compiles, path, close = self.compiles(work.backend), self.expected_path, None
         if compiles:  # a cold start in this process: earlier compilations must not help it
             torch.compiler.reset()
-        path, engine, sync = self.expected_path, None, work.backend.synchronize
+        if work.sampling:  # every mode's first call draws from the same generator state
+            torch.manual_seed(work.seed)
+            work.backend.manual_seed(work.seed)
+        settings, rows = {"backend": work.backend, **work.settings}, work.batch_size
+        if path == "continuous_graph":  # one slot per row unless given fewer
+            settings["continuous_batch_size"] = min(work.continuous_slots or rows, rows)
         try:
             if self.hf_kwargs is not None:
-                yield functools.partial(StepClock(sync).generate, work, **self.hf_kwargs)
-                return
-            slots = min(work.continuous_slots or work.batch_size, work.batch_size)
-            config = RolloutConfig(
-                backend=work.backend,
-                enable_graph_capture=path is not None,
-                continuous_batch_size=slots if path == "continuous_graph" else None,
-                per_position_graphs=path == "per_position_graph",
-                compile=self.compile if path is not None else None,
-                compile_cache=work.compile_cache,
-                graph_attention=work.graph_attention,
-                fuse_projections=work.fuse_projections,
-            )
-            engine = RolloutEngine(work.model, config)
-            # EOS is off, so pinning min_new_tokens (per-position graphs need it) changes no token.
-            pin = work.new_tokens if path == "per_position_graph" else 0
-            sampling = SamplingParams(
-                max_new_tokens=work.new_tokens, min_new_tokens=pin, pad_token_id=0
-            )
-
-            def call() -> CallOutput:
-                out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
-                s = out.stats
-                step = s.decode_s / s.steps if s.steps else None
-                return CallOutput(out.sequences[:, work.prompt_width :].cpu(), s.prefill_s, step, s)
-
+                clock = StepClock(work.backend.synchronize)
+                call = functools.partial(clock.generate, work, **self.hf_kwargs)
+            elif self.drop_in:
+                config = self.config(model=work.model, **settings)
+                installed = drop_in.accelerate_generate(work.model, config)
+                call, close = functools.partial(_drop_in_call, work, installed), installed.restore
+            else:
+                engine = RolloutEngine(work.model, self.config(**settings))
+                call, close = functools.partial(_engine_call, work, engine, path), engine.shutdown
             yield call
         finally:
-            if engine is not None:
-                engine.shutdown()
+            if close is not None:
+                close()  # the drop-in's restore shuts its engine down
             if compiles:
                 torch.compiler.reset()
 
 
-def _cpu(backend: Backend) -> bool:
-    return backend.device.type == "cpu"
+def _engine_call(work: Workload, engine: RolloutEngine, path: str | None) -> CallOutput:
+    # EOS is off in steps: pinning min_new_tokens (per-position graphs need it) changes no token.
+    pin = work.new_tokens if path == "per_position_graph" else 0
+    lengths = {"max_new_tokens": work.new_tokens, "min_new_tokens": pin, "pad_token_id": 0}
+    sampling = SamplingParams(**lengths, **work.sampling)
+    out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
+    return CallOutput.of(out.sequences[:, work.prompt_width :], out.stats)
+
+
+def _drop_in_call(work: Workload, installed: drop_in.AcceleratedGenerate) -> CallOutput:
+    """``model.generate`` served by the drop-in; a call it handed to ``generate`` is an error."""
+    served = installed.stats.served
+    with torch.no_grad():
+        out = work.model.generate(work.input_ids, **work.generate_kwargs)
+    if installed.stats.served == served:
+        reasons = ", ".join(installed.stats.fallbacks)
+        raise RuntimeError(f"the drop-in handed the call to generate(): {reasons}")
+    return CallOutput.of(out[:, work.prompt_width :], installed.stats.last)
 
 
 # transformers decides whether hf-static-compile compiles; the runner counts compiled graphs.
@@ -196,16 +219,20 @@ MODES: dict[str, Mode] = {
         Mode("graphcap-graph-uncompiled", "static_graph", compile=False),
         Mode("graphcap-continuous", "continuous_graph"),
         Mode("graphcap-per-position", "per_position_graph"),
+        Mode("graphcap-drop-in", "static_graph", drop_in=True),
     )
 }
+#: The rl-round workload's modes: transformers' generate, the drop-in, the engine's two paths.
+ROUND_MODES = ["hf-eager", "graphcap-drop-in", "graphcap-graph", "graphcap-continuous"]
 
 
-def default_modes(backend: Backend) -> list[str]:
-    """Every mode that means something on this backend: HF's compile only on accelerators, and
-    the uncompiled graph only where the default graph compiles (elsewhere they are one mode)."""
-    skip = {"graphcap-graph-uncompiled"} if not MODES["graphcap-graph"].compiles(backend) else set()
-    if _cpu(backend):
-        skip.add("hf-static-compile")
+def default_modes(backend: Backend, workload: str = "step") -> list[str]:
+    """The modes that mean something here: HF's compile on accelerators, the uncompiled graph where
+    the default one compiles; the drop-in in rounds (in steps it is graphcap-graph)."""
+    if workload == "rl-round":
+        return ROUND_MODES
+    skip = {"graphcap-drop-in"} | ({"hf-static-compile"} if backend.device.type == "cpu" else set())
+    skip |= set() if MODES["graphcap-graph"].compiles(backend) else {"graphcap-graph-uncompiled"}
     return [name for name in MODES if name not in skip]
 
 

@@ -9,8 +9,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from graphcap.bench.modes import spread
-
 OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
 
 
@@ -54,63 +52,23 @@ class ModeResult:
     compile_cache: str | None = None
     joined_projections: int | None = None
     first_call_phases: dict[str, float] | None = None
+    round: dict[str, Any] | None = None  # rl-round figures (rounds.fill_round)
 
 
-#: Where a graphcap mode's first call spends its time (``first_call_phases``): the prefill
-#: (input checks and the model scan included), the warm-up run before capture split into
-#: compiling (dynamo's and inductor's, by dynamo's own clock; 0 where the step compiles
-#: nothing or finds its code cached in memory) and the rest of it (the first use of every
-#: kernel in this process, inductor's runtime choice among its kernels' launch settings), the
-#: capture itself, the decode loop, and the rest (collecting the result, the call's own setup).
+#: Where a graphcap mode's first call spends its time: the prefill (input checks and the model
+#: scan included), the warm-up before capture split into compiling (by dynamo's own clock) and the
+#: rest (each kernel's first use), the capture, the decode loop, and the rest of the call.
 PHASES: tuple[str, ...] = ("prefill_s", "compile_s", "warmup_s", "capture_s", "decode_s", "other_s")
 
 
 def first_call_phases(stats: Any, total_s: float, compile_s: float = 0.0) -> dict[str, float]:
-    """The phases of a first call that took ``total_s`` from its engine ``stats`` and the
-    seconds dynamo spent compiling during it (counted against the warm-up, where a capture
-    compiles)."""
+    """The phases of a first call that took ``total_s``, from its engine ``stats`` and the
+    seconds dynamo spent compiling during it (counted against the warm-up)."""
     compiling = min(max(compile_s, 0.0), stats.warmup_s)
-    phases = {
-        "prefill_s": stats.prefill_s,
-        "compile_s": compiling,
-        "warmup_s": stats.warmup_s - compiling,
-        "capture_s": stats.capture_s - stats.warmup_s,
-        "decode_s": stats.decode_s,
-    }
-    phases["other_s"] = max(0.0, total_s - sum(phases.values()))
-    return phases
-
-
-@dataclass
-class RLIteration:
-    """One generate -> train-step iteration of the RL loop for one engine."""
-
-    iteration: int
-    generate_s: float
-    train_step_s: float
-    loss: float
-    captures: int | None
-    path: str | None
-    peak_memory_bytes: int | None = None
-    train_peak_memory_bytes: int | None = None
-    tokens_match_eager: bool | None = None
-    tokens_changed: bool | None = None
-
-
-@dataclass
-class RLLoopResult:
-    """The RL loop for one mode (eager or graph): per-iteration phases and the invariants."""
-
-    mode: str
-    batch_size: int
-    optimizer: str
-    iterations: list[RLIteration] = field(default_factory=list)
-    parameters_reallocated: bool = False
-    captures_final: int | None = None
-    first_generate_s: float | None = None
-    steady_generate_median_s: float | None = None
-    train_step_median_s: float | None = None
-    iteration_median_s: float | None = None
+    values = (stats.prefill_s, compiling, stats.warmup_s - compiling)
+    values += (stats.capture_s - stats.warmup_s, stats.decode_s)
+    phases = dict(zip(PHASES, values, strict=False))
+    return {**phases, "other_s": max(0.0, total_s - sum(phases.values()))}
 
 
 @dataclass
@@ -124,26 +82,20 @@ class BenchReport:
     weight_bytes_per_step: int
     peak_bandwidth_gbps: float | None
     reference_mode: str | None
+    peak_flops: float | None = None
+    eos_ids: int | None = None  # rl-round: how many EOS ids end rows
     results: list[ModeResult] = field(default_factory=list)
-    rl_loop: list[RLLoopResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float | None = None
-    #: 2: steady_max_s, decode_step_min_s / _max_s added, graph_pool_bytes removed; 3: attention;
-    #: 4: compiled, compile_cache, first_call_phases; 5: joined_projections; 6: the phases'
-    #: compile_s (warmup_s is the rest of the warm-up).
-    schema_version: int = 6
+    schema_version: int = 7  # the changes of each version: docs/benchmarks.md
 
     def write_json(self, path: str | Path) -> Path:
-        (target := _target(path)).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        (target := Path(path)).parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(asdict(self), indent=2) + "\n")
         return target
 
     def result(self, mode: str, batch_size: int) -> ModeResult | None:
         return next((r for r in self.results if (r.mode, r.batch_size) == (mode, batch_size)), None)
-
-
-def _target(path: str | Path) -> Path:
-    (target := Path(path)).parent.mkdir(parents=True, exist_ok=True)
-    return target
 
 
 # ---- text -------------------------------------------------------------------------------------
@@ -151,11 +103,18 @@ def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> 
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
-def _ms(values: tuple[float | None, ...], spec: str = ".1f") -> str:
-    """``median [min-max]`` in ms, from (median, min, max); the median alone without a spread."""
-    if None in values[1:]:
-        return _num(values[0], spec, 1e3)
-    return "{} [{}-{}]".format(*(_num(v, spec, 1e3) for v in values))
+def _ms(values: Sequence[float | None], spec: str = ".1f", scale: float = 1e3) -> str:
+    """``median [min-max]`` (ms), from (median, min, max); the median alone without a spread."""
+    median, *rest = (_num(v, spec, scale) for v in values)
+    return median if None in values[1:] else f"{median} [{rest[0]}-{rest[1]}]"
+
+
+def _steady(r: ModeResult, spec: str = ".1f", scale: float = 1e3) -> str:
+    return _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s), spec, scale)
+
+
+def _round(key: str, spec: str, scale: float = 1) -> Callable[[ModeResult], str]:
+    return lambda r: _num(r.round and r.round[key], spec, scale)
 
 
 #: header -> cell, for a mode that ran (the others show their status after the batch size).
@@ -163,7 +122,7 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "mode": lambda r: r.mode if r.status == OK else f"{r.mode} [{r.status}]",
     "bs": lambda r: str(r.batch_size),
     "first(s)": lambda r: _num(r.first_call_s, ".2f"),
-    "steady ms [min-max]": lambda r: _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s)),
+    "steady ms [min-max]": _steady,
     "step ms [min-max]": lambda r: _ms(
         (r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"
     ),
@@ -175,16 +134,12 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "x hf-eager": lambda r: _num(r.speedup_vs_hf_eager, ".2f", suffix="x"),
     "x hf-static": lambda r: _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
 }
-RL_COLUMNS: dict[str, Callable[[RLIteration], str]] = {
-    "iter": lambda i: str(i.iteration),
-    "generate(ms)": lambda i: _num(i.generate_s, ".1f", 1e3),
-    "train(ms)": lambda i: _num(i.train_step_s, ".1f", 1e3),
-    "captures": lambda i: _num(i.captures, "d"),
-    "path": lambda i: str(i.path),
-    "peak mem": lambda i: _num(i.peak_memory_bytes, ".2f", 2**-30, "G"),
-    "=eager": lambda i: str(i.tokens_match_eager),
-    "changed": lambda i: _num(i.tokens_changed, ""),
-}
+ROUND_COLUMNS = {"mode": COLUMNS["mode"], "rows": COLUMNS["bs"], "first(s)": COLUMNS["first(s)"]}
+ROUND_COLUMNS |= {"round s [min-max]": lambda r: _steady(r, ".2f", 1)}
+ROUND_COLUMNS |= {"useful tok": _round("useful_tokens", "d"), "useful tok/s": COLUMNS["tok/s"]}
+ROUND_COLUMNS |= {"ended%": _round("dead_share", ".0f", 100), "limit(s)": _round("limit_s", ".3g")}
+ROUND_COLUMNS |= {"%limit": _round("limit_fraction", ".0f", 100)}
+ROUND_COLUMNS |= {k: COLUMNS[k] for k in ("capt", "x hf-eager")}
 
 
 def render_table(
@@ -192,54 +147,63 @@ def render_table(
 ) -> list[str]:
     """Left-aligned columns two spaces apart, a dashed rule under the header."""
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+    rules = ["-" * w for w in widths]
     return [
         indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in (columns, ["-" * w for w in widths], *rows)
+        for r in (columns, rules, *rows)
     ]
 
 
-def _mode_row(r: ModeResult) -> list[str]:
-    if r.status in (OK, FALLBACK):
-        return [cell(r) for cell in COLUMNS.values()]
-    return [r.mode, str(r.batch_size), r.status, *[""] * (len(COLUMNS) - 3)]
+def _mode_row(r: ModeResult, columns: dict[str, Callable[[ModeResult], str]]) -> list[str]:
+    cells = [c(r) for c in columns.values()] if r.status in (OK, FALLBACK) else None
+    return cells or [r.mode, str(r.batch_size), r.status, *[""] * (len(columns) - 3)]
 
 
 def format_table(report: BenchReport) -> str:
-    """The report as text: what ran, one row per (mode, batch size), the RL loop, notes."""
+    """The report as text: what ran, one row per (mode, batch size), notes."""
     cfg, model, backend = report.config, report.model, report.backend
     where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
+    columns = ROUND_COLUMNS if cfg.get("workload") == "rl-round" else COLUMNS
     lines = [
         f"graphcap bench: {cfg['model']} ({model['architecture']}, "
         f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
         f"{backend['device_name']} [backend {backend['name']}], {where}",
-        f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
-        f"call timed alone, steady = median [min-max] of {cfg['repeats']} after {cfg['warmup']} "
-        f"warmup; weights read per step {report.weight_bytes_per_step / 1e9:.3f} GB; peak "
-        f"bandwidth {_num(report.peak_bandwidth_gbps, '.0f', suffix=' GB/s')}",
-        f"tokens: agreement with {report.reference_mode} at the same batch size",
+        *_header(report),
         "",
-        *render_table(list(COLUMNS), [_mode_row(r) for r in report.results]),
+        *render_table(list(columns), [_mode_row(r, columns) for r in report.results]),
     ]
-    for res in report.rl_loop:
-        its = res.iterations
-        lines += [
-            "",
-            f"rl-loop {res.mode} (bs {res.batch_size}, {res.optimizer}): captures at end "
-            f"{res.captures_final}, parameters reallocated: {res.parameters_reallocated}; "
-            f"generate after the first {_ms(spread(i.generate_s for i in its[1:]))} ms, train "
-            f"step {_ms(spread(i.train_step_s for i in its))} ms",
-            *render_table(
-                list(RL_COLUMNS), [[c(i) for c in RL_COLUMNS.values()] for i in its], "  "
-            ),
-        ]
     rs = report.results
-    phased = [r for r in rs if r.first_call_phases]
-    if phased:
+    if phased := [r for r in rs if r.first_call_phases]:
         lines += ["", "first calls (s): " + " + ".join(p.removesuffix("_s") for p in PHASES)]
         lines += [f"  {_phases_line(r)}" for r in phased]
     notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
     notes += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _header(report: BenchReport) -> list[str]:
+    """What the rows measured: the steps' or the round's settings, the peaks."""
+    cfg, bandwidth = report.config, _num(report.peak_bandwidth_gbps, ".0f", suffix=" GB/s")
+    if cfg.get("workload") != "rl-round":
+        return [
+            f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
+            f"call timed alone, steady = median [min-max] of {cfg['repeats']} after "
+            f"{cfg['warmup']} warmup; weights read per step "
+            f"{report.weight_bytes_per_step / 1e9:.3f} GB; peak bandwidth {bandwidth}",
+            f"tokens: agreement with {report.reference_mode} at the same batch size",
+        ]
+    hf = cfg["repeats"] if cfg["hf_repeats"] is None else cfg["hf_repeats"] or "the first"
+    return [
+        f"rl-round: {cfg['prompts']} prompts of {cfg['prompt_widths'][0]}-"
+        f"{cfg['prompt_widths'][1]} tokens (left-padded) x {cfg['samples']} samples, up to "
+        f"{cfg['new_tokens']} new; temperature {cfg['temperature']:g}, top-k "
+        f"{cfg['top_k'] or 'off'}, top-p {cfg['top_p']:g}; rows end at {report.eos_ids} EOS ids "
+        f"(mean length {cfg['eos_fraction']:g} of the cap before it cuts); continuous slots "
+        f"{cfg['continuous_slots']}; useful: tokens up to EOS; ended%: row-steps of ended rows",
+        f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds (hf "
+        f"modes: {hf}); limit: the round's physical limit at {bandwidth} and "
+        f"{_num(report.peak_flops, '.3g', suffix=' FLOP/s')}",
+    ]
 
 
 def _phases_line(r: ModeResult) -> str:
