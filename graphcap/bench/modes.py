@@ -136,7 +136,7 @@ class Mode:
         """The engine's configuration in this mode (the drop-in's default one), and ``settings``."""
         path, settings["compile"] = self.expected_path, self.compile if self.expected_path else None
         if self.drop_in:
-            return replace(drop_in.default_config(settings.pop("model")), **settings)
+            return replace(drop_in.drop_in_default_config(), **settings)
         graphs = {"enable_graph_capture": path is not None}
         return RolloutConfig(**graphs, per_position_graphs=path == "per_position_graph", **settings)
 
@@ -173,7 +173,7 @@ class Mode:
                 clock = StepClock(work.backend.synchronize)
                 call = functools.partial(clock.generate, work, **self.hf_kwargs)
             elif self.drop_in:
-                config = self.config(model=work.model, **settings)
+                config = self.config(**settings)
                 installed = drop_in.accelerate_generate(work.model, config)
                 call, close = functools.partial(_drop_in_call, work, installed), installed.restore
             else:
