@@ -342,14 +342,6 @@ def process_scores(
     return scores
 
 
-@torch.compiler.disable
-def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:
-    """``probs.cumsum(-1)``, never compiled: torch 2.11's inductor fails to generate the split
-    scan it picks for rows over 128 columns when the scan is fused with a broadcast (the
-    softmax before it; pytorch issue 180221, fixed after 2.11). Eager, it is one kernel."""
-    return probs.cumsum(dim=-1)
-
-
 def warp(scores: torch.Tensor, rows: RowSettings, truncate: bool) -> torch.Tensor:
     """Temperature per row, then (``truncate``) top-k, top-p and min-p, each off where its
     setting is neutral. Without truncation no row needs the vocabulary in order, and the
@@ -359,28 +351,110 @@ def warp(scores: torch.Tensor, rows: RowSettings, truncate: bool) -> torch.Tenso
 
 
 def truncated(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
-    """Top-k, top-p and min-p of temperature-scaled ``scores``, as generate keeps them.
+    """Top-k, then top-p on what top-k kept, then min-p, of temperature-scaled ``scores``, each
+    off where its setting is neutral: the scores generate keeps, without sorting the vocabulary.
 
-    One ascending sort serves top-k and top-p: the k-th largest value is ``sorted[V - k]``, and
-    the top-k-filtered scores sorted are the same sort with a prefix set to -inf, so top-p sees
-    exactly the values (in the same order) that generate's own sort gives it.
+    Both cuts are thresholds found by a radix search over the scores' bit patterns
+    (:func:`kth_largest`, :func:`mass_cut`), a fixed number of passes of fused reductions over
+    the (B, V) scores, no host reads and no data-dependent shapes. Top-k keeps every score at
+    or above the exact k-th largest value, as generate does. Top-p keeps every score at or
+    above the smallest value whose mass at or below it exceeds ``1 - top_p``; generate keeps
+    the same set, save two float cases at the cut: it sums the mass in a cumulative sum in
+    ascending order where the search sums it per bucket (other rounding, so a token whose mass
+    lands within rounding of the cut can go either way), and among tokens of equal value at
+    the cut it keeps those its sort put last where the search keeps all of them. The row's
+    largest score is always kept. Rows with ``+inf`` or NaN scores keep what generate's sort
+    keeps there (top-k only: its softmax is NaN), so sanitising draws as it did.
     """
     neg_inf = -float("inf")
     vocab = scores.shape[-1]
-    ordered, order = torch.sort(scores, descending=False)
-    k = rows.top_k.clamp(max=vocab)
-    kth = ordered.gather(1, (vocab - k.clamp(min=1))[:, None])
-    use_k = (k > 0)[:, None]
-    scores = scores.masked_fill(use_k & (scores < kth), neg_inf)
-    ordered = ordered.masked_fill(use_k & (ordered < kth), neg_inf)
-    cumulative = cumulative_sum(ordered.softmax(dim=-1))
-    remove_sorted = cumulative <= rows.top_p_floor[:, None]
-    remove_sorted[..., -1:] = False
-    remove = remove_sorted.scatter(1, order, remove_sorted)
-    scores = scores.masked_fill(remove & (rows.top_p_floor > 0)[:, None], neg_inf)
+    keys = order_keys(scores)
+    k = rows.top_k.clamp(min=1, max=vocab)
+    kth = key_values(kth_largest(keys, k))
+    use_k = (rows.top_k > 0)[:, None]
+    scores = scores.masked_fill(use_k & (scores < kth[:, None]), neg_inf)
+    top = scores.amax(dim=-1, keepdim=True)
+    mass = torch.exp(scores - top)
+    cut = mass_cut(keys, mass, rows.top_p_floor * mass.sum(dim=-1))
+    tau = key_values(torch.minimum(cut, order_keys(top)[:, 0]))
+    scores = scores.masked_fill((rows.top_p_floor > 0)[:, None] & (scores < tau[:, None]), neg_inf)
     probs = scores.softmax(dim=-1)
     below = probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return scores.masked_fill(below, neg_inf)
+
+
+#: Bits of the key that one pass of the threshold search settles: 2**RADIX_BITS buckets per
+#: pass, 32 / RADIX_BITS passes per search.
+RADIX_BITS = 4
+_BUCKETS = 1 << RADIX_BITS
+_SHIFTS = tuple(range(32 - RADIX_BITS, -1, -RADIX_BITS))
+_SIGN = 1 << 31
+_LOW32 = (1 << 32) - 1
+
+
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """float32 ``scores`` as int64 keys in ``[0, 2**32)`` that order as the values do (``-0.0``
+    just below ``+0.0``, NaN beyond the infinities): the sign bit set for non-negative values,
+    every bit flipped for negative ones."""
+    bits = scores.view(torch.int32).long() & _LOW32
+    return torch.where(bits >= _SIGN, _LOW32 - bits, bits | _SIGN)
+
+
+def key_values(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 values of keys made by :func:`order_keys`."""
+    bits = torch.where(keys >= _SIGN, keys - _SIGN, _LOW32 - keys)
+    return torch.where(bits >= _SIGN, bits - (1 << 32), bits).int().view(torch.float32)
+
+
+def _digits(keys: torch.Tensor, prefix: torch.Tensor, shift: int, outside: int) -> torch.Tensor:
+    """Each key's bucket in this pass (its bits ``shift .. shift + RADIX_BITS``), or
+    ``outside`` where its higher bits differ from the row's ``prefix`` (out of the bracket)."""
+    high = shift + RADIX_BITS
+    inside = (keys >> high) == (prefix >> high)[:, None]
+    return torch.where(inside, (keys >> shift) & (_BUCKETS - 1), outside)
+
+
+def kth_largest(keys: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The key of each row's ``k``-th largest value (``1 <= k <= V``), exactly.
+
+    Each pass counts, for every bucket of the next bits, the keys of the bracket at or above
+    it (one fused set of reductions over the row), and keeps the bucket that holds the k-th.
+    """
+    prefix = torch.zeros_like(k)
+    need = k
+    for shift in _SHIFTS:
+        digits = _digits(keys, prefix, shift, outside=-1)
+        at_least = [(digits >= b).sum(dim=-1) for b in range(1, _BUCKETS)]
+        at_least.append(torch.zeros_like(k))
+        counts = torch.stack(at_least, dim=-1)  # column b: keys of buckets above b
+        bucket = (counts[:, :-1] >= need[:, None]).sum(dim=-1)
+        need = need - counts.gather(1, bucket[:, None]).squeeze(1)
+        prefix = prefix | (bucket << shift)
+    return prefix
+
+
+def mass_cut(keys: torch.Tensor, mass: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest key whose ``mass`` at or below it exceeds ``floor``.
+
+    Each pass sums, for every bucket of the next bits, the mass of the bracket at or below it,
+    and keeps the first bucket where the running total passes ``floor``; the total carried to
+    the next pass is the very sum compared, so the passes agree. Where rounding leaves no
+    bucket past ``floor``, the search ends above the row's mass (the caller keeps the row's
+    maximum). NaN mass (rows with ``+inf`` or NaN scores) passes nothing: the key is 0.
+    """
+    prefix = torch.zeros(keys.shape[0], dtype=keys.dtype, device=keys.device)
+    below = torch.zeros_like(floor)
+    for shift in _SHIFTS:
+        digits = _digits(keys, prefix, shift, outside=_BUCKETS)
+        at_most = [below]
+        at_most += [
+            below + torch.where(digits <= b, mass, 0.0).sum(dim=-1) for b in range(_BUCKETS - 1)
+        ]
+        totals = torch.stack(at_most, dim=-1)  # column b: mass up to bucket b - 1
+        bucket = (totals[:, 1:] <= floor[:, None]).sum(dim=-1)
+        below = totals.gather(1, bucket[:, None]).squeeze(1)
+        prefix = prefix | (bucket << shift)
+    return prefix
 
 
 def sanitise(scores: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
