@@ -253,6 +253,25 @@ def test_inf_and_nan_rows_sanitise_to_the_same_draw():
     assert torch.isposinf(got[0, [3, 500]]).all() and torch.isposinf(got[4, [1, 2]]).all()
 
 
+# ---- compiled: the fused reductions ----------------------------------------------------------
+def test_compiled_search_equals_the_eager_search():
+    """Under torch.compile the search sums each bucket by its own reduction (which inductor
+    fuses into one read per pass) where eager code scatters into the buckets: integer sums,
+    so the two give the same scores. Traced whole (no graph break: no host read), run by
+    dynamo's eager backend so the trace itself is what is checked."""
+    vocab = 1000
+    generator = torch.Generator().manual_seed(12)
+    scores = torch.randn(len(MIXED_ROWS), vocab, generator=generator) * 3
+    scores[0, 5] = scores[0, 6] = scores[0].max()  # a tie at the top
+    scores[3, ::3] = NEG_INF
+    rows = settings(MIXED_ROWS, vocab)
+    torch._dynamo.reset()
+    compiled = torch.compile(truncated, backend="eager", fullgraph=True)
+    got = compiled(scores, rows)
+    assert torch.equal(got, truncated(scores, rows))
+    assert torch.equal(got, sorted_truncation(scores, rows))
+
+
 # ---- in a captured step -----------------------------------------------------------------------
 @pytest.mark.parametrize("vocab", [97, 1000])
 def test_captured_truncating_step_equals_eager(vocab):

@@ -4,8 +4,9 @@ Every sampling setting (greedy or sample, temperature, top-k, top-p, min-p, repe
 min_new_tokens, seed, log-prob mode) is a per-row device tensor of :class:`RowSettings`, written
 before each call, so one captured step serves any mix of settings, also within one batch. A few
 facts shape the graph (:class:`SamplerShape`), so a step pays only for what some row of the
-engine has used: sampling at all, truncation (top-k / top-p / min-p: the only part that needs
-the vocabulary in order), the shared generator's draw, the keyed draw, log-probs, penalties.
+engine has used: sampling at all, truncation (top-k / top-p / min-p: a threshold search over
+the vocabulary, never a sort), the shared generator's draw, the keyed draw, log-probs,
+penalties.
 
 The order and the arithmetic follow ``generate`` (repetition penalty, min_new_tokens,
 temperature, top-k, top-p, min-p). Two ways to draw (``RolloutConfig.draws``, docs/rollout.md):
@@ -44,8 +45,8 @@ class SamplerShape:
     ``samples``: the step contains the sampling branch; a greedy-only engine never pays for
     it, and the first call with a sampled row captures once more (from then on every call,
     greedy or not, replays that graph). ``truncates``: some sampled row used top-k, top-p or
-    min-p, so the step finds each row's kept set (one vocabulary sort per step); without it a
-    sampled step only scales by the temperature. ``shared``: some sampled row drew from the
+    min-p, so the step searches each row's kept set (:func:`truncated`); without it a sampled
+    step only scales by the temperature. ``shared``: some sampled row drew from the
     shared generator (``multinomial`` over all rows, generate's own numbers); ``keyed``: some
     sampled row drew from its own hash stream. ``logprobs``: the step computes log-probs.
     ``penalty`` / ``min_new``: the step applies the repetition penalty / blocks stop ids
@@ -344,8 +345,7 @@ def process_scores(
 
 def warp(scores: torch.Tensor, rows: RowSettings, truncate: bool) -> torch.Tensor:
     """Temperature per row, then (``truncate``) top-k, top-p and min-p, each off where its
-    setting is neutral. Without truncation no row needs the vocabulary in order, and the
-    step never sorts it."""
+    setting is neutral. Without truncation the step skips the threshold search."""
     scores = scores / rows.temperature[:, None]
     return truncated(scores, rows) if truncate else scores
 
@@ -355,29 +355,29 @@ def truncated(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
     off where its setting is neutral: the scores generate keeps, without sorting the vocabulary.
 
     Both cuts are thresholds found by a radix search over the scores' bit patterns
-    (:func:`kth_largest`, :func:`mass_cut`), a fixed number of passes of fused reductions over
-    the (B, V) scores, no host reads and no data-dependent shapes. Top-k keeps every score at
-    or above the exact k-th largest value, as generate does. Top-p keeps every score at or
-    above the smallest value whose mass at or below it exceeds ``1 - top_p``; generate keeps
-    the same set, save two float cases at the cut: it sums the mass in a cumulative sum in
-    ascending order where the search sums it per bucket (other rounding, so a token whose mass
-    lands within rounding of the cut can go either way), and among tokens of equal value at
-    the cut it keeps those its sort put last where the search keeps all of them. The row's
-    largest score is always kept. Rows with ``+inf`` or NaN scores keep what generate's sort
-    keeps there (top-k only: its softmax is NaN), so sanitising draws as it did.
+    (:func:`kth_largest`, :func:`mass_cut`): a fixed number of passes over the (B, V) scores,
+    no host reads, no data-dependent shapes. Top-k keeps every score at or above the exact
+    k-th largest value, as generate does. Top-p keeps every score at or above the smallest
+    value whose mass at or below it exceeds ``1 - top_p``, the set generate keeps, ties and
+    rounding aside: generate sums float32 probabilities in ascending order where the search
+    sums them in fixed point (:data:`MASS_SCALE`), so a token whose mass lands within float
+    rounding of the cut can go either way, and among equal values at the cut generate keeps
+    those its sort put last where the search keeps them all. The row's largest score is
+    always kept. Rows whose largest score is ``+inf`` or NaN lose nothing to top-p or min-p
+    (generate's softmax is NaN there), so sanitising draws from them as before.
     """
     neg_inf = -float("inf")
     vocab = scores.shape[-1]
     keys = order_keys(scores)
-    k = rows.top_k.clamp(min=1, max=vocab)
-    kth = key_values(kth_largest(keys, k))
-    use_k = (rows.top_k > 0)[:, None]
-    scores = scores.masked_fill(use_k & (scores < kth[:, None]), neg_inf)
+    kth = key_values(kth_largest(keys, rows.top_k.clamp(min=1, max=vocab)))
+    scores = scores.masked_fill((rows.top_k > 0)[:, None] & (scores < kth[:, None]), neg_inf)
     top = scores.amax(dim=-1, keepdim=True)
-    mass = torch.exp(scores - top)
-    cut = mass_cut(keys, mass, rows.top_p_floor * mass.sum(dim=-1))
-    tau = key_values(torch.minimum(cut, order_keys(top)[:, 0]))
-    scores = scores.masked_fill((rows.top_p_floor > 0)[:, None] & (scores < tau[:, None]), neg_inf)
+    finite = torch.isfinite(top)
+    mass = torch.where(finite, torch.round(torch.exp(scores - top) * MASS_SCALE), 0.0).long()
+    floor = (rows.top_p_floor * mass.sum(dim=-1).float()).long()
+    tau = key_values(torch.minimum(mass_cut(keys, mass, floor), order_keys(top)[:, 0]))
+    cut = (rows.top_p_floor > 0)[:, None] & finite & (scores < tau[:, None])
+    scores = scores.masked_fill(cut, neg_inf)
     probs = scores.softmax(dim=-1)
     below = probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return scores.masked_fill(below, neg_inf)
@@ -390,6 +390,10 @@ _BUCKETS = 1 << RADIX_BITS
 _SHIFTS = tuple(range(32 - RADIX_BITS, -1, -RADIX_BITS))
 _SIGN = 1 << 31
 _LOW32 = (1 << 32) - 1
+#: Top-p's mass in fixed point: ``exp(score - max)`` (at most 1) times 2**40, as int64, so the
+#: sums are exact in any order (eager and compiled, every pass alike) and cannot overflow for
+#: vocabularies up to 2**23 tokens; a token below 2**-41 of the largest counts as no mass.
+MASS_SCALE = 2.0**40
 
 
 def order_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -406,52 +410,52 @@ def key_values(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= _SIGN, bits - (1 << 32), bits).int().view(torch.float32)
 
 
-def _digits(keys: torch.Tensor, prefix: torch.Tensor, shift: int, outside: int) -> torch.Tensor:
-    """Each key's bucket in this pass (its bits ``shift .. shift + RADIX_BITS``), or
-    ``outside`` where its higher bits differ from the row's ``prefix`` (out of the bracket)."""
+def bucket_sums(
+    keys: torch.Tensor, prefix: torch.Tensor, shift: int, weights: torch.Tensor, fused: bool
+) -> torch.Tensor:
+    """(B, 2**RADIX_BITS): per row, the ``weights`` (int64) of the keys whose bits above
+    ``shift + RADIX_BITS`` equal the row's ``prefix`` (the bracket), summed per value of their
+    next RADIX_BITS bits. ``fused``: one reduction per bucket, which inductor fuses into one
+    read of the row; else one scatter into the buckets (few eager kernels). Integer sums, so
+    both give the same table."""
     high = shift + RADIX_BITS
     inside = (keys >> high) == (prefix >> high)[:, None]
-    return torch.where(inside, (keys >> shift) & (_BUCKETS - 1), outside)
+    digits = torch.where(inside, (keys >> shift) & (_BUCKETS - 1), _BUCKETS)
+    if fused:
+        sums = [torch.where(digits == b, weights, 0).sum(dim=-1) for b in range(_BUCKETS)]
+        return torch.stack(sums, dim=-1)
+    table = weights.new_zeros((keys.shape[0], _BUCKETS + 1))
+    return table.scatter_add_(1, digits, weights)[:, :_BUCKETS]
 
 
 def kth_largest(keys: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The key of each row's ``k``-th largest value (``1 <= k <= V``), exactly.
-
-    Each pass counts, for every bucket of the next bits, the keys of the bracket at or above
-    it (one fused set of reductions over the row), and keeps the bucket that holds the k-th.
-    """
+    """The key of each row's ``k``-th largest value (``1 <= k <= V``), exactly: each pass
+    counts the bracket's keys per bucket and keeps the bucket that holds the k-th."""
+    fused = torch.compiler.is_compiling()
+    ones = torch.ones_like(keys)
     prefix = torch.zeros_like(k)
     need = k
     for shift in _SHIFTS:
-        digits = _digits(keys, prefix, shift, outside=-1)
-        at_least = [(digits >= b).sum(dim=-1) for b in range(1, _BUCKETS)]
-        at_least.append(torch.zeros_like(k))
-        counts = torch.stack(at_least, dim=-1)  # column b: keys of buckets above b
-        bucket = (counts[:, :-1] >= need[:, None]).sum(dim=-1)
-        need = need - counts.gather(1, bucket[:, None]).squeeze(1)
+        counts = bucket_sums(keys, prefix, shift, ones, fused)
+        above = counts.flip(-1).cumsum(dim=-1).flip(-1)  # column b: keys in buckets >= b
+        above = torch.nn.functional.pad(above, (0, 1))
+        bucket = (above[:, 1:-1] >= need[:, None]).sum(dim=-1)
+        need = need - above.gather(1, bucket[:, None] + 1).squeeze(1)
         prefix = prefix | (bucket << shift)
     return prefix
 
 
 def mass_cut(keys: torch.Tensor, mass: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest key whose ``mass`` at or below it exceeds ``floor``.
-
-    Each pass sums, for every bucket of the next bits, the mass of the bracket at or below it,
-    and keeps the first bucket where the running total passes ``floor``; the total carried to
-    the next pass is the very sum compared, so the passes agree. Where rounding leaves no
-    bucket past ``floor``, the search ends above the row's mass (the caller keeps the row's
-    maximum). NaN mass (rows with ``+inf`` or NaN scores) passes nothing: the key is 0.
-    """
-    prefix = torch.zeros(keys.shape[0], dtype=keys.dtype, device=keys.device)
+    """Per row, the smallest key whose ``mass`` (int64) at or below it exceeds ``floor``, or,
+    where none does, a key above the row's: each pass sums the bracket's mass per bucket and
+    keeps the first bucket where the running total passes ``floor``."""
+    fused = torch.compiler.is_compiling()
+    prefix = torch.zeros_like(floor)
     below = torch.zeros_like(floor)
     for shift in _SHIFTS:
-        digits = _digits(keys, prefix, shift, outside=_BUCKETS)
-        at_most = [below]
-        at_most += [
-            below + torch.where(digits <= b, mass, 0.0).sum(dim=-1) for b in range(_BUCKETS - 1)
-        ]
-        totals = torch.stack(at_most, dim=-1)  # column b: mass up to bucket b - 1
-        bucket = (totals[:, 1:] <= floor[:, None]).sum(dim=-1)
+        totals = bucket_sums(keys, prefix, shift, mass, fused).cumsum(dim=-1) + below[:, None]
+        totals = torch.cat([below[:, None], totals], dim=-1)  # column b: mass below bucket b
+        bucket = (totals[:, 1:-1] <= floor[:, None]).sum(dim=-1)
         below = totals.gather(1, bucket[:, None]).squeeze(1)
         prefix = prefix | (bucket << shift)
     return prefix
