@@ -413,19 +413,17 @@ def key_values(keys: torch.Tensor) -> torch.Tensor:
 def bucket_sums(
     keys: torch.Tensor, prefix: torch.Tensor, shift: int, weights: torch.Tensor, fused: bool
 ) -> torch.Tensor:
-    """(B, 2**RADIX_BITS): per row, the ``weights`` (int64) of the keys whose bits above
-    ``shift + RADIX_BITS`` equal the row's ``prefix`` (the bracket), summed per value of their
-    next RADIX_BITS bits. ``fused``: one reduction per bucket, which inductor fuses into one
-    read of the row; else one scatter into the buckets (few eager kernels). Integer sums, so
-    both give the same table."""
-    high = shift + RADIX_BITS
-    inside = (keys >> high) == (prefix >> high)[:, None]
-    digits = torch.where(inside, (keys >> shift) & (_BUCKETS - 1), _BUCKETS)
+    """(B, 2**RADIX_BITS): per row, the ``weights`` (int64) of the keys in the bracket
+    ``[prefix, prefix + 2**(shift + RADIX_BITS))``, summed per value of their bits from
+    ``shift``. ``fused``: one reduction per bucket, which inductor fuses into one read of the
+    row; else one scatter into the buckets (few eager kernels). Integer sums, so both give the
+    same table."""
+    digits = ((keys - prefix[:, None]) >> shift).clamp(-1, _BUCKETS)  # -1, 16: outside
     if fused:
         sums = [torch.where(digits == b, weights, 0).sum(dim=-1) for b in range(_BUCKETS)]
         return torch.stack(sums, dim=-1)
-    table = weights.new_zeros((keys.shape[0], _BUCKETS + 1))
-    return table.scatter_add_(1, digits, weights)[:, :_BUCKETS]
+    table = weights.new_zeros((keys.shape[0], _BUCKETS + 2))
+    return table.scatter_add_(1, digits + 1, weights)[:, 1:-1]
 
 
 def kth_largest(keys: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
