@@ -117,10 +117,11 @@ def test_mixed_settings_equal_the_sort_on_random_rows(vocab, scale):
 @pytest.mark.parametrize("vocab", [97, 1000])
 def test_top_k_at_every_rank_equals_the_sort(vocab):
     """Top-k's threshold is the exact k-th value for every k, k >= V included (ties included:
-    integers repeat)."""
+    integers repeat, and zeros of both signs)."""
     generator = torch.Generator().manual_seed(vocab)
     ks = list(range(1, vocab + 3))
     scores = torch.randint(-20, 20, (len(ks), vocab), generator=generator).float()
+    scores[1::4] = -scores[1::4]  # -0.0 beside +0.0: equal values, distinct bit patterns
     scores[::2] = torch.randn(len(ks[::2]), vocab, generator=generator)
     got, expected = both(scores, [{"top_k": k} for k in ks])
     assert torch.equal(got, expected)

@@ -375,7 +375,7 @@ def truncated(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
     finite = torch.isfinite(top)
     mass = torch.where(finite, torch.round(torch.exp(scores - top) * MASS_SCALE), 0.0).long()
     floor = (rows.top_p_floor * mass.sum(dim=-1).float()).long()
-    tau = key_values(torch.minimum(mass_cut(keys, mass, floor), order_keys(top)[:, 0]))
+    tau = key_values(torch.minimum(mass_cut(keys, mass, floor), order_keys(top)[:, 0].long()))
     cut = (rows.top_p_floor > 0)[:, None] & finite & (scores < tau[:, None])
     scores = scores.masked_fill(cut, neg_inf)
     probs = scores.softmax(dim=-1)
@@ -389,7 +389,6 @@ RADIX_BITS = 4
 _BUCKETS = 1 << RADIX_BITS
 _SHIFTS = tuple(range(32 - RADIX_BITS, -1, -RADIX_BITS))
 _SIGN = 1 << 31
-_LOW32 = (1 << 32) - 1
 #: Top-p's mass in fixed point: ``exp(score - max)`` (at most 1) times 2**40, as int64, so the
 #: sums are exact in any order (eager and compiled, every pass alike) and cannot overflow for
 #: vocabularies up to 2**23 tokens; a token below 2**-41 of the largest counts as no mass.
@@ -397,65 +396,75 @@ MASS_SCALE = 2.0**40
 
 
 def order_keys(scores: torch.Tensor) -> torch.Tensor:
-    """float32 ``scores`` as int64 keys in ``[0, 2**32)`` that order as the values do (``-0.0``
-    just below ``+0.0``, NaN beyond the infinities): the sign bit set for non-negative values,
-    every bit flipped for negative ones."""
-    bits = scores.view(torch.int32).long() & _LOW32
-    return torch.where(bits >= _SIGN, _LOW32 - bits, bits | _SIGN)
+    """float32 ``scores`` as int32 keys that order as the values do (``-0.0`` just below
+    ``+0.0``, NaN beyond the infinities): the bits, with all but the sign flipped for negative
+    values. Its own inverse: see :func:`key_values`."""
+    bits = scores.view(torch.int32)
+    return bits ^ ((bits >> 31) & (_SIGN - 1))
 
 
 def key_values(keys: torch.Tensor) -> torch.Tensor:
-    """The float32 values of keys made by :func:`order_keys`."""
-    bits = torch.where(keys >= _SIGN, keys - _SIGN, _LOW32 - keys)
-    return torch.where(bits >= _SIGN, bits - (1 << 32), bits).int().view(torch.float32)
+    """The float32 values of int32 keys made by :func:`order_keys`, or of int64 keys holding
+    the same numbers."""
+    keys = keys.int()
+    return (keys ^ ((keys >> 31) & (_SIGN - 1))).view(torch.float32)
 
 
 def bucket_sums(
     keys: torch.Tensor, prefix: torch.Tensor, shift: int, weights: torch.Tensor, fused: bool
 ) -> torch.Tensor:
-    """(B, 2**RADIX_BITS): per row, the ``weights`` (int64) of the keys in the bracket
-    ``[prefix, prefix + 2**(shift + RADIX_BITS))``, summed per value of their bits from
-    ``shift``. ``fused``: one reduction per bucket, which inductor fuses into one read of the
-    row; else one scatter into the buckets (few eager kernels). Integer sums, so both give the
-    same table."""
-    digits = ((keys - prefix[:, None]) >> shift).clamp(-1, _BUCKETS)  # -1, 16: outside
+    """(B, 2**RADIX_BITS): per row, the ``weights`` of the keys in the bracket (whose bits above
+    ``shift + RADIX_BITS`` are those of ``prefix``, an int64 key), summed per value of their
+    next RADIX_BITS bits. The search reads keys with the sign bit flipped, so that their bit
+    patterns order as unsigned numbers. ``fused``: one reduction per bucket, which inductor
+    fuses into one read of the row; else one scatter into the buckets (few eager kernels).
+    Integer sums, so both give the same table."""
+    bits = keys ^ -_SIGN  # int32: unsigned order
+    digits = (bits >> shift) & (_BUCKETS - 1)
+    high = shift + RADIX_BITS
+    if high < 32:
+        inside = (bits >> high) == ((prefix ^ -_SIGN).int() >> high)[:, None]
+        digits = torch.where(inside, digits, _BUCKETS)
     if fused:
-        sums = [torch.where(digits == b, weights, 0).sum(dim=-1) for b in range(_BUCKETS)]
+        sums = [
+            torch.where(digits == b, weights, 0).sum(dim=-1, dtype=weights.dtype)
+            for b in range(_BUCKETS)
+        ]
         return torch.stack(sums, dim=-1)
-    table = weights.new_zeros((keys.shape[0], _BUCKETS + 2))
-    return table.scatter_add_(1, digits + 1, weights)[:, 1:-1]
+    table = weights.new_zeros((keys.shape[0], _BUCKETS + 1))
+    return table.scatter_add_(1, digits.long(), weights)[:, :_BUCKETS]
 
 
 def kth_largest(keys: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The key of each row's ``k``-th largest value (``1 <= k <= V``), exactly: each pass
-    counts the bracket's keys per bucket and keeps the bucket that holds the k-th."""
+    """The key (int64) of each row's ``k``-th largest value (``1 <= k <= V``), exactly: each
+    pass counts the bracket's keys per bucket and keeps the bucket that holds the k-th."""
     fused = torch.compiler.is_compiling()
     ones = torch.ones_like(keys)
-    prefix = torch.zeros_like(k)
+    prefix = torch.full_like(k, -_SIGN)
     need = k
     for shift in _SHIFTS:
-        counts = bucket_sums(keys, prefix, shift, ones, fused)
+        counts = bucket_sums(keys, prefix, shift, ones, fused).long()
         above = counts.flip(-1).cumsum(dim=-1).flip(-1)  # column b: keys in buckets >= b
         above = torch.nn.functional.pad(above, (0, 1))
         bucket = (above[:, 1:-1] >= need[:, None]).sum(dim=-1)
         need = need - above.gather(1, bucket[:, None] + 1).squeeze(1)
-        prefix = prefix | (bucket << shift)
+        prefix = prefix + (bucket << shift)
     return prefix
 
 
 def mass_cut(keys: torch.Tensor, mass: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest key whose ``mass`` (int64) at or below it exceeds ``floor``, or,
-    where none does, a key above the row's: each pass sums the bracket's mass per bucket and
-    keeps the first bucket where the running total passes ``floor``."""
+    """Per row, the smallest key (int64) whose ``mass`` (int64) at or below it exceeds
+    ``floor``, or, where none does, a key above the row's: each pass sums the bracket's mass
+    per bucket and keeps the first bucket where the running total passes ``floor``."""
     fused = torch.compiler.is_compiling()
-    prefix = torch.zeros_like(floor)
+    prefix = torch.full_like(floor, -_SIGN)
     below = torch.zeros_like(floor)
     for shift in _SHIFTS:
         totals = bucket_sums(keys, prefix, shift, mass, fused).cumsum(dim=-1) + below[:, None]
         totals = torch.cat([below[:, None], totals], dim=-1)  # column b: mass below bucket b
         bucket = (totals[:, 1:-1] <= floor[:, None]).sum(dim=-1)
         below = totals.gather(1, bucket[:, None]).squeeze(1)
-        prefix = prefix | (bucket << shift)
+        prefix = prefix + (bucket << shift)
     return prefix
 
 
