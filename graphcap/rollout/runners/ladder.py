@@ -26,13 +26,20 @@ from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.runners.runners import grow_blocks
 from graphcap.rollout.step.step import DecodeStep
 
+#: Steps between two reads of the finished flags on the ladder (at most ``eos_check_interval``):
+#: a read costs one host synchronisation, a late move the steps of ended rows until it.
+CHECK_EVERY = 4
+
 
 def ladder_sizes(ladder: Sequence[int] | str | None, batch_size: int) -> tuple[int, ...]:
     """The sizes below ``batch_size`` a call may shrink to, largest first: ``"auto"`` every
-    power of two, a tuple those of its sizes, ``None`` none."""
+    power of two and three quarters of each (…, 128, 96, 64, 48, …: a step never runs more than
+    a third more rows than are live, past the first move), a tuple those of its sizes, ``None``
+    none."""
     if ladder is None:
         return ()
-    auto = [1 << k for k in range(batch_size.bit_length())]
+    bits = range(batch_size.bit_length())
+    auto = [1 << k for k in bits] + [3 << k for k in bits]
     sizes = auto if ladder == "auto" else ladder
     return tuple(sorted({s for s in sizes if s < batch_size}, reverse=True))
 
@@ -99,16 +106,19 @@ class LadderRunner:
             self.stats.fallback_reason = self.holder.disabled_reason
         return graph
 
-    def shrink(self) -> None:
-        """At an "all finished" check that found live rows: move to the smallest ladder size
-        that holds them, if it is smaller than the current one (one host read of the flags)."""
-        if self.graph is None:
-            return
+    def check(self) -> bool:
+        """Read the finished flags (one host read): whether every row ended; else move to the
+        smallest ladder size that holds the live rows, if it is smaller than the current one."""
         finished = self.full.state.finished[: self.size].tolist()
         live = [row for row, ended in enumerate(finished) if not ended]
+        if not live:
+            return True
         target = min((s for s in self.sizes if len(live) <= s < self.size), default=None)
-        if target is None:
-            return
+        if target is not None and self.graph is not None:
+            self._shrink(finished, live, target)
+        return False
+
+    def _shrink(self, finished: list[bool], live: list[int], target: int) -> None:
         src = [row for row in live if row >= target]
         dst = [row for row, ended in enumerate(finished[:target]) if ended][: len(src)]
         if src:

@@ -15,7 +15,7 @@ from graphcap.rollout.plan.inputs import Call, check_request
 from graphcap.rollout.plan.plan import Plan, plan_call
 from graphcap.rollout.prefill import run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
-from graphcap.rollout.runners.ladder import LadderRunner, ladder_sizes
+from graphcap.rollout.runners.ladder import CHECK_EVERY, LadderRunner, ladder_sizes
 from graphcap.rollout.runners.runners import (
     BlockRunner,
     ReplayRunner,
@@ -146,19 +146,21 @@ def decode(
     runner: Runner, max_steps: int, state: DecodeState, interval: int, agreement: RankAgreement
 ) -> int:
     """Run up to ``max_steps`` steps; stop early when the device says all rows finished (read
-    every ``interval`` steps, agreed over the process group), else let a runner that follows
-    the live rows shrink. With ``interval`` 1 the flag is also read before the first step, so
-    the call stops where ``generate`` stops (and draws as many random numbers) even when the
-    prefill's token ended every row."""
+    every ``interval`` steps, agreed over the process group). A runner on the live-row ladder
+    reads the flags itself, every :data:`CHECK_EVERY` steps at most, and moves to a smaller
+    size when the live rows fit one. With ``interval`` 1 the flag is also read before the first
+    step, so the call stops where ``generate`` stops (and draws as many random numbers) even
+    when the prefill's token ended every row."""
+    ladder = runner if isinstance(runner, LadderRunner) else None
+    every = min(interval, CHECK_EVERY) if ladder is not None else interval
     if interval == 1 and max_steps and agreement.all_finished(state.all_finished):
         return 0
     for step in range(1, max_steps + 1):
         runner()
-        if step % interval == 0 and step < max_steps:
-            if agreement.all_finished(state.all_finished):
-                return step
-            if isinstance(runner, LadderRunner):
-                runner.shrink()
+        if step % every or step == max_steps:
+            continue
+        if ladder.check() if ladder is not None else agreement.all_finished(state.all_finished):
+            return step
     return max_steps
 
 
