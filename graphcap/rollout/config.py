@@ -483,13 +483,14 @@ def unsupported_generation_fields(config: GenerationConfig) -> list[str]:
 
 def _is_default(name: str, value: Any) -> bool:
     """Whether a GenerationConfig value means "not set": its default, the value ``generate``
-    applies when it is unset (:data:`GENERATE_DEFAULTS`), or False/0 where the default is
-    ``None`` (model configs write ``output_attentions=False``)."""
+    applies when it is unset (:data:`GENERATE_DEFAULTS`), or False where the default is
+    ``None`` (model configs write ``output_attentions=False``). Not 0 or an empty list: token
+    id 0 is a token, and ``generate`` refuses ``bad_words_ids=[]``."""
     from transformers import GenerationConfig
 
     default = getattr(GenerationConfig(), name, None)
     return value in (default, GENERATE_DEFAULTS.get(name, default)) or (
-        default is None and not value
+        default is None and value is False
     )
 
 
