@@ -7,6 +7,7 @@ model's generation config). docs/configuration.md lists what is refused and why.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -298,18 +299,20 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int | None) -> tuple[torch.Tens
     """Ragged prompts as one left-padded (ids, 0/1 mask) pair."""
     ids = []
     for i, row in enumerate(rows):
-        row = row.tolist() if isinstance(row, torch.Tensor) else row
+        if callable(getattr(row, "tolist", None)):  # a tensor or numpy array of ids
+            row = row.tolist()
         if (
             isinstance(row, (str, int))
-            or not row
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+            or not isinstance(row, Sequence)
+            or len(row) == 0
+            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in row)
         ):
             raise ValueError(
                 f"input_ids: ragged prompt {i} must be a non-empty list of int token ids, got "
                 f"{row!r}; pass "
                 "a list of token-id lists, or a left-padded 2-D tensor with its attention_mask"
             )
-        ids.append(list(row))
+        ids.append([int(t) for t in row])
     if not ids:
         raise ValueError("input_ids is an empty list of prompts; give at least one")
     if pad is None:
