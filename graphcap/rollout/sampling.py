@@ -342,20 +342,39 @@ def warp(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
     return scores.masked_fill(below, neg_inf)
 
 
-def sanitise(scores: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+def sanitise(
+    scores: torch.Tensor, finished: torch.Tensor, unwarped: torch.Tensor | None = None
+) -> torch.Tensor:
     """Make every row a distribution ``multinomial`` accepts.
 
-    A row with ``+inf`` scores (a tiny temperature or repetition penalty overflowing float32, or
-    an fp16 model's logits overflowing) draws uniformly among its ``+inf`` tokens, the limit of
-    its distribution; finished rows, and rows with NaN or nothing finite, get flat logits. A
-    NaN, ``+inf`` or all-zero distribution reaching ``multinomial`` is a device-side assert on
-    some devices. The replacement changes no other row's draw: ``multinomial(p, 1)`` consumes
-    the same random numbers whatever the values.
+    A row whose warped ``scores`` overflowed (``+inf``: a tiny temperature) or all underflowed
+    (``-inf``: a tiny temperature with every score negative) keeps only the tokens of the
+    largest ``unwarped`` score among them (:func:`overflow_limit`): the argmax, the limit of its
+    distribution. Without ``unwarped``, or where the unwarped scores overflowed too (a
+    repetition penalty overflowing float32, an fp16 model's logits), the row draws uniformly
+    among its ``+inf`` tokens; finished rows, and rows with NaN or nothing finite, get flat
+    logits. A NaN, ``+inf`` or all-zero distribution reaching ``multinomial`` is a device-side
+    assert on some devices. The replacement changes no other row's draw: ``multinomial(p, 1)``
+    consumes the same random numbers whatever the values.
     """
-    bad = finished | torch.isnan(scores).any(dim=-1) | torch.isneginf(scores).all(dim=-1)
-    top = torch.isposinf(scores)
+    top = torch.isposinf(scores) if unwarped is None else overflow_limit(scores, unwarped)
+    nothing = torch.isneginf(scores).all(dim=-1) & ~top.any(dim=-1)
+    bad = finished | torch.isnan(scores).any(dim=-1) | nothing
     scores = scores.masked_fill(top.any(dim=-1, keepdim=True) & ~top, -float("inf"))
     return scores.masked_fill(top, 0.0).masked_fill(bad[:, None], 0.0)
+
+
+def overflow_limit(scores: torch.Tensor, unwarped: torch.Tensor) -> torch.Tensor:
+    """(B, V) bool: the tokens a row's distribution keeps in its limit where the warped
+    ``scores`` lost their order (some ``+inf``, or every one ``-inf`` though ``unwarped`` has
+    finite ones): of those tokens, the ones with the largest ``unwarped`` score. Other rows:
+    none."""
+    top = torch.isposinf(scores)
+    lost = top.any(dim=-1, keepdim=True)
+    under = torch.isneginf(scores).all(dim=-1, keepdim=True) & ~lost
+    candidates = top | under
+    best = unwarped.masked_fill(~candidates, -float("inf")).amax(dim=-1, keepdim=True)
+    return candidates & (unwarped == best) & (lost | (under & (best > -float("inf"))))
 
 
 def gumbel(rows: RowSettings, generated: torch.Tensor) -> torch.Tensor:
@@ -411,7 +430,7 @@ def select(
     then one ``multinomial`` draw over all rows from the shared generator (as generate draws,
     so it consumes the generator identically), replaced by the hash draw for seeded rows.
     """
-    warped = sanitise(warp(scores, rows), finished)
+    warped = sanitise(warp(scores, rows), finished, scores)
     drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
     hashed = argmax_rows(warped + gumbel(rows, generated))
     sampled = torch.where(rows.seeded, hashed, drawn)

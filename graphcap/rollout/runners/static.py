@@ -20,6 +20,7 @@ from graphcap.rollout.runners.runners import (
     Runner,
     grow_blocks,
     record_kv,
+    record_nan_draws,
     start_runner,
 )
 from graphcap.rollout.sampling import RowPlan
@@ -116,6 +117,7 @@ class StaticRollout:
         stats.steps = decode(runner, steps, step.state, interval, self.holder.agreement)
         self.holder.backend.synchronize()
         record_kv(stats, step)
+        record_nan_draws(stats, step)
         stats.decode_s = time.perf_counter() - t_decode
         if plan.path == "per_position_graph":  # its captures happen inside the decode loop
             stats.decode_s -= stats.capture_s
