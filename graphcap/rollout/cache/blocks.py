@@ -48,6 +48,14 @@ def rounded_length(total_len: int, block_size: int) -> int:
     return -(-total_len // block_size) * block_size
 
 
+def full_pool_columns(batch_size: int, total_len: int, block_size: int) -> int:
+    """Columns each layer's pools hold once every row's whole table is handed out (where growth
+    stops): the block layout's K/V for a call whose rows all run to ``total_len``, in whole
+    blocks, the null and sink blocks included."""
+    per_row = rounded_length(total_len, block_size) // block_size
+    return (batch_size * per_row + _RESERVED) * block_size
+
+
 class BlockKVLayer(PreallocatedLayer):
     """One layer: ``keys``/``values`` pools ``(num_blocks, H, block_size, D)`` read through the
     cache's shared table."""
