@@ -63,7 +63,7 @@ def test_a_generate_nested_in_a_forward_hook_falls_back_and_never_hangs():
     try:
         with pytest.warns(GenerateFallbackWarning, match="nested"):
             worker.start()
-            worker.join(timeout=120)
+            worker.join(timeout=60)
         assert not worker.is_alive(), "a nested generate() deadlocked"
     finally:
         restore_generate(model)
