@@ -76,7 +76,6 @@ NEUTRAL_KWARGS: tuple[str, ...] = (
     "negative_prompt_attention_mask",
     "custom_generate",
     "tokenizer",
-    "use_model_defaults",
 )
 
 
