@@ -94,11 +94,9 @@ def test_a_damaged_or_foreign_file_warns_compiles_and_is_replaced(tmp_path, fres
         assert compiled_in(cache)[0] == "loaded"  # the file was rewritten whole
 
 
-def artefacts(path: Path) -> dict[str, set[str]]:
-    """The artefact keys a file holds, by kind (loading them into PyTorch's caches)."""
-    payload = path.read_bytes()[len(cc.MAGIC) :].partition(b"\n")[2]
-    info = torch.compiler.load_cache_artifacts(payload)
-    return {kind: set(keys) for kind, keys in info.artifacts.items() if keys}
+def payload(path: Path) -> bytes:
+    """A file's artefacts as PyTorch serialised them (after our header)."""
+    return path.read_bytes()[len(cc.MAGIC) :].partition(b"\n")[2]
 
 
 def cube(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -109,17 +107,19 @@ def test_each_file_holds_only_its_own_compilations_and_is_shared_by_the_umask(
     tmp_path, fresh_inductor
 ):
     """A file written after another compilation in the same process holds only its own
-    artefacts (not everything compiled so far: files grew with every shape); files get the
-    umask's permissions (not 0600), so a directory shared between users is shared."""
+    artefacts (not everything compiled so far: files grew with every shape, and loading the
+    Nth loaded N shapes); files get the umask's permissions (not 0600), so a directory shared
+    between users is shared."""
     cache = cc.CompileCache(tmp_path)
     compiled_in(cache, "first")
     torch.compiler.reset()
     with cache.session("second"):
         torch.compile(cube)(*INPUTS)
-    first, second = artefacts(tmp_path / "first.bin"), artefacts(tmp_path / "second.bin")
-    assert first and second
-    for kind in first:
-        assert not first[kind] & second.get(kind, set()), kind
+    first, second = payload(tmp_path / "first.bin"), payload(tmp_path / "second.bin")
+    # PyTorch's serialiser appends: a file holding the process's earlier compilations starts
+    # with the earlier file's artefacts (and is about twice its size for a like kernel)
+    assert first and second and first not in second
+    assert len(second) < 1.5 * len(first)
     umask = os.umask(0)
     os.umask(umask)
     for name in ("first.bin", "second.bin"):

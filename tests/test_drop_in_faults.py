@@ -60,13 +60,12 @@ def test_a_generate_nested_in_a_forward_hook_falls_back_and_never_hangs():
         target=lambda: result.append(model.generate(ids, attention_mask=mask, max_new_tokens=6)),
         daemon=True,
     )
-    try:
-        with pytest.warns(GenerateFallbackWarning, match="nested"):
-            worker.start()
-            worker.join(timeout=60)
-        assert not worker.is_alive(), "a nested generate() deadlocked"
-    finally:
-        restore_generate(model)
+    with pytest.warns(GenerateFallbackWarning, match="nested"):
+        worker.start()
+        worker.join(timeout=60)
+    # a deadlocked worker holds the engine's lock, which restoring would wait on too
+    assert not worker.is_alive(), "a nested generate() deadlocked"
+    restore_generate(model)
     assert torch.equal(nested[0], expected_nested)
     assert torch.equal(result[0], expected)
     assert accelerated.stats.served == 1 and accelerated.stats.fallbacks[NESTED] == 1
