@@ -36,6 +36,11 @@ class CompileCacheWarning(RuntimeWarning):
     instead, so only time was lost."""
 
 
+class NonFiniteLogitsWarning(RuntimeWarning):
+    """Sampled tokens were drawn for rows whose logits held NaN (a diverged policy): they are
+    uniform draws (a NaN must not reach the sampler), counted in ``RolloutStats.nan_draws``."""
+
+
 class GenerateFallbackWarning(UserWarning):
     """A ``model.generate`` call under :func:`graphcap.rollout.accelerate_generate` went to
     transformers' own ``generate`` (the reason is in the message and in the drop-in's stats)."""

@@ -51,6 +51,10 @@ DROP_IN_PICKLES = (
 NPU_ENGINE = "backends/npu/tests/test_npu_engine.py"
 NPU_RULES = "backends/npu/tests/test_npu_hardware_rules.py"
 
+SETTINGS = "tests/test_drop_in_settings.py"
+CACHE = "tests/test_compile_cache.py"
+NUMERICS = "tests/test_rollout_numerics.py"
+
 HOOKED_COMPILE = (
     "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
 )
@@ -720,41 +724,6 @@ PLANTS = (
         ),
     ),
     Plant(
-        "the top-k search keeps the bucket above the k-th value",
-        "graphcap/rollout/sampling.py",
-        "bucket = (above[:, 1:-1] >= need[:, None]).sum(dim=-1)",
-        "bucket = (above[:, 1:-1] > need[:, None]).sum(dim=-1)",
-        ("tests/test_sampler_truncation.py",),
-    ),
-    Plant(
-        "the top-p search carries the mass up to the chosen bucket, one bucket short",
-        "graphcap/rollout/sampling.py",
-        "below = totals.gather(1, bucket[:, None]).squeeze(1)",
-        "below = totals.gather(1, (bucket - 1).clamp(min=0)[:, None]).squeeze(1)",
-        ("tests/test_sampler_truncation.py",),
-    ),
-    Plant(
-        "the search's bracket ignores the last bit already settled",
-        "graphcap/rollout/sampling.py",
-        "    high = shift + RADIX_BITS\n",
-        "    high = shift + RADIX_BITS + 1\n",
-        ("tests/test_sampler_truncation.py",),
-    ),
-    Plant(
-        "the compiled search's bucket sums take every bucket below too",
-        "graphcap/rollout/sampling.py",
-        "torch.where(digits == b, weights, 0)",
-        "torch.where(digits <= b, weights, 0)",
-        ("tests/test_sampler_truncation.py::test_compiled_search_equals_the_eager_search",),
-    ),
-    Plant(
-        "top-p's fixed-point mass too coarse",
-        "graphcap/rollout/sampling.py",
-        "MASS_SCALE = 2.0**40\n",
-        "MASS_SCALE = 2.0**8\n",
-        ("tests/test_sampler_truncation.py",),
-    ),
-    Plant(
         "NPU page attention reads a gather instead of the pools",
         "backends/npu/graphcap_npu/attention.py",
         "    if view is not None and _pages(view, query, attention_mask, dropout, kwargs):\n",
@@ -837,6 +806,116 @@ PLANTS = (
         "            work.backend.manual_seed(work.seed)\n",
         "            pass\n",
         ("tests/test_bench.py::test_round_reports_useful_tokens_dead_share_and_limit",),
+    ),
+    Plant(
+        "the drop-in serves generation settings left on model.config",
+        "graphcap/rollout/drop_in.py",
+        "    if generation_config is None and legacy:",
+        "    if False:",
+        (SETTINGS + "::test_every_generation_field_is_served_as_generate_or_handed_to_it",),
+    ),
+    Plant(
+        "empty lists and token id 0 read as unset GenerationConfig values",
+        "graphcap/rollout/config.py",
+        "        default is None and value is False",
+        "        default is None and not value",
+        (SETTINGS + "::test_every_generation_field_is_served_as_generate_or_handed_to_it",),
+    ),
+    Plant(
+        "use_model_defaults swallowed as a neutral generate() argument",
+        "graphcap/rollout/drop_in.py",
+        '    "tokenizer",\n',
+        '    "tokenizer",\n    "use_model_defaults",\n',
+        (SETTINGS + "::test_use_model_defaults_goes_to_generate",),
+    ),
+    Plant(
+        "the drop-in serves a model training with dropout",
+        "graphcap/rollout/drop_in.py",
+        "        if dropout:\n",
+        "        if False:\n",
+        ("tests/test_drop_in_faults.py::test_a_model_training_with_dropout_goes_to_generate",),
+    ),
+    Plant(
+        "a nested generate() waits on the drop-in's lock (deadlock)",
+        "graphcap/rollout/drop_in.py",
+        "        if self._serving == threading.get_ident():",
+        "        if False:",
+        (
+            "tests/test_drop_in_faults.py"
+            "::test_a_generate_nested_in_a_forward_hook_falls_back_and_never_hangs",
+        ),
+    ),
+    Plant(
+        "a failed block-pool growth leaves layers of two sizes",
+        "graphcap/rollout/cache/blocks.py",
+        "setattr(layer, name, getattr(layer, name)[:old])",
+        "pass",
+        (
+            "tests/test_rollout_faults.py"
+            "::test_a_failed_block_pool_growth_is_undone_and_the_next_call_grows_again",
+        ),
+    ),
+    Plant(
+        "a compile-cache header that is JSON but not an object is used",
+        "graphcap/rollout/holder/compile_cache.py",
+        "    if not isinstance(meta, dict):",
+        "    if False:",
+        (CACHE + "::test_a_damaged_or_foreign_file_warns_compiles_and_is_replaced",),
+    ),
+    Plant(
+        "each compile-cache file holds everything the process compiled",
+        "graphcap/rollout/holder/compile_cache.py",
+        "        with _artefacts_of_this_session():",
+        "        with contextlib.nullcontext():",
+        (CACHE + "::test_each_file_holds_only_its_own_compilations_and_is_shared_by_the_umask",),
+    ),
+    Plant(
+        "compile-cache files written for their owner only (0600)",
+        "graphcap/rollout/holder/compile_cache.py",
+        "os.open(temporary, flags, 0o666)",
+        "os.open(temporary, flags, 0o600)",
+        (CACHE + "::test_each_file_holds_only_its_own_compilations_and_is_shared_by_the_umask",),
+    ),
+    Plant(
+        "ragged prompts as numpy arrays are not read as rows of ids",
+        "graphcap/rollout/plan/inputs.py",
+        '        if callable(getattr(row, "tolist", None)):',
+        "        if isinstance(row, torch.Tensor):",
+        (
+            "tests/test_rollout_vllm.py"
+            "::test_ragged_prompts_equal_the_left_padded_tensor_and_return_responses",
+        ),
+    ),
+    Plant(
+        "compile_cache refuses a pathlib.Path",
+        "graphcap/rollout/config.py",
+        "        if isinstance(self.compile_cache, os.PathLike):",
+        "        if False:",
+        ("tests/test_compile_default.py::test_a_path_names_the_compile_cache_directory",),
+    ),
+    Plant(
+        "draws from NaN logits are not counted",
+        "graphcap/rollout/step/step.py",
+        "            s.nan_draws.add_(drawn_nan.sum())",
+        "            pass",
+        (NUMERICS + "::test_sampling_from_a_diverged_model_warns_and_counts_the_draws",),
+    ),
+    Plant(
+        "a vanishing temperature draws uniformly among the overflowed tokens",
+        "graphcap/rollout/sampling.py",
+        "    warped = sanitise(warp(scores, rows, shape.truncates), finished, scores)",
+        "    warped = sanitise(warp(scores, rows, shape.truncates), finished)",
+        (NUMERICS + "::test_a_vanishing_temperature_samples_the_argmax",),
+    ),
+    Plant(
+        "the request limit ignores the block table's rounding",
+        "graphcap/rollout/plan/inputs.py",
+        "columns = batch * total if block_size is None else full_pool_columns(batch, total, "
+        "block_size)",
+        "columns = batch * total",
+        (
+            "tests/test_rollout_inputs.py::test_the_request_limit_counts_the_block_tables_whole_blocks",
+        ),
     ),
 )
 

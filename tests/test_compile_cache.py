@@ -61,6 +61,9 @@ def test_a_compile_writes_the_file_and_the_next_session_loads_it(tmp_path, fresh
     assert path.read_bytes() == written  # nothing new to write
 
 
+HEADERS = {"list-header": b"[]", "null-header": b"null", "number-header": b"1"}
+
+
 def damage(path: Path, how: str) -> None:
     data = path.read_bytes()
     head, _, payload = data[len(cc.MAGIC) :].partition(b"\n")
@@ -70,13 +73,15 @@ def damage(path: Path, how: str) -> None:
         path.write_bytes(data[: len(data) // 2])
     elif how == "flipped":
         path.write_bytes(data[:-10] + bytes(b ^ 0xFF for b in data[-10:]))
+    elif how in HEADERS:  # valid JSON, not an object
+        path.write_bytes(cc.MAGIC + HEADERS[how] + b"\n" + payload)
     elif how == "foreign":
         meta = json.loads(head)
         meta["versions"]["torch"] = "0.0.1"
         path.write_bytes(cc.MAGIC + json.dumps(meta).encode() + b"\n" + payload)
 
 
-@pytest.mark.parametrize("how", ["garbage", "truncated", "flipped", "foreign"])
+@pytest.mark.parametrize("how", ["garbage", "truncated", "flipped", "foreign", *HEADERS])
 def test_a_damaged_or_foreign_file_warns_compiles_and_is_replaced(tmp_path, fresh_inductor, how):
     cache = cc.CompileCache(tmp_path)
     compiled_in(cache)
@@ -87,6 +92,39 @@ def test_a_damaged_or_foreign_file_warns_compiles_and_is_replaced(tmp_path, fres
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileCacheWarning)
         assert compiled_in(cache)[0] == "loaded"  # the file was rewritten whole
+
+
+def payload(path: Path) -> bytes:
+    """A file's artefacts as PyTorch serialised them (after our header)."""
+    return path.read_bytes()[len(cc.MAGIC) :].partition(b"\n")[2]
+
+
+def cube(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w) ** 3 - 1
+
+
+def test_each_file_holds_only_its_own_compilations_and_is_shared_by_the_umask(
+    tmp_path, fresh_inductor
+):
+    """A file written after another compilation in the same process holds only its own
+    artefacts (not everything compiled so far: files grew with every shape, and loading the
+    Nth loaded N shapes); files get the umask's permissions (not 0600), so a directory shared
+    between users is shared."""
+    cache = cc.CompileCache(tmp_path)
+    compiled_in(cache, "first")
+    torch.compiler.reset()
+    with cache.session("second"):
+        torch.compile(cube)(*INPUTS)
+    first, second = payload(tmp_path / "first.bin"), payload(tmp_path / "second.bin")
+    # PyTorch's serialiser appends: a file holding the process's earlier compilations starts
+    # with the earlier file's artefacts (and is about twice its size for a like kernel)
+    assert first and second and first not in second
+    assert len(second) < 1.5 * len(first)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("first.bin", "second.bin"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
 
 
 def test_an_unwritable_directory_only_warns(tmp_path, fresh_inductor):

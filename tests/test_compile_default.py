@@ -100,6 +100,13 @@ def test_an_empty_compile_cache_setting_is_refused():
         RolloutConfig(compile_cache="")
 
 
+def test_a_path_names_the_compile_cache_directory(tmp_path):
+    """``CompileCache`` takes a path, so the config does too (kept as a string)."""
+    assert RolloutConfig(compile_cache=tmp_path).compile_cache == str(tmp_path)
+    with pytest.raises(TypeError, match="compile_cache"):
+        RolloutConfig(compile_cache=3)
+
+
 def test_a_host_state_change_discards_compiled_code_before_compiling_again(monkeypatch):
     """dynamo does not guard on every host value the signature does: code compiled before a
     change (here the MLP's activation module swapped) must not serve the step after it, so the

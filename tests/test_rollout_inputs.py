@@ -165,12 +165,37 @@ def test_request_that_cannot_fit_is_refused_with_its_size():
         pytest.raises(ValueError, match=r"would allocate at least [0-9.]+ GiB.*available on cpu"),
     ):
         _engine(model).generate(ids, mask, SamplingParams(max_new_tokens=10**9))
-    need = request_bytes(model, scan_model(model).dtype, 3, 16, 3, 6)
+    block = CPUBackend().capabilities.kv_block_size  # kv_block_size "auto": the backend's
+    need = request_bytes(model, scan_model(model).dtype, 3, 16, 3, 6, block_size=block)
     engine = _engine(model, max_request_bytes=need - 1)
     with pytest.raises(ValueError, match=r"RolloutConfig\.max_request_bytes"):
         engine.generate(ids, mask, SamplingParams(max_new_tokens=10))
     assert engine.cache is None
     _engine(model, max_request_bytes=need).generate(ids, mask, SamplingParams(max_new_tokens=10))
+
+
+def test_the_request_limit_counts_the_block_tables_whole_blocks():
+    """A block table holds whole blocks: 8 rows x 16 columns in blocks of 4096 columns hold
+    (8 + 2) x 4096 columns of K/V, which the limit must see (it saw 8 x 16)."""
+    model = tiny_model("llama")
+    ids, mask = prompts(8, width=6)
+    sampling = SamplingParams(max_new_tokens=10)
+    static = request_bytes(model, scan_model(model).dtype, 8, 16, 8, 6)
+    blocks = request_bytes(model, scan_model(model).dtype, 8, 16, 8, 6, block_size=4096)
+    assert blocks > 100 * static
+    engine = _engine(model, kv_block_size=4096, max_request_bytes=blocks - 1)
+    with pytest.raises(ValueError, match=r"blocks of 4096 columns.*max_request_bytes"):
+        engine.generate(ids, mask, sampling)
+    served = _engine(model, kv_block_size=4096, max_request_bytes=blocks).generate(
+        ids, mask, sampling
+    )
+    assert served.stats.kv_layout == "blocks" and served.stats.kv_cache_bytes <= blocks
+    assert (
+        _engine(model, kv_block_size=None, max_request_bytes=static)
+        .generate(ids, mask, sampling)
+        .stats.kv_layout
+        == "static"
+    )
 
 
 # ---- issue 16 cases 1, 2, 3: generate()'s input contract --------------------------------------

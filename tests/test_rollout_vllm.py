@@ -9,6 +9,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from rollout_models import (
@@ -243,6 +244,10 @@ def test_ragged_prompts_equal_the_left_padded_tensor_and_return_responses(family
         engine.generate([[5, 6], []], sampling=params)
     with pytest.raises(ValueError, match="ragged prompt 0"):
         engine.generate(["hello"], sampling=params)
+    arrays = [np.asarray(row) for row in ragged]  # a tokenizer's return_tensors="np" rows
+    assert torch.equal(engine.generate(arrays, sampling=params).sequences, padded.sequences)
+    numbers = [[np.int64(t) for t in row] for row in ragged]
+    assert torch.equal(engine.generate(numbers, sampling=params).sequences, padded.sequences)
 
 
 # ---- stop sequences ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -510,13 +511,14 @@ def unsupported_generation_fields(config: GenerationConfig) -> list[str]:
 
 def _is_default(name: str, value: Any) -> bool:
     """Whether a GenerationConfig value means "not set": its default, the value ``generate``
-    applies when it is unset (:data:`GENERATE_DEFAULTS`), or False/0 where the default is
-    ``None`` (model configs write ``output_attentions=False``)."""
+    applies when it is unset (:data:`GENERATE_DEFAULTS`), or False where the default is
+    ``None`` (model configs write ``output_attentions=False``). Not 0 or an empty list: token
+    id 0 is a token, and ``generate`` refuses ``bad_words_ids=[]``."""
     from transformers import GenerationConfig
 
     default = getattr(GenerationConfig(), name, None)
     return value in (default, GENERATE_DEFAULTS.get(name, default)) or (
-        default is None and not value
+        default is None and value is False
     )
 
 
@@ -554,10 +556,10 @@ class RolloutConfig:
     graphs never compile; tensor-parallel steps (``process_group``) compile only when asked.
     ``compile_cache``: where compiled code is kept between processes
     (:mod:`graphcap.rollout.holder.compile_cache`): ``"auto"`` is ``$GRAPHCAP_COMPILE_CACHE`` or
-    ``~/.cache/graphcap/compile``, a path that directory, ``None`` none beyond torch's own
-    caches. Compiled captures run the blocks around attention (each decoder layer with its
-    attention left out, the rotary function and embedding, the K/V cache writes) through
-    ``torch.compile``, traced once per block class
+    ``~/.cache/graphcap/compile``, a path (a string or ``os.PathLike``) that directory,
+    ``None`` none beyond torch's own caches. Compiled captures run the blocks around attention
+    (each decoder layer with its attention left out, the rotary function and embedding, the
+    K/V cache writes) through ``torch.compile``, traced once per block class
     (:func:`graphcap.rollout.plan.regions.compiled_regions`); the compilation happens in the
     warm-up before the first capture, so it is part of that call's ``warmup_s``,
     ``capture_s`` and ``first_call_s`` (``stats.compiled`` says so). The captured projections
@@ -614,6 +616,8 @@ class RolloutConfig:
     batch_ladder: tuple[int, ...] | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.compile_cache, os.PathLike):  # a pathlib.Path names a directory too
+            self.compile_cache = os.fspath(self.compile_cache)
         check_field_types(self)
         self._check_kv_block_size()
         _check_backend(self.backend)

@@ -77,7 +77,6 @@ NEUTRAL_KWARGS: tuple[str, ...] = (
     "negative_prompt_attention_mask",
     "custom_generate",
     "tokenizer",
-    "use_model_defaults",
 )
 
 
@@ -108,8 +107,13 @@ class AcceleratedGenerate:
         self.stats = DropInStats()
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        #: the thread inside a served call (a nested call from it must not wait on the lock)
+        self._serving: int | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._serving == threading.get_ident():
+            self._fall_back(NESTED)
+            return self.original(*args, **kwargs)
         request, reason = self._request(args, kwargs)
         if reason is None:
             try:
@@ -152,6 +156,13 @@ class AcceleratedGenerate:
             return None, f"generate() arguments graphcap does not take: {busy}"
         if not isinstance(input_ids, torch.Tensor):
             return None, "no input_ids tensor (inputs_embeds or another input form)"
+        dropout = active_dropout(self.model)
+        if dropout:
+            return None, (
+                f"the model is in train() with dropout on ({', '.join(dropout[:3])}): generate "
+                "draws dropout masks in every forward, a captured rollout cannot match them; "
+                "call model.eval() (or set the dropout probabilities to 0) to be served"
+            )
         settings = resolved_config(self.model, generation_config, given)
         if isinstance(settings, str):
             return None, settings
@@ -176,9 +187,13 @@ class AcceleratedGenerate:
             self._fall_back(f"no graph for this call: {refusal or 'graphs are off in the config'}")
             return None
         with self._lock:
-            result = self.engine.generate(
-                request.input_ids, request.attention_mask, request.sampling
-            )
+            self._serving = threading.get_ident()
+            try:
+                result = self.engine.generate(
+                    request.input_ids, request.attention_mask, request.sampling
+                )
+            finally:
+                self._serving = None
         width = request.input_ids.shape[-1]
         # generate stops once every row has finished: its width is the longest response
         sequences = result.sequences[:, : width + int(result.response_lengths.max())]
@@ -248,6 +263,41 @@ class Request:
     config: GenerationConfig
 
 
+#: Why a ``generate`` call made while this thread's served call runs (from a forward hook, a
+#: streamer, a stopping criterion) goes to transformers: the engine is busy with the outer call.
+NESTED = "a generate() call nested inside a call graphcap is serving"
+
+
+DROPOUTS = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def active_dropout(model: torch.nn.Module) -> list[str]:
+    """The modules (by name) that apply dropout in this forward: in training mode with a
+    ``torch.nn.Dropout`` of p > 0 or a float ``*dropout`` attribute > 0 (attention modules keep
+    their probability as ``attention_dropout`` and apply it only while training)."""
+    found = []
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, DROPOUTS):
+            if module.p > 0:
+                found.append(name)
+            continue
+        if any(
+            "dropout" in key and isinstance(value, float) and value > 0
+            for key, value in vars(module).items()
+        ):
+            found.append(name)
+    return found
+
+
 #: Whether this transformers' repetition penalty also penalises the pad id where it fills the
 #: prompts' left padding (before 5.23); graphcap's looks only at real tokens.
 PENALISES_PADDING = Version(transformers.__version__) < Version("5.23")
@@ -270,6 +320,11 @@ def resolved_config(
 ) -> tuple[GenerationConfig, dict[str, Any]] | str:
     """The settings ``generate`` would run with and the keyword arguments it would pass to the
     model, or why graphcap cannot serve them."""
+    legacy = legacy_generation_settings(model)
+    if generation_config is None and legacy:
+        # transformers 5.x refuses these in generate; older releases honoured them: either
+        # way, generate decides
+        return f"generation settings on model.config, where generate treats them itself: {legacy}"
     config = copy.deepcopy(generation_config) if generation_config is not None else None
     if config is None:
         config = GenerationConfig()
@@ -284,6 +339,13 @@ def resolved_config(
     if refused:
         return f"GenerationConfig fields graphcap does not serve: {refused}"
     return config, forward_kwargs
+
+
+def legacy_generation_settings(model: PreTrainedModel) -> list[str]:
+    """Generation fields set on ``model.config`` (the legacy place) that its class does not set
+    by default: what ``generate`` checks before it builds a blank ``GenerationConfig``."""
+    found = getattr(model.config, "_get_generation_parameters", None)
+    return sorted(found()) if callable(found) else []
 
 
 def sampling_for(

@@ -36,6 +36,8 @@ class RolloutStats:
     ``RolloutConfig.kv_block_size``); ``kv_blocks_held``: the most blocks rows held at once in
     the call; ``kv_pool_growths``: times the block pools grew (each drops the graph reading
     them), over the cache's life; ``kv_cache_bytes``: the K/V buffers' size at the call's end.
+    ``nan_draws``: tokens sampled for rows whose logits held NaN (a diverged model; each such
+    draw is uniform, and the call warns with a ``NonFiniteLogitsWarning``).
     """
 
     path: str
@@ -68,6 +70,7 @@ class RolloutStats:
     kv_blocks_held: int = 0
     kv_pool_growths: int = 0
     kv_cache_bytes: int = 0
+    nan_draws: int = 0
 
     @property
     def joined_projections(self) -> int:

@@ -353,147 +353,74 @@ def process_scores(
     return scores
 
 
+@torch.compiler.disable
+def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:
+    """``probs.cumsum(-1)``, never compiled: torch 2.11's inductor fails to generate the split
+    scan it picks for rows over 128 columns when the scan is fused with a broadcast (the
+    softmax before it; pytorch issue 180221, fixed after 2.11). Eager, it is one kernel."""
+    return probs.cumsum(dim=-1)
+
+
 def warp(scores: torch.Tensor, rows: RowSettings, truncate: bool) -> torch.Tensor:
     """Temperature per row, then (``truncate``) top-k, top-p and min-p, each off where its
-    setting is neutral. Without truncation the step skips the threshold search."""
+    setting is neutral. Without truncation no row needs the vocabulary in order, and the
+    step never sorts it."""
     scores = scores / rows.temperature[:, None]
     return truncated(scores, rows) if truncate else scores
 
 
 def truncated(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
-    """Top-k, then top-p on what top-k kept, then min-p, of temperature-scaled ``scores``, each
-    off where its setting is neutral: the scores generate keeps, without sorting the vocabulary.
+    """Top-k, top-p and min-p of temperature-scaled ``scores``, as generate keeps them.
 
-    Both cuts are thresholds found by a radix search over the scores' bit patterns
-    (:func:`kth_largest`, :func:`mass_cut`): a fixed number of passes over the (B, V) scores,
-    no host reads, no data-dependent shapes. Top-k keeps every score at or above the exact
-    k-th largest value, as generate does. Top-p keeps every score at or above the smallest
-    value whose mass at or below it exceeds ``1 - top_p``, the set generate keeps, ties and
-    rounding aside: generate sums float32 probabilities in ascending order where the search
-    sums them in fixed point (:data:`MASS_SCALE`), so a token whose mass lands within float
-    rounding of the cut can go either way, and among equal values at the cut generate keeps
-    those its sort put last where the search keeps them all. The row's largest score is
-    always kept. Rows whose largest score is ``+inf`` or NaN lose nothing to top-p or min-p
-    (generate's softmax is NaN there), so sanitising draws from them as before.
+    One ascending sort serves top-k and top-p: the k-th largest value is ``sorted[V - k]``, and
+    the top-k-filtered scores sorted are the same sort with a prefix set to -inf, so top-p sees
+    exactly the values (in the same order) that generate's own sort gives it.
     """
     neg_inf = -float("inf")
     vocab = scores.shape[-1]
-    keys = order_keys(scores)
-    kth = key_values(kth_largest(keys, rows.top_k.clamp(min=1, max=vocab)))
-    scores = scores.masked_fill((rows.top_k > 0)[:, None] & (scores < kth[:, None]), neg_inf)
-    top = scores.amax(dim=-1, keepdim=True)
-    finite = torch.isfinite(top)
-    mass = torch.where(finite, torch.round(torch.exp(scores - top) * MASS_SCALE), 0.0).long()
-    floor = (rows.top_p_floor * mass.sum(dim=-1).float()).long()
-    tau = key_values(torch.minimum(mass_cut(keys, mass, floor), order_keys(top)[:, 0].long()))
-    cut = (rows.top_p_floor > 0)[:, None] & finite & (scores < tau[:, None])
-    scores = scores.masked_fill(cut, neg_inf)
+    ordered, order = torch.sort(scores, descending=False)
+    k = rows.top_k.clamp(max=vocab)
+    kth = ordered.gather(1, (vocab - k.clamp(min=1))[:, None])
+    use_k = (k > 0)[:, None]
+    scores = scores.masked_fill(use_k & (scores < kth), neg_inf)
+    ordered = ordered.masked_fill(use_k & (ordered < kth), neg_inf)
+    cumulative = cumulative_sum(ordered.softmax(dim=-1))
+    remove_sorted = cumulative <= rows.top_p_floor[:, None]
+    remove_sorted[..., -1:] = False
+    remove = remove_sorted.scatter(1, order, remove_sorted)
+    scores = scores.masked_fill(remove & (rows.top_p_floor > 0)[:, None], neg_inf)
     probs = scores.softmax(dim=-1)
     below = probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return scores.masked_fill(below, neg_inf)
 
 
-#: Bits of the key that one pass of the threshold search settles: 2**RADIX_BITS buckets per
-#: pass, 32 / RADIX_BITS passes per search.
-RADIX_BITS = 4
-_BUCKETS = 1 << RADIX_BITS
-_SHIFTS = tuple(range(32 - RADIX_BITS, -1, -RADIX_BITS))
-_SIGN = 1 << 31
-#: Top-p's mass in fixed point: ``exp(score - max)`` (at most 1) times 2**40, as int64, so the
-#: sums are exact in any order (eager and compiled, every pass alike) and cannot overflow for
-#: vocabularies up to 2**23 tokens; a token below 2**-41 of the largest counts as no mass.
-MASS_SCALE = 2.0**40
-
-
-def order_keys(scores: torch.Tensor) -> torch.Tensor:
-    """float32 ``scores`` as int32 keys that order as the values do (``-0.0`` just below
-    ``+0.0``, NaN beyond the infinities): the bits, with all but the sign flipped for negative
-    values. Its own inverse: see :func:`key_values`."""
-    bits = scores.view(torch.int32)
-    return bits ^ ((bits >> 31) & (_SIGN - 1))
-
-
-def key_values(keys: torch.Tensor) -> torch.Tensor:
-    """The float32 values of int32 keys made by :func:`order_keys`, or of int64 keys holding
-    the same numbers."""
-    keys = keys.int()
-    return (keys ^ ((keys >> 31) & (_SIGN - 1))).view(torch.float32)
-
-
-def bucket_sums(
-    keys: torch.Tensor, prefix: torch.Tensor, shift: int, weights: torch.Tensor, fused: bool
+def sanitise(
+    scores: torch.Tensor, finished: torch.Tensor, unwarped: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(B, 2**RADIX_BITS): per row, the ``weights`` of the keys in the bracket (whose bits above
-    ``shift + RADIX_BITS`` are those of ``prefix``, an int64 key), summed per value of their
-    next RADIX_BITS bits. The search reads keys with the sign bit flipped, so that their bit
-    patterns order as unsigned numbers. ``fused``: one reduction per bucket, which inductor
-    fuses into one read of the row; else one scatter into the buckets (few eager kernels).
-    Integer sums, so both give the same table."""
-    bits = keys ^ -_SIGN  # int32: unsigned order
-    digits = (bits >> shift) & (_BUCKETS - 1)
-    high = shift + RADIX_BITS
-    if high < 32:
-        inside = (bits >> high) == ((prefix ^ -_SIGN).int() >> high)[:, None]
-        digits = torch.where(inside, digits, _BUCKETS)
-    if fused:
-        sums = [
-            torch.where(digits == b, weights, 0).sum(dim=-1, dtype=weights.dtype)
-            for b in range(_BUCKETS)
-        ]
-        return torch.stack(sums, dim=-1)
-    table = weights.new_zeros((keys.shape[0], _BUCKETS + 1))
-    return table.scatter_add_(1, digits.long(), weights)[:, :_BUCKETS]
-
-
-def kth_largest(keys: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The key (int64) of each row's ``k``-th largest value (``1 <= k <= V``), exactly: each
-    pass counts the bracket's keys per bucket and keeps the bucket that holds the k-th."""
-    fused = torch.compiler.is_compiling()
-    ones = torch.ones_like(keys)
-    prefix = torch.full_like(k, -_SIGN)
-    need = k
-    for shift in _SHIFTS:
-        counts = bucket_sums(keys, prefix, shift, ones, fused).long()
-        above = counts.flip(-1).cumsum(dim=-1).flip(-1)  # column b: keys in buckets >= b
-        above = torch.nn.functional.pad(above, (0, 1))
-        bucket = (above[:, 1:-1] >= need[:, None]).sum(dim=-1)
-        need = need - above.gather(1, bucket[:, None] + 1).squeeze(1)
-        prefix = prefix + (bucket << shift)
-    return prefix
-
-
-def mass_cut(keys: torch.Tensor, mass: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest key (int64) whose ``mass`` (int64) at or below it exceeds
-    ``floor``, or, where none does, a key above the row's: each pass sums the bracket's mass
-    per bucket and keeps the first bucket where the running total passes ``floor``."""
-    fused = torch.compiler.is_compiling()
-    prefix = torch.full_like(floor, -_SIGN)
-    below = torch.zeros_like(floor)
-    for shift in _SHIFTS:
-        totals = bucket_sums(keys, prefix, shift, mass, fused).cumsum(dim=-1) + below[:, None]
-        totals = torch.cat([below[:, None], totals], dim=-1)  # column b: mass below bucket b
-        bucket = (totals[:, 1:-1] <= floor[:, None]).sum(dim=-1)
-        below = totals.gather(1, bucket[:, None]).squeeze(1)
-        prefix = prefix + (bucket << shift)
-    return prefix
-
-
-def sanitise(scores: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
     """Make every row a distribution ``multinomial`` accepts.
 
-    A row with ``+inf`` scores (a tiny temperature or repetition penalty overflowing float32, or
-    an fp16 model's logits overflowing) draws uniformly among its ``+inf`` tokens, the limit of
-    its distribution; finished rows, and rows with NaN or nothing finite, get flat logits. A
-    NaN, ``+inf`` or all-zero distribution reaching ``multinomial`` is a device-side assert on
-    some devices. The replacement changes no other row's draw: ``multinomial(p, 1)`` consumes
-    the same random numbers whatever the values. One reduction finds all three cases: a row's
-    maximum is NaN when it holds a NaN, ``-inf`` when nothing is finite, ``+inf`` when a score
-    overflowed.
+    A row whose warped ``scores`` lost their order (some ``+inf``: a tiny temperature; or every
+    one ``-inf`` though ``unwarped`` has finite ones: a tiny temperature with every score
+    negative) keeps only the tokens of its largest ``unwarped`` score: the argmax, the limit of
+    its distribution. Without ``unwarped``, or where the unwarped scores overflowed too (a
+    repetition penalty overflowing float32, an fp16 model's logits), the row draws uniformly
+    among its ``+inf`` tokens; finished rows, and rows with NaN or nothing finite, get flat
+    logits. A NaN, ``+inf`` or all-zero distribution reaching ``multinomial`` is a device-side
+    assert on some devices. The replacement changes no other row's draw: ``multinomial(p, 1)``
+    consumes the same random numbers whatever the values. Row maxima find every case: a
+    maximum is NaN when the row holds a NaN, ``-inf`` when nothing is finite, ``+inf`` when a
+    score overflowed.
     """
+    neg_inf = -float("inf")
     top = scores.amax(dim=-1, keepdim=True)
-    bad = finished[:, None] | torch.isnan(top) | torch.isneginf(top)
-    overflowed = torch.where(torch.isposinf(scores), 0.0, -float("inf"))
-    scores = torch.where(torch.isposinf(top), overflowed, scores)
+    if unwarped is None:
+        lost, keep = torch.isposinf(top), torch.isposinf(scores)
+    else:
+        best = unwarped.amax(dim=-1, keepdim=True)
+        lost = torch.isposinf(top) | (torch.isneginf(top) & (best > neg_inf))
+        keep = unwarped == best
+    bad = finished[:, None] | torch.isnan(top) | (torch.isneginf(top) & ~lost)
+    scores = torch.where(lost, torch.where(keep, 0.0, neg_inf), scores)
     return scores.masked_fill(bad, 0.0)
 
 
@@ -551,7 +478,7 @@ def select(
     consumes the generator identically). Greedy and keyed rows share one argmax pass; ``shape``
     leaves out what no row of the engine used.
     """
-    warped = sanitise(warp(scores, rows, shape.truncates), finished)
+    warped = sanitise(warp(scores, rows, shape.truncates), finished, scores)
     if shape.keyed:
         noisy = warped + gumbel(rows, generated)
         chosen = argmax_rows(torch.where(rows.seeded[:, None], noisy, scores))

@@ -56,6 +56,14 @@ def whole_table_blocks(batch_size: int, max_len: int, block_size: int) -> int:
     return batch_size * (max_len // block_size) + _RESERVED
 
 
+def full_pool_columns(batch_size: int, total_len: int, block_size: int) -> int:
+    """Columns each layer's pools hold once every row's whole table is handed out (where growth
+    stops): the block layout's K/V for a call whose rows all run to ``total_len``, in whole
+    blocks, the null and sink blocks included."""
+    rounded = rounded_length(total_len, block_size)
+    return whole_table_blocks(batch_size, rounded, block_size) * block_size
+
+
 class BlockKVLayer(PreallocatedLayer):
     """One layer: ``keys``/``values`` pools ``(num_blocks, H, block_size, D)`` read through the
     cache's shared table."""
@@ -193,16 +201,26 @@ class BlockKVCache(PreallocatedCache):
         """New, larger pools (old blocks copied over): at least ``missing`` more free blocks.
         Doubling keeps recaptures few; it stops at every row's whole table (the static cache's
         row length in whole blocks, plus the two reserved ones), which no call can need more
-        than."""
+        than.
+
+        All or nothing: when an allocation fails (or the process is interrupted) part-way, the
+        pools grown so far go back to ``old`` blocks (a view of their first blocks, which hold
+        the old contents), so every layer keeps one size and the next call grows again."""
         old = self.num_blocks
         new = min(max(2 * old, old + missing), self.batch_size * self.table.shape[1] + _RESERVED)
-        for layer in self.layers:
-            for name in ("keys", "values"):
-                pool = getattr(layer, name)
-                grown = pool.new_zeros((new, *pool.shape[1:]))
-                grown[:old].copy_(pool)
-                setattr(layer, name, None)  # the old pool goes before the next one is used
-                setattr(layer, name, grown)
+        try:
+            for layer in self.layers:
+                for name in ("keys", "values"):
+                    pool = getattr(layer, name)
+                    grown = pool.new_zeros((new, *pool.shape[1:]))
+                    grown[:old].copy_(pool)
+                    setattr(layer, name, grown)  # the old pool goes before the next is made
+                    del pool, grown
+        except BaseException:
+            for layer in self.layers:
+                for name in ("keys", "values"):
+                    setattr(layer, name, getattr(layer, name)[:old])
+            raise
         self.free += range(old, new)
         self.growths += 1
 

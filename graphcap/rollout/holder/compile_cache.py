@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -109,13 +109,27 @@ class CompileCache:
             yield CacheUse("off")
             return
         path = self.directory / f"{key}.bin"
-        loaded = _load(path)
-        try:
-            yield CacheUse("loaded" if loaded else "new" if loaded is None else "unreadable", path)
-        finally:
-            saved = torch.compiler.save_cache_artifacts()
-            if saved is not None and _entries(saved[1]) != _entries(loaded or None):
-                _write(path, saved[0])
+        with _artefacts_of_this_session():
+            loaded = _load(path)
+            try:
+                state = "loaded" if loaded else "new" if loaded is None else "unreadable"
+                yield CacheUse(state, path)
+            finally:
+                saved = torch.compiler.save_cache_artifacts()
+                if saved is not None and _entries(saved[1]) != _entries(loaded or None):
+                    _write(path, saved[0])
+
+
+def _artefacts_of_this_session() -> contextlib.AbstractContextManager[None]:
+    """Within the block, PyTorch records (and ``save_cache_artifacts`` returns) only the
+    artefacts compiled or loaded in it, not everything the process compiled before: each file
+    then holds its own shape, instead of every shape compiled so far (files growing with each
+    shape, each load loading them all). PyTorch offers this only on its private artefact
+    manager (``torch.compiler._cache``, 2.11 and 2.13 alike); the manager's earlier records
+    are put back after the block."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    return CacheArtifactManager.with_fresh_cache()
 
 
 def _entries(info: Any) -> dict[str, set[str]]:
@@ -141,6 +155,8 @@ def _load(path: Path) -> Any:
         meta = json.loads(header)
     except ValueError:
         return _unreadable(path, "its header is corrupt")
+    if not isinstance(meta, dict):
+        return _unreadable(path, f"its header is corrupt (a JSON {type(meta).__name__})")
     if meta.get("versions") != versions():
         return _unreadable(path, f"it was written by {meta.get('versions')}, not {versions()}")
     if meta.get("sha256") != hashlib.sha256(payload).hexdigest():
@@ -162,13 +178,15 @@ def _unreadable(path: Path, why: str) -> bool:
 
 
 def _write(path: Path, payload: bytes) -> None:
-    """Write atomically (a reader never sees half a file); a failure only warns."""
+    """Write atomically (a reader never sees half a file), with the permissions the umask
+    gives a new file (a directory shared between users stays shared); a failure only warns."""
     header = json.dumps({"versions": versions(), "sha256": hashlib.sha256(payload).hexdigest()})
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as out:
-            temporary = out.name
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+        with os.fdopen(os.open(temporary, flags, 0o666), "wb") as out:
             out.write(MAGIC + header.encode() + b"\n" + payload)
         os.replace(temporary, path)
     except OSError as exc:

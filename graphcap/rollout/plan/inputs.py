@@ -7,6 +7,7 @@ model's generation config). docs/configuration.md lists what is refused and why.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
 
+from graphcap.rollout.cache.blocks import full_pool_columns
 from graphcap.rollout.config import (
     GENERATION_CONFIG_FIELDS,
     RolloutConfig,
@@ -23,6 +25,7 @@ from graphcap.rollout.config import (
     override,
     unsupported_generation_fields,
 )
+from graphcap.rollout.plan.plan import kv_layout
 from graphcap.rollout.plan.scan import ModelScan
 from graphcap.rollout.sampling import per_prompt_params
 
@@ -298,18 +301,20 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int | None) -> tuple[torch.Tens
     """Ragged prompts as one left-padded (ids, 0/1 mask) pair."""
     ids = []
     for i, row in enumerate(rows):
-        row = row.tolist() if isinstance(row, torch.Tensor) else row
+        if callable(getattr(row, "tolist", None)):  # a tensor or numpy array of ids
+            row = row.tolist()
         if (
             isinstance(row, (str, int))
-            or not row
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+            or not isinstance(row, Sequence)
+            or len(row) == 0
+            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in row)
         ):
             raise ValueError(
                 f"input_ids: ragged prompt {i} must be a non-empty list of int token ids, got "
                 f"{row!r}; pass "
                 "a list of token-id lists, or a left-padded 2-D tensor with its attention_mask"
             )
-        ids.append(list(row))
+        ids.append([int(t) for t in row])
     if not ids:
         raise ValueError("input_ids is an empty list of prompts; give at least one")
     if pad is None:
@@ -406,10 +411,12 @@ def request_bytes(
     prompt_rows: int,
     width: int,
     shards: int = 1,
+    block_size: int | None = None,
 ) -> int:
-    """A lower bound on what a call allocates: the static KV cache (``batch x total``) and the
-    prefill's (``prompt_rows x width``), the decode buffers and the per-step scores. K/V heads
-    are divided over ``shards`` tensor-parallel ranks."""
+    """What a call whose rows run to ``total`` allocates at least: the KV cache (``batch x
+    total`` columns; on a block table of ``block_size``, its pools rounded to whole blocks) and
+    the prefill's (``prompt_rows x width``), the decode buffers and the per-step scores. K/V
+    heads are divided over ``shards`` tensor-parallel ranks."""
     config = model.config.get_text_config()
     itemsize = dtype.itemsize
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
@@ -418,7 +425,8 @@ def request_bytes(
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     head_dim = int(getattr(config, "head_dim", 0) or (hidden // heads if heads else 0))
     kv_per_token = layers * max(kv_heads // shards, 1) * head_dim * 2 * itemsize
-    cache = (batch * total + prompt_rows * width) * kv_per_token
+    columns = batch * total if block_size is None else full_pool_columns(batch, total, block_size)
+    cache = (columns + prompt_rows * width) * kv_per_token
     # sequences (long), response and valid (bool), logprobs (float32), one mask row
     buffers = batch * total * (8 + 1 + 1 + 4 + itemsize)
     scores = 3 * batch * vocab_size(model) * 4
@@ -446,15 +454,21 @@ def check_request(
     slots = config.continuous_batch_size  # the continuous path allocates every slot
     decode_batch = slots if slots is not None else batch
     shards = dist.get_world_size(config.process_group) if config.process_group else 1
-    need = request_bytes(model, scan.dtype, decode_batch, total, rows, width, shards)
+    # per-position graphs keep the static cache (the smaller estimate) when the call pins its
+    # length; which the plan decides, so the estimate stays a lower bound
+    path = "per_position_graph" if config.per_position_graphs else "static_graph"
+    block_size = kv_layout(config, backend, path)
+    need = request_bytes(model, scan.dtype, decode_batch, total, rows, width, shards, block_size)
     source = " = RolloutConfig.continuous_batch_size" if slots is not None else ""
     limits = [(config.max_request_bytes, "RolloutConfig.max_request_bytes")]
     limits.append((backend.memory_available(), f"available on {backend.device}"))
+    blocks = "" if block_size is None else f", K/V in whole blocks of {block_size} columns"
+    fewer = "" if block_size is None else " or RolloutConfig.kv_block_size"
     for limit, what in limits:
         if limit is not None and need > limit:
             raise ValueError(
                 f"this request would allocate at least {need / 2**30:.2f} GiB (batch "
                 f"{decode_batch}{source} x total length {total}: prompt width {width} + "
-                f"max_new_tokens {params.max_new_tokens}) but {limit / 2**30:.2f} GiB is "
-                f"{what}; lower max_new_tokens or the batch"
+                f"max_new_tokens {params.max_new_tokens}{blocks}) but {limit / 2**30:.2f} GiB "
+                f"is {what}; lower max_new_tokens or the batch{fewer}"
             )

@@ -33,6 +33,7 @@ from graphcap.rollout.runners.runners import (
     Runner,
     grow_blocks,
     record_kv,
+    record_nan_draws,
     start_runner,
 )
 from graphcap.rollout.sampling import RowPlan
@@ -143,6 +144,7 @@ class ContinuousRollout:
         if isinstance(step.cache, BlockKVCache):
             step.cache.reset()
         clear_slots(step, range(slots))
+        step.state.nan_draws.zero_()
         self._fill(step, table, queue, first, 0, prefill)
         outputs = (out_seq, out_resp, out_logp, out_hit)
         if table.due_by(0):  # budget-1 requests are done at their first token
@@ -183,6 +185,7 @@ class ContinuousRollout:
         holder.backend.synchronize()
         stats.decode_s = time.perf_counter() - t_decode
         record_kv(stats, step)
+        record_nan_draws(stats, step)
         step.span = None
         stats.slots_refilled = table.refilled
         stats.moved_columns = table.moved_columns

@@ -9,9 +9,11 @@ reason in the stats) when a capture fails.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from graphcap.errors import NonFiniteLogitsWarning
 from graphcap.rollout.cache.blocks import BlockKVCache, reads_blocks
 from graphcap.rollout.holder.holder import GraphHolder
 from graphcap.rollout.plan.plan import Plan
@@ -121,6 +123,20 @@ def grow_blocks(
             holder.drop_graphs()
 
     cache.assign(columns, ahead, before_growth=drop)
+
+
+def record_nan_draws(stats: RolloutStats, step: DecodeStep) -> None:
+    """The tokens the call sampled from NaN logits, warned about: the sampler hides a NaN (it
+    must not reach ``multinomial``), and it is the one sign of a diverged policy."""
+    stats.nan_draws = int(step.state.nan_draws)
+    if stats.nan_draws:
+        warnings.warn(
+            f"{stats.nan_draws} sampled token(s) of this call were drawn for rows whose logits "
+            "held NaN (the model's weights or activations have diverged?): they are uniform "
+            "draws, not the model's; stats.nan_draws counts them",
+            NonFiniteLogitsWarning,
+            stacklevel=4,
+        )
 
 
 def record_kv(stats: RolloutStats, step: DecodeStep) -> None:

@@ -22,6 +22,7 @@ from graphcap.rollout.runners.runners import (
     Runner,
     grow_blocks,
     record_kv,
+    record_nan_draws,
     start_runner,
 )
 from graphcap.rollout.sampling import RowPlan
@@ -125,6 +126,7 @@ class StaticRollout:
             runner.restore()
         self.holder.backend.synchronize()
         record_kv(stats, step)
+        record_nan_draws(stats, step)
         stats.decode_s = time.perf_counter() - t_decode
         if plan.path == "per_position_graph":  # its captures happen inside the decode loop
             stats.decode_s -= stats.capture_s

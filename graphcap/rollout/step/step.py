@@ -56,6 +56,7 @@ class DecodeState:
     generated: torch.Tensor  # () long: tokens chosen so far in this call
     finished: torch.Tensor  # (B,) bool
     all_finished: torch.Tensor  # () bool: the one value the host reads
+    nan_draws: torch.Tensor  # () long: tokens sampled for live rows whose logits held NaN
     stop_vocab: torch.Tensor  # (V,) bool: True at the call's EOS and stop_token_ids
     pad: torch.Tensor  # () long
     rows: RowSettings  # per-row sampling settings (written per call)
@@ -93,6 +94,7 @@ class DecodeState:
             generated=torch.zeros((), **long),
             finished=torch.zeros(batch_size, dtype=torch.bool, device=device),
             all_finished=torch.zeros((), dtype=torch.bool, device=device),
+            nan_draws=torch.zeros((), **long),
             stop_vocab=torch.zeros(vocab_size, dtype=torch.bool, device=device),
             pad=torch.full((), pad_id, **long),
             rows=RowSettings.allocate(batch_size, vocab_size, device),
@@ -236,6 +238,7 @@ class DecodeState:
         self.finished.zero_()
         self.finished[plan.active :] = True
         self.all_finished.zero_()
+        self.nan_draws.zero_()
         if self.stop_hit is not None:
             self.stop_hit.fill_(-1)
 
@@ -319,6 +322,7 @@ class DecodeStep:
             s.generated,
             s.finished,
             s.all_finished,
+            s.nan_draws,
             self.cache.write_pos,
             self.masks.valid,
             *self.masks.outputs.values(),
@@ -344,6 +348,9 @@ class DecodeStep:
             chosen, drawn_from = select(
                 scores, s.rows, s.finished, s.generated, self.generator, self.sampler
             )
+            # the sampler draws a NaN row uniformly (it must not reach multinomial): count it
+            drawn_nan = torch.isnan(logits).any(dim=-1) & s.rows.sample & ~s.finished
+            s.nan_draws.add_(drawn_nan.sum())
         else:
             chosen, drawn_from = argmax_rows(scores), scores
         token = torch.where(s.finished, s.pad, chosen)
