@@ -54,6 +54,7 @@ NPU_RULES = "backends/npu/tests/test_npu_hardware_rules.py"
 SETTINGS = "tests/test_drop_in_settings.py"
 CACHE = "tests/test_compile_cache.py"
 NUMERICS = "tests/test_rollout_numerics.py"
+LADDER = "tests/test_rollout_ladder.py"
 
 HOOKED_COMPILE = (
     "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
@@ -896,7 +897,7 @@ PLANTS = (
     Plant(
         "draws from NaN logits are not counted",
         "graphcap/rollout/step/step.py",
-        "            s.nan_draws.add_(drawn_nan.sum())",
+        "            s.nan_draws.add_((nan_rows & s.rows.sample & ~s.finished).sum())",
         "            pass",
         (NUMERICS + "::test_sampling_from_a_diverged_model_warns_and_counts_the_draws",),
     ),
@@ -916,6 +917,48 @@ PLANTS = (
         (
             "tests/test_rollout_inputs.py::test_the_request_limit_counts_the_block_tables_whole_blocks",
         ),
+    ),
+    Plant(
+        "a moved row leaves its sampling settings behind",
+        "graphcap/rollout/step/step.py",
+        "        return [t for t in present if t is not None] + self.rows.row_tensors()",
+        "        return [t for t in present if t is not None]",
+        (LADDER,),
+    ),
+    Plant(
+        "rows on the ladder are not put back in their places",
+        "graphcap/rollout/runners/ladder.py",
+        "        if self.slots == sorted(self.slots):",
+        "        if True:",
+        (LADDER,),
+    ),
+    Plant(
+        "the static cache moves no K/V with its rows",
+        "graphcap/rollout/cache/cache.py",
+        "            layer.keys[dst] = layer.keys[src]\n",
+        "",
+        (LADDER,),
+    ),
+    Plant(
+        "the block table moves no table rows",
+        "graphcap/rollout/cache/blocks.py",
+        "        for tensor in (self.table, self.lengths, self.write_pos):",
+        "        for tensor in (self.lengths, self.write_pos):",
+        (LADDER,),
+    ),
+    Plant(
+        "unseeded rows of a call share one stream",
+        "graphcap/rollout/sampling.py",
+        "replace(p, seed=(key + i) % 2**64)",
+        "replace(p, seed=key % 2**64)",
+        ("tests/test_sampler_draws.py",),
+    ),
+    Plant(
+        "a sampled step without truncation still sorts",
+        "graphcap/rollout/sampling.py",
+        "    return truncated(scores, rows) if truncate else scores",
+        "    return truncated(scores, rows)",
+        ("tests/test_sampler_draws.py",),
     ),
 )
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -395,7 +395,10 @@ def truncated(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
 
 
 def sanitise(
-    scores: torch.Tensor, finished: torch.Tensor, unwarped: torch.Tensor | None = None
+    scores: torch.Tensor,
+    finished: torch.Tensor,
+    unwarped: torch.Tensor | None = None,
+    unwarped_max: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Make every row a distribution ``multinomial`` accepts.
 
@@ -409,14 +412,14 @@ def sanitise(
     assert on some devices. The replacement changes no other row's draw: ``multinomial(p, 1)``
     consumes the same random numbers whatever the values. Row maxima find every case: a
     maximum is NaN when the row holds a NaN, ``-inf`` when nothing is finite, ``+inf`` when a
-    score overflowed.
+    score overflowed (``unwarped_max``: the unwarped rows' maxima, where the caller has them).
     """
     neg_inf = -float("inf")
     top = scores.amax(dim=-1, keepdim=True)
     if unwarped is None:
         lost, keep = torch.isposinf(top), torch.isposinf(scores)
     else:
-        best = unwarped.amax(dim=-1, keepdim=True)
+        best = unwarped.amax(dim=-1, keepdim=True) if unwarped_max is None else unwarped_max
         lost = torch.isposinf(top) | (torch.isneginf(top) & (best > neg_inf))
         keep = unwarped == best
     bad = finished[:, None] | torch.isnan(top) | (torch.isneginf(top) & ~lost)
@@ -462,6 +465,15 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     return where.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
+class Selection(NamedTuple):
+    """What :func:`select` chose: the token per row, the scores of the distribution it was
+    chosen from, and which rows' scores held a NaN (drawn from flat scores instead)."""
+
+    tokens: torch.Tensor
+    drawn_from: torch.Tensor
+    nan_rows: torch.Tensor
+
+
 def select(
     scores: torch.Tensor,
     rows: RowSettings,
@@ -469,8 +481,9 @@ def select(
     generated: torch.Tensor,
     generator: torch.Generator | None,
     shape: SamplerShape,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chosen token per row, and the scores of the distribution it was chosen from.
+) -> Selection:
+    """The chosen token per row, the scores of the distribution it was chosen from, and the
+    rows whose scores held a NaN (one row maximum serves that and :func:`sanitise`).
 
     Greedy rows: argmax of ``scores`` (the processed scores, bitwise). Sampled rows: warped,
     then the keyed draw (Gumbel-max over the row's hash stream) where the row has a key, else
@@ -478,7 +491,8 @@ def select(
     consumes the generator identically). Greedy and keyed rows share one argmax pass; ``shape``
     leaves out what no row of the engine used.
     """
-    warped = sanitise(warp(scores, rows, shape.truncates), finished, scores)
+    best = scores.amax(dim=-1, keepdim=True)
+    warped = sanitise(warp(scores, rows, shape.truncates), finished, scores, best)
     if shape.keyed:
         noisy = warped + gumbel(rows, generated)
         chosen = argmax_rows(torch.where(rows.seeded[:, None], noisy, scores))
@@ -487,7 +501,8 @@ def select(
     if shape.shared:
         drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
         chosen = torch.where(rows.sample & ~rows.seeded, drawn, chosen)
-    return chosen, torch.where(rows.sample[:, None], warped, scores)
+    drawn_from = torch.where(rows.sample[:, None], warped, scores)
+    return Selection(chosen, drawn_from, torch.isnan(best).squeeze(1))
 
 
 def logprob_distribution(

@@ -345,12 +345,11 @@ class DecodeStep:
             self.sampler,
         )
         if self.sampler.samples:
-            chosen, drawn_from = select(
+            chosen, drawn_from, nan_rows = select(
                 scores, s.rows, s.finished, s.generated, self.generator, self.sampler
             )
             # the sampler draws a NaN row uniformly (it must not reach multinomial): count it
-            drawn_nan = torch.isnan(logits).any(dim=-1) & s.rows.sample & ~s.finished
-            s.nan_draws.add_(drawn_nan.sum())
+            s.nan_draws.add_((nan_rows & s.rows.sample & ~s.finished).sum())
         else:
             chosen, drawn_from = argmax_rows(scores), scores
         token = torch.where(s.finished, s.pad, chosen)
