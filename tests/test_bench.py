@@ -589,8 +589,7 @@ def test_round_options_resolve_and_refuse(backend: CPUBackend) -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             resolve(BenchConfig(**{**ROUND, **bad}), backend)
-    has = "draws" in {f.name for f in dataclasses.fields(modes.RolloutConfig)}
     settings = modes.engine_settings("model", None, "none", "per_row")
     assert settings["graph_attention"] is None and settings["compile_cache"] is None
-    assert settings.get("draws") == ("per_row" if has else None)
+    assert settings["draws"] == "per_row"
     assert "draws" not in modes.engine_settings("auto", None, "auto", None)

@@ -8,7 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -74,12 +74,11 @@ class Workload:
 
 
 def engine_settings(attention: str, fuse: bool | None, cache: str, draws: str | None) -> dict:
-    """RolloutConfig keywords from the bench's options; ``draws`` only where the field exists."""
+    """RolloutConfig keywords from the bench's options (``draws``: the engine's default when
+    ``None``)."""
     settings = {"graph_attention": None if attention == "model" else attention}
     settings.update(fuse_projections=fuse, compile_cache=None if cache == "none" else cache)
-    if draws and "draws" in {f.name for f in fields(RolloutConfig)}:
-        settings["draws"] = draws
-    return settings
+    return settings if draws is None else {**settings, "draws": draws}
 
 
 @dataclass
