@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     addresses = [p.data_ptr() for p in model.parameters()]
     print(f"backend {backend.name}, sleep between rollouts: {args.sleep}")
 
-    max_diff = 0.0
+    max_diff, graphs, sizes = 0.0, 0, set()
     for iteration in range(args.iterations):
         sampling = SamplingParams(
             do_sample=True,
@@ -119,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
         )
         result = engine.generate(ids, mask, sampling)
         stats = result.stats
+        # one graph per batch size the call ran: the live-row ladder follows rows that ended
+        reached = set(stats.batch_steps) or {stats.batch_size}
+        graphs, sizes = graphs + len(reached), sizes | reached
         if args.sleep:
             engine.sleep()  # the cache and graph memory go back to the trainer
 
@@ -142,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
         )
 
     assert addresses == [p.data_ptr() for p in model.parameters()], "a weight moved"
-    expected = args.iterations if args.sleep else 1
+    # kept across in-place updates: each size once, or once a rollout when sleep() dropped them
+    expected = graphs if args.sleep else len(sizes)
     captures = engine.captures
     assert captures == expected, f"captured {captures} graphs, expected {expected}"
     print(f"captures={captures} (expected {expected}); max log-prob difference {max_diff:.2e}")

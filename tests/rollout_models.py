@@ -69,12 +69,23 @@ def make_engine(model, graph: bool = True, backend=None, **config):
     return RolloutEngine(model, config)
 
 
-def run(model, ids, mask, graph: bool, backend=None, generator=None, draws="per_row", **sampling):
+def run(
+    model,
+    ids,
+    mask,
+    graph: bool,
+    backend=None,
+    generator=None,
+    draws="per_row",
+    ladder="auto",
+    **sampling,
+):
     """One ``generate`` call on a fresh engine (CPU reference backend unless given);
-    ``draws="generate"`` where sampled tokens are compared with generate's."""
+    ``draws="generate"`` where sampled tokens are compared with generate's, ``ladder=None``
+    where a test counts steps between "all finished" checks."""
     from graphcap.rollout import SamplingParams
 
-    engine = make_engine(model, graph, backend, draws=draws)
+    engine = make_engine(model, graph, backend, draws=draws, batch_ladder=ladder)
     result = engine.generate(ids, mask, SamplingParams(**sampling), generator=generator)
     engine.shutdown()
     return result

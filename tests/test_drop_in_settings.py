@@ -10,13 +10,18 @@ the bug this file exists to catch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from rollout_models import EOS, prompts, tiny_model
 from test_drop_in import assert_same_output
 from transformers import GenerationConfig
 
-from graphcap.rollout import accelerate_generate, restore_generate
+from graphcap.rollout import accelerate_generate, drop_in_default_config, restore_generate
+
+#: the drop-in with generate's own random numbers, so sampled calls compare token for token
+GENERATE_DRAWS = replace(drop_in_default_config(), draws="generate")
 
 #: Non-default values per field (several where a value means something different: an empty
 #: list, token id 0). Every field must be here: see test_every_field_has_values.
@@ -151,7 +156,7 @@ def test_every_generation_field_is_served_as_generate_or_handed_to_it(place, bas
 
             torch.manual_seed(0)
             expected = outcome(call)
-            accelerated = accelerate_generate(model)
+            accelerated = accelerate_generate(model, GENERATE_DRAWS)  # generate's numbers
             try:
                 torch.manual_seed(0)
                 got = outcome(call)
@@ -182,7 +187,7 @@ def test_use_model_defaults_goes_to_generate(value):
 
     torch.manual_seed(0)
     expected = outcome(call)
-    accelerated = accelerate_generate(model)
+    accelerated = accelerate_generate(model, GENERATE_DRAWS)  # generate's numbers
     try:
         torch.manual_seed(0)
         got = outcome(call)

@@ -28,15 +28,18 @@ def run_example(*args: str, backend: str = "cpu") -> subprocess.CompletedProcess
 
 
 def printed_captures(stdout: str) -> int:
-    match = re.search(r"^captures=(\d+) ", stdout, re.MULTILINE)
+    """The example's capture count, checked against the one it expected (one graph per batch
+    size the live-row ladder reached, kept across the in-place updates)."""
+    match = re.search(r"^captures=(\d+) \(expected (\d+)\)", stdout, re.MULTILINE)
     assert match, f"no captures= line in:\n{stdout}"
+    assert match.group(1) == match.group(2), match.group(0)
     return int(match.group(1))
 
 
-def test_grpo_example_runs_as_a_script_with_one_capture():
+def test_grpo_example_runs_as_a_script_and_keeps_its_graphs():
     done = run_example("--iterations", "3")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert printed_captures(done.stdout) == 1
+    assert printed_captures(done.stdout) >= 1
     assert done.stdout.count("path static_graph") == 3
 
 
@@ -45,7 +48,7 @@ def test_grpo_example_with_sleep_captures_once_per_rollout():
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     summary = example.main(["--iterations", "3", "--sleep", "--max-new-tokens", "8"])
-    assert summary["captures"] == 3 and summary["path"] == "static_graph"
+    assert summary["captures"] >= 3 and summary["path"] == "static_graph"  # each rollout's
     assert summary["max_logprob_diff"] < 1e-4  # fp32: rollout == trainer's recomputation
 
 
@@ -56,4 +59,4 @@ def test_grpo_example_runs_unchanged_on_the_device(requested_backend):
     done = run_example("--iterations", "3", backend=requested_backend)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"backend {requested_backend}" in done.stdout
-    assert printed_captures(done.stdout) == 1
+    assert printed_captures(done.stdout) >= 1

@@ -183,7 +183,7 @@ def test_growth_stops_at_every_rows_whole_table():
 
 def test_bad_block_sizes_are_refused():
     for bad in (0, -4, "blocks", 2.5, True):
-        with pytest.raises(ValueError, match="kv_block_size"):
+        with pytest.raises((ValueError, TypeError), match="kv_block_size"):
             RolloutConfig(kv_block_size=bad)
     with pytest.raises(ValueError, match="whole number"):
         _cache(max_len=7)

@@ -161,8 +161,14 @@ def test_a_failure_at_any_capture_step_leaves_the_next_call_correct(layout, meth
 
 def test_a_failed_block_pool_growth_is_undone_and_the_next_call_grows_again():
     """The issue's repro: the third pool allocation of a growth fails (layer 0 grown, layer 1
-    not); every later call raised a shape mismatch deep in the growth."""
-    e = engine("blocks")
+    not); every later call raised a shape mismatch deep in the growth. On the continuous path,
+    whose pools grow as slots are refilled (the static path's pool is sized for its bucket)."""
+    e = RolloutEngine(
+        tiny_model("llama"),
+        RolloutConfig(
+            enable_graph_capture=True, continuous_batch_size=2, kv_block_size=LAYOUTS["blocks"]
+        ),
+    )
     reference, _ = expected("blocks")
     ids, mask = prompts(2, width=5)
     new_zeros, calls = torch.Tensor.new_zeros, [0]

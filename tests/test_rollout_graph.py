@@ -32,8 +32,9 @@ def test_eos_on_third_token_stops_early_with_equal_output():
     new = 20
     probe = run(model, ids, mask, False, max_new_tokens=new, **NO_EOS)
     eos = sorted({int(t) for t in probe.sequences[:, width + 2]})  # each row's third token
-    graph = run(model, ids, mask, True, max_new_tokens=new, eos_token_id=eos)
-    eager = run(model, ids, mask, False, max_new_tokens=new, eos_token_id=eos)
+    # no ladder: it reads the flags every 4 steps, this test counts the interval's 16
+    graph = run(model, ids, mask, True, ladder=None, max_new_tokens=new, eos_token_id=eos)
+    eager = run(model, ids, mask, False, ladder=None, max_new_tokens=new, eos_token_id=eos)
     assert graph.stats.path == "static_graph"
     assert torch.equal(graph.sequences, eager.sequences)
     assert graph.response_lengths.tolist() == [3, 3, 3]
@@ -129,7 +130,9 @@ def test_each_signature_member_change_recaptures(change):
     model = tiny_model("llama", fresh=True)
     # the static cache: a block table rounds total_len up to whole blocks (one more column
     # within the last block keeps the graph)
-    engine = make_engine(model, kv_block_size=None if change == "total_len" else "auto")
+    engine = make_engine(
+        model, kv_block_size=None if change == "total_len" else "auto", length_buckets=None
+    )
     ids, mask = prompts(3)
     base = {"max_new_tokens": NEW, "do_sample": True, "top_k": 0, "seed": 3, **NO_EOS}
     if change == "do_sample":
@@ -159,7 +162,7 @@ def test_each_signature_member_change_recaptures(change):
 def test_new_eos_ids_replay_the_same_graph():
     """EOS and stop ids are a device table written per call, not a signature member."""
     model = tiny_model("llama")
-    engine = make_engine(model)
+    engine = make_engine(model, batch_ladder=None)  # one graph: no smaller sizes
     ids, mask = prompts(3)
     probe = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
     eos = int(probe.sequences[0, ids.shape[1] + 2])  # ends row 0 at its third token
@@ -307,7 +310,7 @@ def test_recaptures_reuse_one_capture_stream():
     model = tiny_model("llama")
     ids, mask = prompts(3)
     # the static cache: its total_len is in the signature, so each length recaptures
-    engine = make_engine(model, backend=CountingBackend(), kv_block_size=None)
+    engine = make_engine(model, backend=CountingBackend(), kv_block_size=None, length_buckets=None)
     captures = [
         engine.generate(ids, mask, SamplingParams(max_new_tokens=n, **NO_EOS)).stats.captures
         for n in (4, 5, 6)
@@ -318,7 +321,8 @@ def test_recaptures_reuse_one_capture_stream():
 
 def test_buckets_let_varying_requests_share_one_graph():
     model = tiny_model("llama")
-    buckets = {"batch_buckets": (4, 8), "length_buckets": (16, 32)}
+    # no ladder: bucket padding rows end at once, and this test counts one graph per bucket
+    buckets = {"batch_buckets": (4, 8), "length_buckets": (16, 32), "batch_ladder": None}
     engine = make_engine(model, **buckets)
     eager = make_engine(model, False, **buckets)
     requests = [(3, 6, NEW), (4, 7, NEW), (2, 5, NEW + 3)]  # (rows, width, max_new_tokens)

@@ -30,8 +30,8 @@ def per_position_engine(model, backend=None, **config) -> RolloutEngine:
     return make_engine(model, True, backend, per_position_graphs=True, **config)
 
 
-def per_position_run(model, ids, mask, **sampling):
-    engine = per_position_engine(model)
+def per_position_run(model, ids, mask, draws="per_row", **sampling):
+    engine = per_position_engine(model, draws=draws)
     result = engine.generate(ids, mask, SamplingParams(**sampling))
     engine.shutdown()
     return result
@@ -68,10 +68,10 @@ def test_sampled_per_position_equals_eager_static_and_generate(family):
     outs, rng = {}, {}
     for path in ("per_position", "static", "eager"):
         torch.manual_seed(7)
-        if path == "per_position":
-            outs[path] = per_position_run(model, ids, mask, **sampling)
+        if path == "per_position":  # generate's own random numbers, to compare with generate
+            outs[path] = per_position_run(model, ids, mask, draws="generate", **sampling)
         else:
-            outs[path] = run(model, ids, mask, path == "static", **sampling)
+            outs[path] = run(model, ids, mask, path == "static", draws="generate", **sampling)
         rng[path] = torch.get_rng_state()
     torch.manual_seed(7)
     reference = generate_padded(model, ids, mask, total, **sampling)
@@ -151,7 +151,8 @@ def test_each_position_attends_over_written_columns_only():
     width, total, layers = ids.shape[1], ids.shape[1] + NEW, model.config.num_hidden_layers
 
     KEY_LENGTHS.clear()
-    static_engine = make_engine(model, kv_block_size=None)  # the static cache, not the table
+    # the static cache, not the table, at the call's exact length
+    static_engine = make_engine(model, kv_block_size=None, length_buckets=None)
     static = static_engine.generate(ids, mask, SamplingParams(**PINNED))
     static_engine.shutdown()
     assert set(KEY_LENGTHS[layers:]) == {total}  # after the prefill: the whole buffer

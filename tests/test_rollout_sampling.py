@@ -109,7 +109,8 @@ def check_logprob_modes_match_recomputation(model, backend, atol: float) -> None
 def test_sampled_training_and_greedy_evaluation_alternate_on_one_capture():
     model = tiny_model("llama")
     ids, mask = prompts(2, seed=1)
-    engine = engine_on(model, batch_buckets=(8,))  # n=4 changes the batch: one bucket for both
+    # n=4 changes the batch: one bucket for both; no ladder, this test counts one graph
+    engine = engine_on(model, batch_buckets=(8,), batch_ladder=None)
     train = SamplingParams(
         do_sample=True,
         num_return_sequences=4,
@@ -230,7 +231,7 @@ def test_stop_token_ids_end_rows_and_are_reported_without_recapture():
     model = tiny_model("llama")
     ids, mask = prompts(3, seed=5)
     width = ids.shape[1]
-    engine = engine_on(model)
+    engine = engine_on(model, batch_ladder=None)  # rows end early: one graph, no smaller
     free = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
     stop = int(free.sequences[0, width + 2])  # row 0's third token
     stopped = engine.generate(

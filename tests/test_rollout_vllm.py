@@ -315,7 +315,7 @@ def test_stop_sequences_honour_min_new_tokens_skip_the_prompt_and_reuse_the_grap
     ids, mask = prompts(4, seed=5)
     width = ids.shape[1]
     sequences, free = stop_plan(model, ids, mask)
-    engine = make_engine(model)
+    engine = make_engine(model, batch_ladder=None)  # one graph: no smaller sizes
     base = {"max_new_tokens": NEW, **NO_EOS}
     pinned = engine.generate(
         ids, mask, SamplingParams(stop_sequences=sequences, min_new_tokens=5, **base)

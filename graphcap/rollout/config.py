@@ -7,6 +7,7 @@ field outside the list that differs from its default is refused with its name.
 
 from __future__ import annotations
 
+import ast
 import functools
 import math
 import numbers
@@ -824,7 +825,7 @@ def check_field_types(obj: Any) -> None:
     """
     for f in fields(obj):
         parts = [p.strip() for p in str(f.type).split("|")]
-        if any(p not in _TYPE_NAMES for p in parts):
+        if any(p not in _TYPE_NAMES and not p.startswith("Literal[") for p in parts):
             continue
         value = getattr(obj, f.name)
         for part in parts:
@@ -832,7 +833,7 @@ def check_field_types(obj: Any) -> None:
             if converted is not _NO_MATCH:
                 break
         else:
-            wanted = " or ".join(_TYPE_NAMES[p] for p in parts)
+            wanted = " or ".join(_TYPE_NAMES.get(p) or _literal_name(p) for p in parts)
             raise TypeError(
                 f"{type(obj).__name__}.{f.name} must be {wanted}, got {value!r} "
                 f"({type(value).__name__})"
@@ -841,8 +842,20 @@ def check_field_types(obj: Any) -> None:
             object.__setattr__(obj, f.name, converted)
 
 
+def _literal_values(kind: str) -> tuple[Any, ...]:
+    """The values of a ``Literal[...]`` annotation part."""
+    return ast.literal_eval(f"({kind[len('Literal[') : -1]},)")
+
+
+def _literal_name(kind: str) -> str:
+    return " or ".join(repr(v) for v in _literal_values(kind))
+
+
 def _convert(kind: str, value: Any) -> Any:
     """``value`` as ``kind``, or ``_NO_MATCH``; never converts text or bools to numbers."""
+    if kind.startswith("Literal["):
+        values = _literal_values(kind)
+        return value if isinstance(value, str) and value in values else _NO_MATCH
     if kind == "None":
         return value if value is None else _NO_MATCH
     if kind == "str":

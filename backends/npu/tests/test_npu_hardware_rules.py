@@ -107,17 +107,19 @@ def test_paged_graph_with_rows_of_several_blocks_is_captured_and_equals_eager(fa
     """Batch 6, rows of 4 blocks, the pool grown twice before the last capture: the capture's
     placeholder lengths must fit the pool as it is (the double refuses lengths needing more
     blocks than it holds, as page attention does), else every capture fails and the call runs
-    eagerly."""
+    eagerly. On the continuous path, whose pools grow with the rows (the static path's is
+    sized for its bucket from the start)."""
     model = _blocks_model()
     ids, mask = models.prompts(6, torch.device("cpu"), width=20, seed=5)
     params = SamplingParams(max_new_tokens=40, eos_token_id=[])
-    result = RolloutEngine(model, _on_blocks(True)).generate(ids, mask, params)
+    slots = {"continuous_batch_size": 6}
+    result = RolloutEngine(model, _on_blocks(True, **slots)).generate(ids, mask, params)
     stats = result.stats
-    assert stats.path == "static_graph", stats.fallback_reason
+    assert stats.path == "continuous_graph", stats.fallback_reason
     assert stats.fallback_reason is None
     assert stats.kv_pool_growths >= 2 and stats.captures >= 2
     assert stats.kv_blocks_held >= 6 * 4  # every row reached its fourth block
-    eager = RolloutEngine(model, _on_blocks(False)).generate(ids, mask, params)
+    eager = RolloutEngine(model, _on_blocks(False, **slots)).generate(ids, mask, params)
     assert torch.equal(result.sequences, eager.sequences)
     assert len(set(result.sequences[:, 20:].flatten().tolist())) > 3
 

@@ -45,11 +45,13 @@ def ladder_sizes(ladder: Sequence[int] | str | None, batch_size: int) -> tuple[i
 
 
 class LadderRunner:
-    """Replays the graph of the current batch size; :meth:`shrink` moves to a smaller one.
+    """Runs the current batch size's step; :meth:`check` moves to a smaller size.
 
-    ``graph``: the full size's graph (captured by :func:`start_runner`). ``width``: the prompt
-    width, so row ``b`` writes column ``width + i`` at decode step ``i`` (block tables hand
-    blocks out ``ahead`` steps on, for the rows the current size runs).
+    ``graph``: the full size's graph (captured by :func:`start_runner`), or ``None`` for an
+    eager call, whose steps follow the same ladder eagerly (so eager and graph calls compute
+    every step at the same batch size, bit for bit alike). ``width``: the prompt width, so row
+    ``b`` writes column ``width + i`` at decode step ``i`` (block tables hand blocks out
+    ``ahead`` steps on, for the rows the current size runs).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class LadderRunner:
         self.sizes, self.width, self.ahead = sizes, width, ahead
         self.size = step.state.finished.shape[0]
         self.step, self.key, self.graph = step, None, graph
+        self.replaying = graph is not None
         self.slots = list(range(self.size))  # the original row each slot now holds
         self.done = 0
         self.blocks = isinstance(step.cache, BlockKVCache)
@@ -83,12 +86,13 @@ class LadderRunner:
             grow_blocks(self.holder, self.full, live, self.ahead, self.stats)
             if self.full.cache.growths != growths and self.key is not None:
                 self.step = self.full.leading(self.size)  # views of the new pools
-        if self.graph is None or self.holder.graph(self.key) is None:
+        if self.replaying and (self.graph is None or self.holder.graph(self.key) is None):
             self.graph = self._capture()
+            self.replaying = self.graph is not None
         self.stats.batch_steps[self.size] = self.stats.batch_steps.get(self.size, 0) + 1
         self.stats.row_steps += self.size
-        if self.graph is None:
-            self.full()
+        if not self.replaying:
+            self.step()
             return
         if self.host_lengths:
             self.holder.backend.update_graph_kv_lengths(self.graph, [column + 1] * self.size)
@@ -101,7 +105,7 @@ class LadderRunner:
             self.step, self.plan.attention, self.stats, key=self.key, compiled=self.plan.compiled
         )
         self.stats.capture_s += time.perf_counter() - start
-        if graph is None:  # the rest of the call runs eagerly at the full size
+        if graph is None:  # the rest of the call runs eagerly, on the same ladder
             self.stats.path = "eager"
             self.stats.fallback_reason = self.holder.disabled_reason
         return graph
@@ -114,7 +118,7 @@ class LadderRunner:
         if not live:
             return True
         target = min((s for s in self.sizes if len(live) <= s < self.size), default=None)
-        if target is not None and self.graph is not None:
+        if target is not None:
             self._shrink(finished, live, target)
         return False
 
@@ -132,7 +136,7 @@ class LadderRunner:
             self.full.cache.free_rows(range(target, self.size))
         self.size, self.key = target, ("rows", target)
         self.step = self.full.leading(target)
-        self.graph = self.holder.graph(self.key)
+        self.graph = self.holder.graph(self.key) if self.replaying else None
 
     def restore(self) -> None:
         """Put every row back in its own place (the caller's order), after the last step."""

@@ -106,10 +106,9 @@ class StaticRollout:
         if self.config.enable_graph_capture and steps > 0:
             runner = start_runner(self.holder, plan, step, stats, steps)
         sizes = self._ladder(plan, padded_batch)
-        if sizes and isinstance(runner, ReplayRunner):
-            runner = LadderRunner(
-                self.holder, step, plan, stats, runner.graph, sizes, width, interval
-            )
+        if sizes and (runner is step or isinstance(runner, ReplayRunner)):
+            graph = runner.graph if isinstance(runner, ReplayRunner) else None
+            runner = LadderRunner(self.holder, step, plan, stats, graph, sizes, width, interval)
         elif isinstance(step.cache, BlockKVCache):
             runner = BlockRunner(
                 self.holder,
@@ -133,11 +132,12 @@ class StaticRollout:
         return collect(step.state, batch, width, total, params, stats)
 
     def _ladder(self, plan: Plan, batch: int) -> tuple[int, ...]:
-        """The smaller batch sizes this call may shrink to (none where moving rows would
-        change what a step does: the shared generator's draws, per-position graphs, ranks
-        that would have to agree on every move, records of every row's scores at every step)."""
+        """The smaller batch sizes this call may shrink to, eager or captured (none where moving
+        rows would change what a step does: the shared generator's draws, per-position graphs,
+        ranks that would have to agree on every move, records of every row's scores at every
+        step)."""
         sampler = plan.signature.sampler
-        if plan.path != "static_graph" or sampler.shared or sampler.records:
+        if plan.path == "per_position_graph" or sampler.shared or sampler.records:
             return ()
         if self.config.process_group is not None:
             return ()
