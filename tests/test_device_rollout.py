@@ -42,9 +42,9 @@ def on_device(model: torch.nn.Module, backend, dtype=torch.float32) -> torch.nn.
     return model.to(device=backend.device, dtype=dtype)
 
 
-def run(model, ids, mask, backend, graph: bool, engine=None, **sampling):
+def run(model, ids, mask, backend, graph: bool, engine=None, draws="per_row", **sampling):
     engine = engine or RolloutEngine(
-        model, RolloutConfig(enable_graph_capture=graph, backend=backend)
+        model, RolloutConfig(enable_graph_capture=graph, backend=backend, draws=draws)
     )
     return engine.generate(ids, mask, SamplingParams(**sampling))
 
@@ -86,8 +86,16 @@ def test_sampling_graph_equals_eager_equals_generate(backend, case):
     outs, states = {}, {}
     for graph in (True, False):
         backend.manual_seed(11)
-        outs[graph] = run(
-            model, ids, mask, backend, graph, do_sample=True, max_new_tokens=NEW, **case
+        outs[graph] = run(  # generate's own random numbers, to compare with generate
+            model,
+            ids,
+            mask,
+            backend,
+            graph,
+            draws="generate",
+            do_sample=True,
+            max_new_tokens=NEW,
+            **case,
         )
         states[graph] = backend.get_rng_state()
     backend.manual_seed(11)
