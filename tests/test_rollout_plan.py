@@ -31,9 +31,9 @@ from graphcap.rollout.plan import plan as plan_module
 from graphcap.rollout.plan.regions import (
     BOOKKEEPING_OPTIONS,
     ROTARY,
-    compile_regions,
     compiled_bookkeeping,
     compiled_regions,
+    regions_to_compile,
     rotary_functions,
 )
 
@@ -222,7 +222,7 @@ def test_compile_runs_the_compiled_blocks_in_the_capture_only(monkeypatch, slots
 
     monkeypatch.setattr(torch, "compile", noting_compile)
     model = tiny_model("llama", fresh=True)
-    blocks = compile_regions(model)
+    blocks = regions_to_compile(model)
     ids, mask = prompts(3)
     config = RolloutConfig(
         enable_graph_capture=True,
@@ -348,7 +348,7 @@ def test_compiled_layers_leave_the_attention_out_and_share_their_frames(family, 
 def test_compile_regions_are_the_blocks_beside_attention(family):
     model = tiny_model(family)
     blocks, rotary = REGIONS[family]
-    names = [type(b).__name__ for b in compile_regions(model)]
+    names = [type(b).__name__ for b in regions_to_compile(model)]
     assert {n: names.count(n) for n in names} == blocks
     assert [fn.__name__ for _, fn in rotary_functions(model)] == (
         ["apply_rotary_pos_emb"] if rotary else []
@@ -356,7 +356,7 @@ def test_compile_regions_are_the_blocks_beside_attention(family):
 
 
 def test_compile_without_blocks_to_compile_captures_uncompiled_and_says_why(monkeypatch):
-    monkeypatch.setattr(plan_module, "compile_regions", lambda model: [])
+    monkeypatch.setattr(plan_module, "regions_to_compile", lambda model: [])
     model = tiny_model("llama")
     ids, mask = prompts(3)
     config = RolloutConfig(

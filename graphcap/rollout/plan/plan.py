@@ -23,7 +23,7 @@ from graphcap.errors import GraphUnsupportedModelError
 from graphcap.rollout.cache.blocks import rounded_length
 from graphcap.rollout.cache.masks import layer_windows, unsupported_layer_types
 from graphcap.rollout.config import RolloutConfig, SamplingParams
-from graphcap.rollout.plan.regions import compile_regions
+from graphcap.rollout.plan.regions import regions_to_compile
 from graphcap.rollout.plan.scan import ModelScan
 from graphcap.rollout.plan.signature import (
     GraphSignature,
@@ -252,7 +252,7 @@ def plan_call(
         )
     if config.enable_graph_capture and reason is None:
         attention = selected_attention(model, backend, config)
-        compiled = config.wants_compile(backend) and bool(compile_regions(model))
+        compiled = config.wants_compile(backend) and bool(regions_to_compile(model))
         if config.compile is True and not compiled:
             reason = (
                 "compile=True found no decoder block to compile (no module holding an "

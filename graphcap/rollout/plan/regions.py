@@ -71,7 +71,7 @@ def _worth_compiling(module: torch.nn.Module) -> bool:
     return bool(params or list(module.buffers())) and not single
 
 
-def compile_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
+def regions_to_compile(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks ``compile=True`` compiles: each decoder layer (a module with an attention
     child; :func:`compiled_regions` runs its attention uncompiled), the children of each
     attention (per-head q/k norms), and the children of the decoder stack beside its layers
@@ -131,7 +131,7 @@ def compiled_regions(
     cache: StaticKVCache | None = None,
     options: dict[str, Any] | None = None,
 ) -> Iterator[None]:
-    """Within the block, ``model``'s :func:`compile_regions` and :func:`rotary_functions` run
+    """Within the block, ``model``'s :func:`regions_to_compile` and :func:`rotary_functions` run
     through ``torch.compile`` (with inductor ``options``, the backend's
     :meth:`~graphcap.backend.Backend.compile_options`), and so do the K/V writes of graphcap's
     ``cache`` (one kernel for K and V instead of one each); as they were after it, so eager
@@ -141,7 +141,7 @@ def compiled_regions(
     compiled = functools.partial(torch.compile, options=options or None)
     # the attention runs as it is: dynamo breaks each layer around it into two frames
     swaps = [(a, "forward", torch.compiler.disable(a.forward)) for a in _attention_modules(model)]
-    swaps += [(b, "forward", compiled(b.forward)) for b in compile_regions(model)]
+    swaps += [(b, "forward", compiled(b.forward)) for b in regions_to_compile(model)]
     writes = (
         contextlib.nullcontext() if cache is None else cache.puts_through(compiled(put_columns))
     )

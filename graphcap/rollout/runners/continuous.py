@@ -238,9 +238,9 @@ class ContinuousRollout:
             table.due[slot] = now + queue.limits[request] - 1  # the first token is chosen here
             if front is not None:
                 _shift(step, table, slot, front - width)
-        plan = self._rows
+        settings = self._rows  # the call's RowPlan: each request's sampling settings
         step.configure_rows(
-            rows, [plan.params[r] for r in requests], [plan.samples[r] for r in requests]
+            rows, [settings.params[r] for r in requests], [settings.samples[r] for r in requests]
         )
         step.commit_rows(prefill.logits[sources], rows)
 
