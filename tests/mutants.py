@@ -904,7 +904,7 @@ PLANTS = (
     Plant(
         "a vanishing temperature draws uniformly among the overflowed tokens",
         "graphcap/rollout/sampling.py",
-        "    warped = sanitise(warp(scores, rows, shape.truncates), finished, scores)",
+        "    warped = sanitise(warp(scores, rows, shape.truncates), finished, scores, best)",
         "    warped = sanitise(warp(scores, rows, shape.truncates), finished)",
         (NUMERICS + "::test_a_vanishing_temperature_samples_the_argmax",),
     ),
