@@ -1,6 +1,18 @@
-"""Exceptions graphcap raises, so callers can catch them by meaning rather than by message."""
+"""Exceptions and warnings graphcap raises, so callers can catch them by meaning rather than by
+message."""
 
 from __future__ import annotations
+
+import warnings
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """One ``UserWarning`` per distinct message per process, as generate's ``warning_once``."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 class GraphcapError(RuntimeError):

@@ -112,7 +112,7 @@ PLANTS = (
     ),
     Plant(
         "captured steps never compile by default",
-        "graphcap/rollout/config.py",
+        "graphcap/rollout/settings/rollout_config.py",
         "            return self.process_group is None"
         " and backend.capabilities.compile_by_default\n",
         "            return False\n",
@@ -120,7 +120,7 @@ PLANTS = (
     ),
     Plant(
         "projections never joined by default",
-        "graphcap/rollout/config.py",
+        "graphcap/rollout/settings/rollout_config.py",
         "            return self.enable_graph_capture"
         " and backend.capabilities.fuse_projections_by_default\n",
         "            return False\n",
@@ -154,7 +154,7 @@ PLANTS = (
     ),
     Plant(
         "projections joined by default in eager engines",
-        "graphcap/rollout/config.py",
+        "graphcap/rollout/settings/rollout_config.py",
         "            return self.enable_graph_capture"
         " and backend.capabilities.fuse_projections_by_default\n",
         "            return backend.capabilities.fuse_projections_by_default\n",
@@ -304,7 +304,7 @@ PLANTS = (
     Plant(
         "rng_in_graph=False ignored",
         "graphcap/rollout/plan/plan.py",
-        "    if params.do_sample and not caps.rng_in_graph:",
+        "    if settings.any_sampled and not caps.rng_in_graph:",
         "    if False:",
         ("tests/test_rollout_plan.py",),
     ),
@@ -644,14 +644,14 @@ PLANTS = (
     ),
     Plant(
         "a vLLM seed offset by the prompt's batch position",
-        "graphcap/rollout/sampling.py",
+        "graphcap/rollout/settings/call.py",
         "        if call.seed is None or call.per_request_seed:\n",
         "        if call.seed is None:\n",
         ("tests/test_rollout_vllm.py::test_a_vllm_seed_is_its_requests_own_at_any_batch_position",),
     ),
     Plant(
         "vLLM names refused at values that ask for nothing",
-        "graphcap/rollout/config.py",
+        "graphcap/rollout/settings/vocabulary.py",
         "value == off for off in VLLM_UNSUPPORTED[name])\n",
         "value == off for off in ())\n",
         (
@@ -817,7 +817,7 @@ PLANTS = (
     ),
     Plant(
         "empty lists and token id 0 read as unset GenerationConfig values",
-        "graphcap/rollout/config.py",
+        "graphcap/rollout/settings/vocabulary.py",
         "        default is None and value is False",
         "        default is None and not value",
         (SETTINGS + "::test_every_generation_field_is_served_as_generate_or_handed_to_it",),
@@ -889,7 +889,7 @@ PLANTS = (
     ),
     Plant(
         "compile_cache refuses a pathlib.Path",
-        "graphcap/rollout/config.py",
+        "graphcap/rollout/settings/rollout_config.py",
         "        if isinstance(self.compile_cache, os.PathLike):",
         "        if False:",
         ("tests/test_compile_default.py::test_a_path_names_the_compile_cache_directory",),

@@ -12,6 +12,7 @@ from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.plan.plan import plan_call
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.sampling import SamplerShape
+from graphcap.rollout.settings import CallSettings
 
 NEW = 6
 NO_EOS = {"eos_token_id": []}
@@ -33,12 +34,12 @@ class ClaimsOnlyDefault(CPUBackend):
 def planned_compile(backend, model=None, **config) -> bool:
     model = model or tiny_model("llama")
     cfg = RolloutConfig(enable_graph_capture=True, backend=backend, **config)
-    params = SamplingParams(max_new_tokens=NEW, pad_token_id=0)
+    settings = CallSettings.of([SamplingParams(max_new_tokens=NEW, pad_token_id=0)])
     plan = plan_call(
         model,
         backend,
         cfg,
-        params,
+        settings,
         None,
         batch_size=2,
         total_len=12,

@@ -27,9 +27,9 @@ from graphcap.rollout import (
     drop_in_default_config,
     restore_generate,
 )
-from graphcap.rollout.config import GENERATE_DEFAULTS
 from graphcap.rollout.drop_in import PENALISES_PADDING
 from graphcap.rollout.plan.fingerprint import INERT_HOOKS, hook_name, host_state
+from graphcap.rollout.settings.vocabulary import GENERATE_DEFAULTS
 
 SETTINGS = {
     "greedy": {"max_new_tokens": 9},

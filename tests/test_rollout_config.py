@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 from graphcap.backend import Backend
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from graphcap.rollout.settings import CallSettings, normalise_request
 
 
 def test_enable_graph_capture_defaults_off():
@@ -207,3 +208,34 @@ def test_generator_on_another_device_is_refused_clearly():
 def test_buckets_are_refused_on_the_continuous_path():
     with pytest.raises(ValueError, match="do not apply to the continuous path"):
         RolloutConfig(continuous_batch_size=4, batch_buckets=(4, 8))
+
+
+def test_a_calls_settings_are_resolved_once_per_row_into_rows_and_their_shared_settings(
+    monkeypatch,
+):
+    model = tiny_model("gpt2")
+    resolved = []
+    real = SamplingParams.resolved
+
+    def counted(self, *args):
+        resolved.append(self)
+        return real(self, *args)
+
+    monkeypatch.setattr(SamplingParams, "resolved", counted)
+    rows = [
+        SamplingParams(max_new_tokens=4, min_new_tokens=3),
+        SamplingParams(do_sample=True, temperature=0.5, seed=1, max_new_tokens=4),
+    ]
+    request = normalise_request(model, rows, {"max_tokens": 6})
+    assert len(resolved) == len(rows)  # one pass over what the user passed
+    call = request.call
+    assert isinstance(call, CallSettings) and not isinstance(call, SamplingParams)
+    assert call.any_sampled and call.min_new_tokens == 0 and call.max_new_tokens == 6
+    assert call.eos_ids == (EOS,) and isinstance(call.pad_token_id, int)  # from the model
+    per_prompt = request.per_prompt(2)
+    assert [p.max_new_tokens for p in per_prompt] == [6, 6] and per_prompt[1].seed == 1
+    with pytest.raises(ValueError, match="one per prompt row"):
+        request.per_prompt(3)
+    seeded = normalise_request(model, SamplingParams(do_sample=True, seed=5), {})
+    assert [p.seed for p in seeded.per_prompt(3)] == [5, 6, 7]
+    assert not normalise_request(model, None, {}).call.any_sampled

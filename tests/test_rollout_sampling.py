@@ -256,7 +256,7 @@ def test_stop_token_ids_end_rows_and_are_reported_without_recapture():
 
 # ---- settings ---------------------------------------------------------------------------------
 def test_vllm_aliases_map_one_to_one_and_the_rest_are_refused_by_name():
-    aliased = SamplingParams(do_sample=True, n=3, max_tokens=5, min_tokens=2, logprobs=0)
+    aliased = SamplingParams.from_vllm(temperature=1.0, n=3, max_tokens=5, min_tokens=2, logprobs=0)
     assert (aliased.num_return_sequences, aliased.max_new_tokens) == (3, 5)
     assert aliased.min_new_tokens == 2 and aliased.return_logprobs
     assert SamplingParams(stop_token_ids=[4, 5]).stop_token_ids == (4, 5)
@@ -264,10 +264,10 @@ def test_vllm_aliases_map_one_to_one_and_the_rest_are_refused_by_name():
     assert not vllm.do_sample and vllm.top_k is None
     assert SamplingParams.from_vllm(temperature=0.6, n=2).do_sample
     with pytest.raises(ValueError, match="logit_bias"):
-        SamplingParams(logit_bias={3: 1.0})
-    assert SamplingParams(logprobs=2).top_logprobs == 2  # vLLM's top-k alternatives
+        SamplingParams.from_vllm(logit_bias={3: 1.0})
+    assert SamplingParams.from_vllm(logprobs=2).top_logprobs == 2  # vLLM's top-k alternatives
     with pytest.raises(ValueError, match="num_return_sequences"):
-        SamplingParams(n=2, num_return_sequences=2)
+        SamplingParams.from_vllm(n=2, num_return_sequences=2)
     with pytest.raises(ValueError, match="logprobs_mode"):
         SamplingParams(logprobs_mode="processed")
     with pytest.raises(ValueError, match="min_p"):
@@ -275,6 +275,26 @@ def test_vllm_aliases_map_one_to_one_and_the_rest_are_refused_by_name():
     with pytest.raises(ValueError, match="do_sample=False"):
         SamplingParams(do_sample=True, temperature=0)
     assert SamplingParams(temperature=0).temperature == 0  # greedy ignores it, as generate
+
+
+def test_the_constructor_takes_vllms_aliases_for_one_release_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match=r"from_vllm"):
+        aliased = SamplingParams(do_sample=True, n=3, max_tokens=5, min_tokens=2, logprobs=0)
+    assert aliased == SamplingParams(
+        do_sample=True,
+        num_return_sequences=3,
+        max_new_tokens=5,
+        min_new_tokens=2,
+        return_logprobs=True,
+    )
+    with pytest.warns(DeprecationWarning):
+        assert SamplingParams(logprobs=2).top_logprobs == 2
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="set only one"):
+        SamplingParams(n=2, num_return_sequences=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="do_sample=True"):
+        SamplingParams(n=2)  # still greedy unless do_sample says otherwise
+    with pytest.raises(TypeError, match="best_of"):  # vLLM's other names: from_vllm only
+        SamplingParams(best_of=1)
 
 
 def test_per_row_lists_are_checked():

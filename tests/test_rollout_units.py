@@ -18,7 +18,6 @@ from transformers.generation.logits_process import (
 from graphcap.rollout import load_weights_in_place
 from graphcap.rollout.cache.cache import LayerSpec, StaticKVCache, put_columns, scatter_columns
 from graphcap.rollout.cache.masks import MaskBuffers, layer_windows, unsupported_layer_types
-from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.sampling import (
     ARGMAX_CHUNK,
@@ -31,6 +30,7 @@ from graphcap.rollout.sampling import (
     stops_blocked,
     warp,
 )
+from graphcap.rollout.settings.sampling_params import SamplingParams
 
 
 def _spec(heads: int = 2, dim: int = 4) -> LayerSpec:

@@ -25,7 +25,8 @@ from rollout_models import (
 from transformers import GenerationConfig
 
 from graphcap.rollout import SamplingParams
-from graphcap.rollout.config import GENERATION_CONFIG_FIELDS
+from graphcap.rollout.settings.sampling_params import override
+from graphcap.rollout.settings.vocabulary import GENERATION_CONFIG_FIELDS
 
 NEW = 8
 NO_EOS = {"eos_token_id": []}
@@ -73,7 +74,7 @@ def test_from_vllm_follows_vllm_meaning():
     assert not greedy.do_sample
     assert SamplingParams.from_vllm(seed=3, logprobs=0).return_logprobs
     assert SamplingParams.from_vllm(ignore_eos=True, stop_token_ids=[4]).stop_ids == (4,)
-    with pytest.raises(ValueError, match=r"eos_token_id=\[\]"):
+    with pytest.raises(TypeError, match="ignore_eos"):  # the constructor takes its own names
         SamplingParams(ignore_eos=True)
     tok = word_tokenizer()
     stops = SamplingParams.from_vllm(stop=["t5t6", "t9"], tokenizer=tok, stop_token_ids=[7])
@@ -89,13 +90,16 @@ def test_vllm_names_without_a_counterpart_are_refused_saying_what_to_do():
         with pytest.raises(ValueError, match=rf"{name} must be in \[-2, 2\]"):
             SamplingParams(**{name: 2.5})
     with pytest.raises(ValueError, match="pick on the host"):
-        SamplingParams(best_of=2)
+        SamplingParams.from_vllm(best_of=2)
     with pytest.raises(ValueError, match=r"logprobs=k\) must be in \[0, 20\]"):
-        SamplingParams(logprobs=25)
+        SamplingParams.from_vllm(logprobs=25)
     with pytest.raises(ValueError, match=r"forward of the model over result\.sequences"):
-        SamplingParams(prompt_logprobs=1)
+        SamplingParams.from_vllm(prompt_logprobs=1)
+    # generate()'s keyword overrides take vLLM's names too
     with pytest.raises(ValueError, match=r"from_vllm\(stop=\[\.\.\.\], tokenizer=tok\)"):
-        SamplingParams(stop=["</answer>"])
+        override(SamplingParams(), {"stop": ["</answer>"]})
+    with pytest.raises(ValueError, match=r"eos_token_id=\[\]"):
+        override(SamplingParams(), {"ignore_eos": True})
     with pytest.raises(ValueError, match="token-id lists"):
         SamplingParams(stop_sequences=["</answer>"])
     with pytest.raises(ValueError, match="token-id lists"):
@@ -115,7 +119,7 @@ def test_vllm_names_at_values_that_ask_for_nothing_are_accepted():
     }
     plain = SamplingParams.from_vllm(temperature=0.5, seed=1)
     assert SamplingParams.from_vllm(temperature=0.5, seed=1, **neutral) == plain
-    assert SamplingParams(**neutral) == SamplingParams()
+    assert override(SamplingParams(), neutral) == SamplingParams()
     for name, value in {"logit_bias": {3: 1.0}, "best_of": 2, "detokenize": True}.items():
         with pytest.raises(ValueError, match=name):
             SamplingParams.from_vllm(**{name: value})
@@ -153,11 +157,14 @@ def test_n_above_one_with_greedy_rows_is_refused_saying_what_to_do():
     model = tiny_model("gpt2")
     ids, mask = prompts(2)
     engine = make_engine(model, graph=False)
-    rows = [SamplingParams(do_sample=True, n=2, max_tokens=4), SamplingParams(max_tokens=4)]
+    rows = [
+        SamplingParams(do_sample=True, num_return_sequences=2, max_new_tokens=4),
+        SamplingParams(max_new_tokens=4),
+    ]
     with pytest.raises(ValueError, match="two generate calls"):
         engine.generate(ids, mask, rows)
     with pytest.raises(ValueError, match=r"do_sample=True \(SamplingParams\.from_vllm"):
-        SamplingParams(n=2)
+        SamplingParams(num_return_sequences=2)
 
 
 # ---- engine signatures -------------------------------------------------------------------------
@@ -465,14 +472,14 @@ def test_top_logprobs_graph_equals_eager_and_log_softmax_top_k(family):
     model = tiny_model(family)
     ids, mask = prompts(3, seed=4)
     width = ids.shape[1]
-    vllm = SamplingParams(logprobs=3, max_tokens=NEW)
+    vllm = SamplingParams.from_vllm(temperature=0, logprobs=3, max_tokens=NEW)
     assert vllm.top_logprobs == 3 and vllm.return_logprobs
     rows = [
-        SamplingParams(max_new_tokens=NEW, logprobs=3, logprobs_mode="raw", **NO_EOS),
+        SamplingParams(max_new_tokens=NEW, top_logprobs=3, logprobs_mode="raw", **NO_EOS),
         SamplingParams(
-            do_sample=True, temperature=0.7, seed=2, max_new_tokens=NEW, logprobs=3, **NO_EOS
+            do_sample=True, temperature=0.7, seed=2, max_new_tokens=NEW, top_logprobs=3, **NO_EOS
         ),
-        SamplingParams(max_new_tokens=NEW, logprobs=3, logprobs_mode="raw", **NO_EOS),
+        SamplingParams(max_new_tokens=NEW, top_logprobs=3, logprobs_mode="raw", **NO_EOS),
     ]
     engine = make_engine(model)
     graph = engine.generate(ids, mask, rows)

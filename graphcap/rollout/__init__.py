@@ -9,7 +9,6 @@ See docs/rollout.md and docs/continuous.md.
 """
 
 from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedModelError
-from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.data_parallel import generate_data_parallel
 from graphcap.rollout.drop_in import (
     AcceleratedGenerate,
@@ -19,6 +18,7 @@ from graphcap.rollout.drop_in import (
 )
 from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.results import RolloutResult, RolloutStats
+from graphcap.rollout.settings import RolloutConfig, SamplingParams
 from graphcap.rollout.weights import WeightsLoaded, load_weights_in_place
 
 __all__ = [

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
 
-from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.results import RolloutResult, RolloutStats
+from graphcap.rollout.settings.sampling_params import SamplingParams
 
 _ROW_FIELDS = ("sequences", "response_mask", "response_lengths", "logprobs")
 

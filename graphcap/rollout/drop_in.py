@@ -35,16 +35,13 @@ from packaging.version import Version
 from transformers import GenerationConfig
 
 from graphcap.errors import GenerateFallbackWarning
-from graphcap.rollout.config import (
-    GENERATE_DEFAULTS,
-    RolloutConfig,
-    SamplingParams,
-    unsupported_generation_fields,
-)
 from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.plan.plan import graph_refusal
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.results import RolloutStats
+from graphcap.rollout.settings.rollout_config import RolloutConfig
+from graphcap.rollout.settings.sampling_params import SamplingParams
+from graphcap.rollout.settings.vocabulary import GENERATE_DEFAULTS, unsupported_generation_fields
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -21,20 +21,11 @@ from transformers import GenerationConfig
 from graphcap.backend import Backend
 from graphcap.registry import get_backend, register_attention_implementations
 from graphcap.rollout.cache.cache import StaticKVCache
-from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
 from graphcap.rollout.holder.holder import GraphHolder
 from graphcap.rollout.plan.fusion import ProjectionFusion
-from graphcap.rollout.plan.inputs import (
-    Call,
-    apply_overrides,
-    check_generator,
-    check_prompts,
-    check_vocab_ids,
-    resolve_sampling,
-    row_settings,
-)
+from graphcap.rollout.plan.inputs import Call, check_generator, check_prompts, check_vocab_ids
 from graphcap.rollout.plan.plan import check_graph_attention
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.plan.signature import attention_implementation
@@ -43,6 +34,9 @@ from graphcap.rollout.results import RolloutResult
 from graphcap.rollout.runners.continuous import ContinuousRollout
 from graphcap.rollout.runners.static import StaticRollout
 from graphcap.rollout.sampling import call_key, generator_kept, keyed_rows
+from graphcap.rollout.settings.call import normalise_request
+from graphcap.rollout.settings.rollout_config import RolloutConfig
+from graphcap.rollout.settings.sampling_params import SamplingParams
 from graphcap.rollout.step.step import DecodeStep
 
 if TYPE_CHECKING:
@@ -111,18 +105,17 @@ class RolloutEngine:
         with self._lock:
             self._check_open()
             start = time.perf_counter()
-            sampling = apply_overrides(self.model, sampling, overrides)
-            params = resolve_sampling(self.model, sampling)
+            request = normalise_request(self.model, sampling, overrides)
             device = self.backend.device
             scan = scan_model(self.model)
             if self._fusion is not None and self._fusion.join(scan):
                 scan = scan_model(self.model)  # the joined parameters' new addresses
             input_ids, attention_mask = check_prompts(
-                self.model, scan, device, input_ids, attention_mask, params
+                self.model, scan, device, input_ids, attention_mask, request.call
             )
             check_generator(generator, device)
-            check_vocab_ids(self.model, params)
-            per_prompt = row_settings(self.model, sampling, input_ids.shape[0])
+            check_vocab_ids(self.model, request.call)
+            per_prompt = request.per_prompt(input_ids.shape[0])
             if self.config.draws == "per_row" and any(
                 p.do_sample and p.seed is None for p in per_prompt
             ):
@@ -130,7 +123,7 @@ class RolloutEngine:
             call = Call(
                 input_ids,
                 attention_mask,
-                params,
+                request.call,
                 scan,
                 per_prompt,
                 generator,

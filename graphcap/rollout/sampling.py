@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from graphcap.rollout.config import LOGPROBS_MODES, SamplingParams
+from graphcap.rollout.settings.sampling_params import LOGPROBS_MODES, SamplingParams
 
 if TYPE_CHECKING:
     from graphcap.backend import Backend
@@ -133,23 +133,6 @@ class RowPlan:
     @property
     def keep_stop_sequences(self) -> bool:
         return self.params[0].include_stop_str_in_output
-
-
-def per_prompt_params(call: SamplingParams | Sequence[SamplingParams], rows: int) -> list:
-    """One :class:`SamplingParams` per prompt row: a list as given, or the call's settings
-    repeated, where a call ``seed`` ``s`` gives prompt row ``i`` the seed ``s + i`` (distinct
-    streams per prompt; run a row alone with ``seed=s + i`` to reproduce it), or ``s`` itself
-    where it is ``per_request_seed`` (vLLM's: a prompt draws alike at any batch position)."""
-    if isinstance(call, SamplingParams):
-        if call.seed is None or call.per_request_seed:
-            return [call] * rows
-        return [replace(call, seed=(call.seed + i) % 2**64) for i in range(rows)]
-    if len(call) != rows:
-        raise ValueError(
-            f"sampling has {len(call)} SamplingParams but input_ids has {rows} prompt rows; give "
-            "one per prompt row (or a single SamplingParams for all)"
-        )
-    return list(call)
 
 
 def keyed_rows(per_prompt: Sequence[SamplingParams], key: int) -> list[SamplingParams]:

@@ -18,7 +18,6 @@ import torch
 
 from graphcap.backend import Backend
 from graphcap.rollout.cache.cache import LayerSpec
-from graphcap.rollout.config import SamplingParams
 from graphcap.rollout.holder.agreement import PEER_RECAPTURE, RankAgreement
 from graphcap.rollout.holder.capture import capture_step, fallback_reason
 from graphcap.rollout.holder.compile_cache import CompileCache, shape_key
@@ -27,6 +26,7 @@ from graphcap.rollout.plan.regions import compiled_bookkeeping, compiled_regions
 from graphcap.rollout.plan.signature import GraphSignature, attention_implementation
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.sampling import SamplerShape
+from graphcap.rollout.settings.sampling_params import SamplingParams
 from graphcap.rollout.step.step import DecodeStep
 
 #: A held graph's key: ``None`` the static step, an int a per-position graph, ``("rows", n)``

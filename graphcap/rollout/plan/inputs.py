@@ -1,93 +1,33 @@
 """Checks of one generate() call's inputs, made before any device work.
 
 Every refusal here names the argument and says what to do; what passes is normalised (ids as
-long on the backend's device, the mask as 0/1 long, sampling settings resolved against the
-model's generation config). docs/configuration.md lists what is refused and why.
+long on the backend's device, the mask as 0/1 long; the sampling settings were normalised
+before, by :func:`~graphcap.rollout.settings.call.normalise_request`).
+docs/configuration.md lists what is refused and why.
 """
 
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeAlias
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from transformers import GenerationConfig
 
+from graphcap.errors import warn_once
 from graphcap.rollout.cache.blocks import full_pool_columns
-from graphcap.rollout.config import (
-    GENERATION_CONFIG_FIELDS,
-    RolloutConfig,
-    SamplingParams,
-    override,
-    unsupported_generation_fields,
-)
 from graphcap.rollout.plan.plan import kv_layout
 from graphcap.rollout.plan.scan import ModelScan
-from graphcap.rollout.sampling import per_prompt_params
+from graphcap.rollout.settings.call import CallSettings
+from graphcap.rollout.settings.rollout_config import RolloutConfig
+from graphcap.rollout.settings.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from graphcap.backend import Backend
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """One warning per distinct message per process, as generate's ``warning_once``."""
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def model_sampling(model: PreTrainedModel) -> SamplingParams:
-    """The settings generate() uses when given none: the model's ``generation_config``.
-
-    Its allow-listed fields (sampling, lengths, ids) are followed, with generate's defaults
-    (``top_k`` 50 when sampling); ``max_new_tokens`` unset means SamplingParams' 16. Fields
-    graphcap cannot apply (``num_beams``, ``max_length``, ...) are named in a one-time warning.
-    """
-    gen = getattr(model, "generation_config", None)
-    if gen is None:
-        return SamplingParams()
-    values = {k: getattr(gen, k, None) for k in GENERATION_CONFIG_FIELDS if k != "stop_strings"}
-    values = {k: v for k, v in values.items() if v is not None}
-    ignored = unsupported_generation_fields(gen) + (["stop_strings"] if gen.stop_strings else [])
-    if ignored:
-        _warn_once(
-            f"{type(model).__name__}.generation_config sets {ignored}, which graphcap does not "
-            "apply; generate() was called without sampling=, so only its sampling, length and "
-            "token-id fields are followed. Pass sampling=SamplingParams(...) to silence this."
-        )
-    return SamplingParams.from_generation_config(GenerationConfig(**values))
-
-
-Sampling: TypeAlias = "SamplingParams | GenerationConfig | Sequence[SamplingParams] | None"
-#: Fields that shape the whole call: a per-row list must agree on them.
-CALL_FIELDS: tuple[str, ...] = (
-    "max_new_tokens",
-    "num_return_sequences",
-    "eos_token_id",
-    "pad_token_id",
-    "return_logprobs",
-    "stop_token_ids",
-    "output_scores",
-    "output_logits",
-    "stop_sequences",
-    "include_stop_str_in_output",
-    "top_logprobs",
-)
-#: What to do, beyond "give every row the same value", when rows differ in a call field.
-CALL_FIELD_HINTS: dict[str, str] = {
-    "num_return_sequences": (
-        " (every prompt of a call gets n samples: run greedy evaluation rows and n > 1 sampled "
-        "rows as two generate calls)"
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -96,7 +36,7 @@ class Call:
 
     input_ids: torch.Tensor  # (R, W) long, on the backend's device
     attention_mask: torch.Tensor  # (R, W) 0/1 long
-    params: SamplingParams  # the call's summary (whole-call fields; do_sample = any row)
+    settings: CallSettings  # what the call's rows share
     scan: ModelScan  # the call's one pass over the model
     per_prompt: list[SamplingParams]  # one per prompt row
     generator: torch.Generator | None
@@ -106,79 +46,6 @@ class Call:
     def draws(self) -> bool:
         """Whether any row samples from the shared generator (sampled, no seed of its own)."""
         return any(p.do_sample and p.seed is None for p in self.per_prompt)
-
-
-def resolve_sampling(model: PreTrainedModel, sampling: Sampling) -> SamplingParams:
-    """The call's settings, EOS and pad filled from the model's generation config.
-
-    For a per-row list: the rows must agree on :data:`CALL_FIELDS`; the call's summary is the
-    first row with ``do_sample`` = any row samples and ``min_new_tokens`` = the smallest.
-    """
-    if isinstance(sampling, (list, tuple)):
-        rows = [_resolve_one(model, s) for s in sampling]
-        if not rows:
-            raise ValueError("sampling is an empty list; give one SamplingParams per prompt row")
-        for name in CALL_FIELDS:
-            differing = [
-                i for i, r in enumerate(rows) if getattr(r, name) != getattr(rows[0], name)
-            ]
-            if differing:
-                raise ValueError(
-                    f"sampling rows {differing} differ from row 0 in {name}, which applies to the "
-                    f"whole call; give every row the same value{CALL_FIELD_HINTS.get(name, '')}"
-                )
-        return replace(
-            rows[0],
-            do_sample=any(r.do_sample for r in rows),
-            min_new_tokens=min(r.min_new_tokens for r in rows),
-        )
-    return _resolve_one(model, sampling)
-
-
-def row_settings(model: PreTrainedModel, sampling: Sampling, rows: int) -> list[SamplingParams]:
-    """One resolved :class:`SamplingParams` per prompt row (see ``per_prompt_params``)."""
-    if isinstance(sampling, (list, tuple)):
-        return per_prompt_params([_resolve_one(model, s) for s in sampling], rows)
-    return per_prompt_params(_resolve_one(model, sampling), rows)
-
-
-def apply_overrides(
-    model: PreTrainedModel, sampling: Sampling, overrides: dict[str, object]
-) -> Sampling:
-    """``sampling`` (the model's generation config when ``None``) with ``generate``'s keyword
-    overrides (``max_new_tokens=8``, vLLM's ``max_tokens=8``, ...) applied to every row, as
-    ``model.generate(**kwargs)`` updates its generation config."""
-    if not overrides:
-        return sampling
-    if isinstance(sampling, (list, tuple)):
-        return [override(_as_params(model, s), overrides) for s in sampling]
-    return override(_as_params(model, sampling), overrides)
-
-
-def _as_params(
-    model: PreTrainedModel, sampling: SamplingParams | GenerationConfig | None
-) -> SamplingParams:
-    if sampling is None:
-        return model_sampling(model)
-    if isinstance(sampling, GenerationConfig):
-        return SamplingParams.from_generation_config(sampling)
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(
-            f"sampling must be SamplingParams, transformers.GenerationConfig or a list of "
-            f"SamplingParams (one per prompt row), got {type(sampling).__name__}"
-        )
-    return sampling
-
-
-def _resolve_one(
-    model: PreTrainedModel, sampling: SamplingParams | GenerationConfig | None
-) -> SamplingParams:
-    sampling = _as_params(model, sampling)
-    gen_config = getattr(model, "generation_config", None)
-    eos = getattr(gen_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    return sampling.resolved(eos, getattr(gen_config, "pad_token_id", None))
 
 
 def vocab_size(model: PreTrainedModel) -> int:
@@ -195,11 +62,11 @@ def vocab_size(model: PreTrainedModel) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
-def infer_attention_mask(input_ids: torch.Tensor, params: SamplingParams | None) -> torch.Tensor:
+def infer_attention_mask(input_ids: torch.Tensor, settings: CallSettings | None) -> torch.Tensor:
     """generate()'s mask for ``attention_mask=None``: pad ids are padding when the pad id occurs
     in the prompts and is not an EOS id; otherwise every token is attended."""
-    pad = None if params is None else params.pad_token_id
-    if pad is None or pad in params.eos_ids or not bool((input_ids == pad).any()):
+    pad = None if settings is None else settings.pad_token_id
+    if pad is None or pad in settings.eos_ids or not bool((input_ids == pad).any()):
         return torch.ones_like(input_ids, dtype=torch.long)
     return (input_ids != pad).long()
 
@@ -229,12 +96,12 @@ def check_prompts(
     device: torch.device,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    params: SamplingParams | None = None,
+    settings: CallSettings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts as (long ids, 0/1 long mask) on ``device``; ``scan``: the call's
     pass over the model (its tensors must all be on ``device``).
 
-    ``attention_mask=None`` is inferred from ``params.pad_token_id`` as generate infers it.
+    ``attention_mask=None`` is inferred from ``settings.pad_token_id`` as generate infers it.
     A list of token-id lists (vLLM's and verl's ragged prompts) is left-padded with the pad id.
     """
     if isinstance(input_ids, (list, tuple)):
@@ -244,7 +111,7 @@ def check_prompts(
                 "is given; the engine builds the mask itself: pass attention_mask=None"
             )
         input_ids, attention_mask = left_pad(
-            input_ids, None if params is None else params.pad_token_id
+            input_ids, None if settings is None else settings.pad_token_id
         )
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a 2-D tensor (batch, prompt_width)")
@@ -265,7 +132,7 @@ def check_prompts(
         )
     inferred = attention_mask is None
     if inferred:
-        attention_mask = infer_attention_mask(input_ids, params)
+        attention_mask = infer_attention_mask(input_ids, settings)
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(
             f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}"
@@ -285,9 +152,9 @@ def check_prompts(
         raise ValueError("a prompt row has no tokens (attention_mask all zero)")
     if (mask[:, 1:] < mask[:, :-1]).any():
         source = (
-            f" (attention_mask=None: inferred from pad_token_id={params.pad_token_id}, as "
+            f" (attention_mask=None: inferred from pad_token_id={settings.pad_token_id}, as "
             "generate does; pass an explicit mask if that id is also a real token)"
-            if inferred and params is not None
+            if inferred and settings is not None
             else ""
         )
         raise ValueError(
@@ -344,18 +211,18 @@ def check_generator(generator: torch.Generator | None, device: torch.device) -> 
         )
 
 
-def check_vocab_ids(model: PreTrainedModel, params: SamplingParams) -> None:
+def check_vocab_ids(model: PreTrainedModel, settings: CallSettings) -> None:
     """EOS and pad ids must index the vocabulary (they index device tables in the step)."""
     vocab = vocab_size(model)
     checks = (
-        ("eos_token_id", params.eos_ids),
-        ("pad_token_id", (params.pad_token_id,)),
-        ("stop_token_ids", params.stop_token_ids or ()),
-        ("stop_sequences", [i for seq in params.stop_sequences or () for i in seq]),
+        ("eos_token_id", settings.eos_ids),
+        ("pad_token_id", (settings.pad_token_id,)),
+        ("stop_token_ids", settings.stop_ids),  # the EOS ids (checked above), then the stop ids
+        ("stop_sequences", [i for seq in settings.stop_sequences for i in seq]),
     )
-    if params.top_logprobs > vocab:
+    if settings.top_logprobs > vocab:
         raise ValueError(
-            f"top_logprobs {params.top_logprobs} asks for more alternatives than the "
+            f"top_logprobs {settings.top_logprobs} asks for more alternatives than the "
             f"vocabulary [0, {vocab}) has"
         )
     for name, ids in checks:
@@ -397,7 +264,7 @@ def check_positions(model: PreTrainedModel, width: int, max_new_tokens: int) -> 
                 f"(config.max_position_embeddings); {hint}"
             )
     elif width + max_new_tokens > limit:
-        _warn_once(
+        warn_once(
             f"prompt width + max_new_tokens exceeds {type(model).__name__}'s "
             f"max_position_embeddings ({limit}); as with generate, outputs past it may degrade"
         )
@@ -438,7 +305,7 @@ def check_request(
     scan: ModelScan,
     backend: Backend,
     config: RolloutConfig,
-    params: SamplingParams,
+    settings: CallSettings,
     prompts: tuple[int, int],
     batch: int,
     total: int,
@@ -450,7 +317,7 @@ def check_request(
     x samples, bucketed) and total length the call allocates for.
     """
     rows, width = prompts
-    check_positions(model, width, params.max_new_tokens)
+    check_positions(model, width, settings.max_new_tokens)
     slots = config.continuous_batch_size  # the continuous path allocates every slot
     decode_batch = slots if slots is not None else batch
     shards = dist.get_world_size(config.process_group) if config.process_group else 1
@@ -469,6 +336,6 @@ def check_request(
             raise ValueError(
                 f"this request would allocate at least {need / 2**30:.2f} GiB (batch "
                 f"{decode_batch}{source} x total length {total}: prompt width {width} + "
-                f"max_new_tokens {params.max_new_tokens}{blocks}) but {limit / 2**30:.2f} GiB "
+                f"max_new_tokens {settings.max_new_tokens}{blocks}) but {limit / 2**30:.2f} GiB "
                 f"is {what}; lower max_new_tokens or the batch{fewer}"
             )

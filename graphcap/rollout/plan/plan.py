@@ -22,7 +22,6 @@ from graphcap.backend import Backend
 from graphcap.errors import GraphUnsupportedModelError
 from graphcap.rollout.cache.blocks import rounded_length
 from graphcap.rollout.cache.masks import layer_windows, unsupported_layer_types
-from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.plan.regions import regions_to_compile
 from graphcap.rollout.plan.scan import ModelScan
 from graphcap.rollout.plan.signature import (
@@ -32,6 +31,8 @@ from graphcap.rollout.plan.signature import (
     signature_of,
 )
 from graphcap.rollout.sampling import SamplerShape
+from graphcap.rollout.settings.call import CallSettings
+from graphcap.rollout.settings.rollout_config import RolloutConfig
 
 #: Attention implementations whose kernels read host values per call (varlen lengths, block
 #: tables) or build masks with host logic; a graph would freeze them.
@@ -100,11 +101,11 @@ def graph_refusal(model: torch.nn.Module, backend: Backend, scan: ModelScan) -> 
 
 
 def capability_refusal(
-    backend: Backend, params: SamplingParams, config: RolloutConfig
+    backend: Backend, settings: CallSettings, config: RolloutConfig
 ) -> str | None:
     """Why the backend's declared capabilities rule graphs out for this call, or ``None``."""
     caps = backend.capabilities
-    if params.do_sample and not caps.rng_in_graph:
+    if settings.any_sampled and not caps.rng_in_graph:
         return (
             f"backend {backend.name!r} declares rng_in_graph=False (every replay would draw the "
             "same numbers): sampled calls run eagerly"
@@ -136,21 +137,21 @@ def compile_refusal(scan: ModelScan) -> str | None:
     )
 
 
-def request_refusal(params: SamplingParams) -> str | None:
+def request_refusal(settings: CallSettings) -> str | None:
     """Why this request has nothing a graph path can serve, or ``None``."""
-    if params.max_new_tokens == 1:
+    if settings.max_new_tokens == 1:
         return "max_new_tokens=1: the prefill chooses the only token, there is no step to replay"
     return None
 
 
-def pinned_refusal(params: SamplingParams) -> str | None:
+def pinned_refusal(settings: CallSettings) -> str | None:
     """Why this call cannot use per-position graphs (lengths not pinned), or ``None``."""
-    if params.min_new_tokens == params.max_new_tokens:
+    if settings.min_new_tokens == settings.max_new_tokens:
         return None
     return (
         "per_position_graphs needs pinned lengths (min_new_tokens == max_new_tokens, got "
-        f"{params.min_new_tokens} and {params.max_new_tokens}): EOS could end rows early, so the "
-        "positions are not known in advance; this call used the static graph path"
+        f"{settings.min_new_tokens} and {settings.max_new_tokens}): EOS could end rows early, so "
+        "the positions are not known in advance; this call used the static graph path"
     )
 
 
@@ -220,7 +221,7 @@ def plan_call(
     model: torch.nn.Module,
     backend: Backend,
     config: RolloutConfig,
-    params: SamplingParams,
+    settings: CallSettings,
     generator: torch.Generator | None,
     *,
     batch_size: int,
@@ -247,8 +248,8 @@ def plan_call(
         reason = (
             disabled_reason
             or graph_refusal(model, backend, scan)
-            or capability_refusal(backend, params, config)
-            or request_refusal(params)
+            or capability_refusal(backend, settings, config)
+            or request_refusal(settings)
         )
     if config.enable_graph_capture and reason is None:
         attention = selected_attention(model, backend, config)
@@ -262,7 +263,7 @@ def plan_call(
             compiled = False
         path = "continuous_graph" if continuous else "static_graph"
         if config.per_position_graphs:
-            reason = pinned_refusal(params)
+            reason = pinned_refusal(settings)
             path = "static_graph" if reason else "per_position_graph"
     windows = layer_windows(model.config)
     block_size = kv_layout(config, backend, path)
@@ -272,13 +273,13 @@ def plan_call(
         total_len=total_len if block_size is None else rounded_length(total_len, block_size),
         device=backend.device,
         sampler=sampler,
-        pad_id=int(params.pad_token_id),
+        pad_id=settings.pad_token_id,
         mask_form=backend.capabilities.mask_form,
         windows=windows,
         generator=generator,
         attention=attention,
         prompt_width=prompt_width if path == "per_position_graph" else None,
-        decode_steps=params.max_new_tokens - 1 if path == "per_position_graph" else None,
+        decode_steps=settings.max_new_tokens - 1 if path == "per_position_graph" else None,
         compiled=compiled,
         kv_block_size=block_size,
     )

@@ -22,7 +22,6 @@ import torch
 
 from graphcap.errors import DecodeStalledError
 from graphcap.rollout.cache.blocks import BlockKVCache
-from graphcap.rollout.config import RolloutConfig, SamplingParams
 from graphcap.rollout.holder.holder import GraphHolder
 from graphcap.rollout.plan.inputs import Call, check_request
 from graphcap.rollout.plan.plan import plan_call
@@ -37,6 +36,8 @@ from graphcap.rollout.runners.runners import (
     start_runner,
 )
 from graphcap.rollout.sampling import RowPlan
+from graphcap.rollout.settings.call import CallSettings
+from graphcap.rollout.settings.rollout_config import RolloutConfig
 from graphcap.rollout.step.slots import ContinuousStep, SlotTable, clear_slots, shift_row
 
 
@@ -79,30 +80,30 @@ class ContinuousRollout:
     def run(self, call: Call, start: float) -> RolloutResult:
         """Run the call's rows (x samples) through the slots; results in request order."""
         config, holder = self.config, self.holder
-        params, generator = call.params, call.generator
-        if params.output_scores or params.output_logits or params.top_logprobs:
+        settings, generator = call.settings, call.generator
+        if settings.output_scores or settings.output_logits or settings.top_logprobs:
             raise ValueError(
                 "output_scores / output_logits / top_logprobs are recorded per batch row, but "
                 "the continuous path reuses rows for other requests; drop "
                 "RolloutConfig.continuous_batch_size for calls that need them"
             )
         slots = int(config.continuous_batch_size)
-        repeats = params.num_return_sequences
+        repeats = settings.num_return_sequences
         prompts, width = call.input_ids.shape
-        limits = _limits(call.request_max_new_tokens, prompts, repeats, params)
-        max_new = params.max_new_tokens
+        limits = _limits(call.request_max_new_tokens, prompts, repeats, settings)
+        max_new = settings.max_new_tokens
         align, trim = config.align_decode_fronts, config.trim_cache
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
         total = config.total_length(self.model, total)
         check_request(
-            self.model, call.scan, holder.backend, config, params, (prompts, width), slots, total
+            self.model, call.scan, holder.backend, config, settings, (prompts, width), slots, total
         )
         plan = plan_call(
             self.model,
             holder.backend,
             config,
-            params,
+            settings,
             generator,
             batch_size=slots,
             total_len=total,
@@ -123,7 +124,7 @@ class ContinuousRollout:
         self._rows = RowPlan.build(call.per_prompt, repeats, len(limits))
         rows = len(limits)
         device = holder.backend.device
-        out_seq = torch.full((rows, width + max_new), int(params.pad_token_id), device=device)
+        out_seq = torch.full((rows, width + max_new), settings.pad_token_id, device=device)
         out_resp = torch.zeros((rows, max_new), dtype=torch.bool, device=device)
         out_logp = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
         out_hit = torch.full((rows,), -1, dtype=torch.long, device=device)
@@ -134,13 +135,13 @@ class ContinuousRollout:
         step = holder.step_for(
             plan.signature,
             prefill.specs,
-            lambda: ContinuousStep.build(self.model, prefill.specs, plan, vocab, params, generator),
+            lambda: ContinuousStep.build(
+                self.model, prefill.specs, plan, vocab, settings, generator
+            ),
         )
         assert isinstance(step, ContinuousStep)
-        step.state.set_stop_ids(params.stop_ids)
-        step.state.set_stop_sequences(
-            params.stop_sequences or (), params.include_stop_str_in_output
-        )
+        step.state.set_stop_ids(settings.stop_ids)
+        step.state.set_stop_sequences(settings.stop_sequences, settings.include_stop_str_in_output)
         if isinstance(step.cache, BlockKVCache):
             step.cache.reset()
         clear_slots(step, range(slots))
@@ -190,7 +191,7 @@ class ContinuousRollout:
         stats.slots_refilled = table.refilled
         stats.moved_columns = table.moved_columns
         stats.mean_span = attended / stats.steps if stats.steps else float(total)
-        return _result(outputs, width, params, stats, slots)
+        return _result(outputs, width, settings, stats, slots)
 
     def _fill(
         self,
@@ -366,7 +367,7 @@ class ContinuousRollout:
 def _result(
     outputs: tuple[torch.Tensor, ...],
     width: int,
-    params: SamplingParams,
+    settings: CallSettings,
     stats: RolloutStats,
     slots: int,
 ) -> RolloutResult:
@@ -374,15 +375,15 @@ def _result(
     lengths = out_resp.sum(-1)
     last = (lengths - 1).clamp(min=0)
     last_token = out_seq[:, width:].gather(1, last[:, None]).squeeze(1)
-    stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=out_seq.device)
+    stop_ids = torch.tensor(settings.stop_ids, dtype=torch.long, device=out_seq.device)
     stopped = ((last_token[:, None] == stop_ids).any(-1) & (lengths > 0)).tolist()
     reasons, stops, matched = finish_details(
         out_seq,
         out_resp.to(torch.long),
         stopped,
-        params.eos_ids,
+        settings.eos_ids,
         out_hit.tolist(),
-        params.stop_sequences or (),
+        settings.stop_sequences,
     )
     useful = int((lengths - 1).clamp(min=0).sum())
     stats.occupancy = useful / (slots * stats.steps) if stats.steps else 1.0
@@ -391,7 +392,7 @@ def _result(
         response_mask=out_resp.to(torch.long),
         response_lengths=lengths,
         finish_reasons=reasons,
-        logprobs=out_logp if params.return_logprobs else None,
+        logprobs=out_logp if settings.return_logprobs else None,
         stats=stats,
         stop_token_ids=stops,
         stop_sequences=matched,
@@ -399,22 +400,22 @@ def _result(
 
 
 def _limits(
-    per_request: Sequence[int] | None, prompts: int, repeats: int, params: SamplingParams
+    per_request: Sequence[int] | None, prompts: int, repeats: int, settings: CallSettings
 ) -> list[int]:
     """Each request's own max_new_tokens (default: the sampling settings' for every one)."""
     if per_request is None:
-        return [params.max_new_tokens] * (prompts * repeats)
+        return [settings.max_new_tokens] * (prompts * repeats)
     values = [int(v) for v in per_request]
     if len(values) != prompts:
         raise ValueError(
             f"request_max_new_tokens has {len(values)} entries for {prompts} prompts; give one "
             "per prompt row"
         )
-    bad = [v for v in values if not 1 <= v <= params.max_new_tokens]
+    bad = [v for v in values if not 1 <= v <= settings.max_new_tokens]
     if bad:
         raise ValueError(
             f"request_max_new_tokens values must be in [1, max_new_tokens="
-            f"{params.max_new_tokens}] (max_new_tokens sizes the cache), got {bad[:5]}"
+            f"{settings.max_new_tokens}] (max_new_tokens sizes the cache), got {bad[:5]}"
         )
     return [v for v in values for _ in range(repeats)]
 

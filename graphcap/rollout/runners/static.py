@@ -8,7 +8,6 @@ import time
 import torch
 
 from graphcap.rollout.cache.blocks import BlockKVCache
-from graphcap.rollout.config import RolloutConfig, SamplingParams, bucket_size
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.holder import GraphHolder
 from graphcap.rollout.plan.inputs import Call, check_request
@@ -26,6 +25,8 @@ from graphcap.rollout.runners.runners import (
     start_runner,
 )
 from graphcap.rollout.sampling import RowPlan
+from graphcap.rollout.settings.call import CallSettings
+from graphcap.rollout.settings.rollout_config import RolloutConfig, bucket_size
 from graphcap.rollout.step.step import DecodeState, DecodeStep
 
 
@@ -36,7 +37,7 @@ class StaticRollout:
         self.model, self.config, self.holder = model, config, holder
 
     def run(self, call: Call, start: float) -> RolloutResult:
-        input_ids, attention_mask, params = call.input_ids, call.attention_mask, call.params
+        input_ids, attention_mask, settings = call.input_ids, call.attention_mask, call.settings
         generator = call.generator
         if call.request_max_new_tokens is not None:
             raise ValueError(
@@ -44,8 +45,8 @@ class StaticRollout:
                 "RolloutConfig(continuous_batch_size=N)"
             )
         rows, width = input_ids.shape
-        repeats = params.num_return_sequences
-        batch, total = rows * repeats, width + params.max_new_tokens
+        repeats = settings.num_return_sequences
+        batch, total = rows * repeats, width + settings.max_new_tokens
         padded_batch = bucket_size(batch, self.config.batch_buckets)
         padded_total = self.config.total_length(self.model, total)
         check_request(
@@ -53,7 +54,7 @@ class StaticRollout:
             call.scan,
             self.holder.backend,
             self.config,
-            params,
+            settings,
             (rows, width),
             padded_batch,
             padded_total,
@@ -62,7 +63,7 @@ class StaticRollout:
             self.model,
             self.holder.backend,
             self.config,
-            params,
+            settings,
             generator,
             batch_size=padded_batch,
             total_len=padded_total,
@@ -84,7 +85,7 @@ class StaticRollout:
             plan.signature,
             prefill.specs,
             lambda: DecodeStep.build(
-                self.model, prefill.specs, plan, logits.shape[-1], params, generator
+                self.model, prefill.specs, plan, logits.shape[-1], settings, generator
             ),
         )
         interval = self.config.eos_check_interval
@@ -101,7 +102,7 @@ class StaticRollout:
         step.commit(logits)
         stats.prefill_s = time.perf_counter() - start
 
-        steps = params.max_new_tokens - 1
+        steps = settings.max_new_tokens - 1
         runner: Runner = step
         if self.config.enable_graph_capture and steps > 0:
             runner = start_runner(self.holder, plan, step, stats, steps)
@@ -129,7 +130,7 @@ class StaticRollout:
         stats.decode_s = time.perf_counter() - t_decode
         if plan.path == "per_position_graph":  # its captures happen inside the decode loop
             stats.decode_s -= stats.capture_s
-        return collect(step.state, batch, width, total, params, stats)
+        return collect(step.state, batch, width, total, settings, stats)
 
     def _ladder(self, plan: Plan, batch: int) -> tuple[int, ...]:
         """The smaller batch sizes this call may shrink to, eager or captured (none where moving
@@ -171,7 +172,7 @@ def collect(
     batch: int,
     width: int,
     total: int,
-    params: SamplingParams,
+    settings: CallSettings,
     stats: RolloutStats,
 ) -> RolloutResult:
     """The caller's rows and columns (bucket padding cut off), copied out of the buffers."""
@@ -180,15 +181,15 @@ def collect(
     finished = state.finished[:batch].tolist()
     hits = state.stop_hit[:batch].tolist() if state.stop_hit is not None else None
     reasons, stops, matched = finish_details(
-        sequences, response, finished, params.eos_ids, hits, params.stop_sequences or ()
+        sequences, response, finished, settings.eos_ids, hits, settings.stop_sequences
     )
-    logprobs = state.logprobs[:batch, width:total].clone() if params.return_logprobs else None
-    k = params.top_logprobs
+    logprobs = state.logprobs[:batch, width:total].clone() if settings.return_logprobs else None
+    k = settings.top_logprobs
     top = (state.top_values, state.top_ids) if k else (None, None)
     top = tuple(None if t is None else t[:batch, width:total, :k].clone() for t in top)
     decoded = stats.steps + 1  # the prefill's token and one a step
-    scores = state.scores[:batch, :decoded].clone() if params.output_scores else None
-    logits = state.logits[:batch, :decoded].clone() if params.output_logits else None
+    scores = state.scores[:batch, :decoded].clone() if settings.output_scores else None
+    logits = state.logits[:batch, :decoded].clone() if settings.output_logits else None
     return RolloutResult(
         sequences=sequences,
         response_mask=response,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from graphcap.rollout.cache.blocks import BlockKVCache
-from graphcap.rollout.config import SamplingParams
+from graphcap.rollout.settings.sampling_params import SamplingParams
 from graphcap.rollout.step.step import DecodeState, DecodeStep
 
 

@@ -38,8 +38,8 @@ from graphcap.rollout.sampling import (
 )
 
 if TYPE_CHECKING:
-    from graphcap.rollout.config import SamplingParams
     from graphcap.rollout.plan.plan import Plan
+    from graphcap.rollout.settings.call import CallSettings
 
 MaskInput: TypeAlias = "torch.Tensor | dict[str, torch.Tensor]"
 
@@ -277,7 +277,7 @@ class DecodeStep:
         specs: tuple[LayerSpec, ...],
         plan: Plan,
         vocab_size: int,
-        params: SamplingParams,
+        settings: CallSettings,
         generator: torch.Generator | None,
     ) -> DecodeStep:
         """A step with fresh buffers for ``plan``'s signature, sized from ``specs`` (the K/V
@@ -294,7 +294,7 @@ class DecodeStep:
         masks = MaskBuffers.for_model(
             model.config, batch, total, sig.dtype, device, plan.windows, sig.mask_form
         )
-        eos, pad = params.eos_ids, int(params.pad_token_id)
+        eos, pad = settings.eos_ids, settings.pad_token_id
         state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
         if sig.sampler.records:
             state.record()
