@@ -111,7 +111,7 @@ class SamplingParams:
         min_tokens: int | None,
         logprobs: bool | int | None,
     ) -> None:
-        aliases = dict(zip(VLLM_ALIASES, (n, max_tokens, min_tokens, logprobs), strict=True))
+        aliases = {"n": n, "max_tokens": max_tokens, "min_tokens": min_tokens, "logprobs": logprobs}
         self._take_vllm_aliases({k: v for k, v in aliases.items() if v is not None})
         decided = self.do_sample is not None
         if not decided:
