@@ -293,8 +293,9 @@ def test_the_constructor_takes_vllms_aliases_for_one_release_with_a_deprecation_
         SamplingParams(n=2, num_return_sequences=2)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="do_sample=True"):
         SamplingParams(n=2)  # still greedy unless do_sample says otherwise
-    with pytest.raises(TypeError, match="best_of"):  # vLLM's other names: from_vllm only
-        SamplingParams(best_of=1)
+    for name, value in (("best_of", 1), ("stop", None), ("logit_bias", {})):
+        with pytest.raises(TypeError, match=rf"{name}.*from_vllm"):  # vLLM's other names
+            SamplingParams(**{name: value})
 
 
 def test_per_row_lists_are_checked():

@@ -20,6 +20,7 @@ from graphcap.rollout.settings.vocabulary import (
     GENERATE_DEFAULT_TOP_K,
     GENERATION_CONFIG_FIELDS,
     VLLM_ALIASES,
+    VLLM_UNSUPPORTED,
     WARPER_NEUTRAL,
     check_warpers_have_do_sample,
     stop_string_sequences,
@@ -103,6 +104,17 @@ class SamplingParams:
     max_tokens: InitVar[int | None] = None
     min_tokens: InitVar[int | None] = None
     logprobs: InitVar[bool | int | None] = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SamplingParams:
+        # vLLM's other names are read by from_vllm only; say so rather than Python's bare
+        # "unexpected keyword argument" (the dataclass __init__ keeps the real signature)
+        vllm_only = sorted(k for k in kwargs if k in VLLM_UNSUPPORTED)
+        if vllm_only:
+            raise TypeError(
+                f"SamplingParams() got vLLM's {vllm_only}: the constructor takes graphcap's "
+                "names; use SamplingParams.from_vllm(...) for vLLM's keywords"
+            )
+        return super().__new__(cls)
 
     def __post_init__(
         self,
