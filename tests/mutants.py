@@ -72,7 +72,7 @@ PLANTS = (
     ),
     Plant(
         "prefill K/V copied to the first sample row only",
-        "graphcap/rollout/runners/static.py",
+        "graphcap/rollout/paths/static.py",
         "step.cache.load_prefill(prefill.cache, source_rows=sources)",
         "step.cache.load_prefill(prefill.cache, source_rows=sources[:1].expand_as(sources))",
         (
@@ -216,7 +216,7 @@ PLANTS = (
     ),
     Plant(
         "finished flag not read before the first step",
-        "graphcap/rollout/runners/static.py",
+        "graphcap/rollout/paths/static.py",
         "    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):\n",
         "    if False:\n",
         ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
@@ -246,7 +246,7 @@ PLANTS = (
     ),
     Plant(
         "budget-finished slots wait for the refill check",
-        "graphcap/rollout/runners/continuous.py",
+        "graphcap/rollout/paths/continuous.py",
         "            if check or self._due(table, queue, stats.steps):\n",
         "            if check:\n",
         (
@@ -255,7 +255,7 @@ PLANTS = (
     ),
     Plant(
         "queue taken in request order",
-        "graphcap/rollout/runners/continuous.py",
+        "graphcap/rollout/paths/continuous.py",
         "key=lambda r: -self.limits[r]",
         "key=lambda r: 0",
         (
@@ -264,7 +264,7 @@ PLANTS = (
     ),
     Plant(
         "budget refills read the device flags",
-        "graphcap/rollout/runners/continuous.py",
+        "graphcap/rollout/paths/continuous.py",
         "align, trim, read=check)",
         "align, trim, read=True)",
         (
@@ -273,7 +273,7 @@ PLANTS = (
     ),
     Plant(
         "slot retired one step before its budget is used",
-        "graphcap/rollout/runners/continuous.py",
+        "graphcap/rollout/paths/continuous.py",
         "now + queue.limits[request] - 1",
         "now + queue.limits[request] - 2",
         (
@@ -282,7 +282,7 @@ PLANTS = (
     ),
     Plant(
         "one attention span for every per-position graph",
-        "graphcap/rollout/runners/runners.py",
+        "graphcap/rollout/paths/runners.py",
         "step = self.eager.with_span((0, self.width + position + 1))",
         "step = self.eager.with_span((0, self.width + 1))",
         ("tests/test_rollout_per_position.py",),
@@ -331,7 +331,7 @@ PLANTS = (
     ),
     Plant(
         "refilled slot keeps the previous request's settings",
-        "graphcap/rollout/runners/continuous.py",
+        "graphcap/rollout/paths/continuous.py",
         "        step.configure_rows(\n",
         "        (lambda *args: None)(\n",
         ("tests/test_rollout_penalty.py",),
@@ -661,7 +661,7 @@ PLANTS = (
     ),
     Plant(
         "the block table is not grown between steps",
-        "graphcap/rollout/runners/runners.py",
+        "graphcap/rollout/paths/runners.py",
         "        grow_blocks(self.holder, self.step, columns, self.ahead, self.stats)\n",
         "        pass\n",
         (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
@@ -927,7 +927,7 @@ PLANTS = (
     ),
     Plant(
         "rows on the ladder are not put back in their places",
-        "graphcap/rollout/runners/ladder.py",
+        "graphcap/rollout/paths/ladder.py",
         "        if self.slots == sorted(self.slots):",
         "        if True:",
         (LADDER,),

@@ -4,7 +4,7 @@ The engine checks a call's inputs and dispatches it to the static path (eager, s
 per-position graphs) or the continuous path; both plan the call (:mod:`~graphcap.rollout.plan`),
 prefill, take their buffers from the engine's one
 :class:`~graphcap.rollout.holder.holder.GraphHolder` and run a runner
-(:mod:`~graphcap.rollout.runners`). docs/architecture.md draws the path.
+(:mod:`~graphcap.rollout.paths`). docs/architecture.md draws the path.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.plan.signature import attention_implementation
 from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult
-from graphcap.rollout.runners.continuous import ContinuousRollout
-from graphcap.rollout.runners.static import StaticRollout
+from graphcap.rollout.paths.continuous import ContinuousRollout
+from graphcap.rollout.paths.static import StaticRollout
 from graphcap.rollout.sampling import call_key, generator_kept, keyed_rows
 from graphcap.rollout.settings.call import normalise_request
 from graphcap.rollout.settings.rollout_config import RolloutConfig

@@ -421,7 +421,7 @@ class DecodeStep:
 
     def leading(self, rows: int) -> DecodeStep:
         """This step over its first ``rows`` rows only (views of the same buffers): what a
-        smaller graph of the live-row ladder runs (:mod:`graphcap.rollout.runners.ladder`)."""
+        smaller graph of the live-row ladder runs (:mod:`graphcap.rollout.paths.ladder`)."""
         narrowed = copy.copy(self)
         narrowed.state = self.state.leading(rows)
         narrowed.cache = self.cache.leading(rows)

@@ -14,8 +14,8 @@ from graphcap.rollout.plan.inputs import Call, check_request
 from graphcap.rollout.plan.plan import Plan, plan_call
 from graphcap.rollout.prefill import run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
-from graphcap.rollout.runners.ladder import CHECK_EVERY, LadderRunner, ladder_sizes
-from graphcap.rollout.runners.runners import (
+from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, ladder_sizes
+from graphcap.rollout.paths.runners import (
     BlockRunner,
     ReplayRunner,
     Runner,

@@ -23,7 +23,7 @@ from graphcap.rollout.cache.blocks import BlockKVCache, reads_blocks
 from graphcap.rollout.holder.holder import GraphHolder
 from graphcap.rollout.plan.plan import Plan
 from graphcap.rollout.results import RolloutStats
-from graphcap.rollout.runners.runners import grow_blocks
+from graphcap.rollout.paths.runners import grow_blocks
 from graphcap.rollout.step.step import DecodeStep
 
 #: Steps between two reads of the finished flags on the ladder (at most ``eos_check_interval``):

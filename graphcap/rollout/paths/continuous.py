@@ -27,7 +27,7 @@ from graphcap.rollout.plan.inputs import Call, check_request
 from graphcap.rollout.plan.plan import plan_call
 from graphcap.rollout.prefill import Prefill, run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
-from graphcap.rollout.runners.runners import (
+from graphcap.rollout.paths.runners import (
     BlockRunner,
     Runner,
     grow_blocks,

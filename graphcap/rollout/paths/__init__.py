@@ -1,0 +1,2 @@
+"""Request path, runner and collect: the static and continuous paths, and the runners they
+drive."""

@@ -1,1 +1,0 @@
-"""Request path, runner and collect: the runners, and the static and continuous paths."""
