@@ -97,8 +97,8 @@ PLANTS = (
     Plant(
         "warm-up leaves its trace (no rollback before capture)",
         "graphcap/rollout/holder/capture.py",
-        '            timings["warmup_s"] = time.perf_counter() - start\n        rollback()\n',
-        '            timings["warmup_s"] = time.perf_counter() - start\n',
+        "        warmup_s = time.perf_counter() - start\n        rollback()\n",
+        "        warmup_s = time.perf_counter() - start\n",
         ("tests/test_rollout_equivalence.py",),
     ),
     Plant(
@@ -247,7 +247,7 @@ PLANTS = (
     Plant(
         "budget-finished slots wait for the refill check",
         "graphcap/rollout/paths/continuous.py",
-        "            if check or self._due(table, queue, stats.steps):\n",
+        "            if check or self._due(table, queue, steps):\n",
         "            if check:\n",
         (
             "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
@@ -662,7 +662,7 @@ PLANTS = (
     Plant(
         "the block table is not grown between steps",
         "graphcap/rollout/paths/runners.py",
-        "        grow_blocks(self.holder, self.step, columns, self.ahead, self.stats)\n",
+        "        grow_blocks(self.holder, self.step, columns, self.ahead, self.record)\n",
         "        pass\n",
         (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
     ),

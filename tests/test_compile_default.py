@@ -9,7 +9,7 @@ from rollout_models import prompts, run, tiny_model
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from graphcap.rollout.plan.plan import plan_call
+from graphcap.rollout.plan import plan_call
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.settings import CallSettings

@@ -13,8 +13,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from graphcap import kv_blocks
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, SamplingParams
+from graphcap.rollout.cache import LayerSpec
 from graphcap.rollout.cache.blocks import SINK_BLOCK, BlockKVCache
-from graphcap.rollout.cache.cache import LayerSpec
 
 NEW = 20
 LIMITS = [3, 7, 10, 2, 9, 5, 10, 4]

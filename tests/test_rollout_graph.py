@@ -219,6 +219,8 @@ def test_capture_failure_rolls_back_and_stays_eager_with_one_warning():
     assert torch.equal(torch.get_rng_state(), rng_after_failed)
     assert failed.stats.path == "eager" and not failed.stats.captured
     assert "capture failed" in failed.stats.fallback_reason
+    # the capture failed after its warm-up: the outcome keeps the warm-up's seconds
+    assert 0 < failed.stats.warmup_s <= failed.stats.capture_s
     assert torch.equal(failed.sequences, pure.sequences)
     assert later.stats.path == "eager" and later.stats.captures == 0
     assert "capture failed" in later.stats.fallback_reason

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import warnings
 from collections.abc import Iterator
 
@@ -26,7 +28,10 @@ from graphcap.cpu import CPUBackend
 from graphcap.errors import CaptureFallbackWarning
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.cache.cache import put_columns
-from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.paths import ROLLOUTS
+from graphcap.rollout.paths.runners import RUNNERS
+from graphcap.rollout.plan import Path
 from graphcap.rollout.plan import plan as plan_module
 from graphcap.rollout.plan.regions import (
     BOOKKEEPING_OPTIONS,
@@ -384,3 +389,36 @@ def test_an_unknown_graph_attention_is_refused_before_any_call():
         RolloutEngine(model, RolloutConfig(enable_graph_capture=True, graph_attention="no-such"))
     for fine in ("auto", None, "eager", "sdpa"):
         RolloutEngine(model, RolloutConfig(enable_graph_capture=True, graph_attention=fine))
+
+
+def test_each_path_is_its_stats_string_with_one_eager_fallback_and_one_server():
+    assert [str(p) for p in Path] == [
+        "eager",
+        "static_graph",
+        "per_position_graph",
+        "continuous_eager",
+        "continuous_graph",
+    ]
+    assert {p for p in Path if p.is_graph} == set(RUNNERS)
+    assert set(ROLLOUTS) == set(Path)
+    for path in Path:
+        fallback = path.eager_fallback
+        assert not fallback.is_graph and fallback.continuous == path.continuous
+        assert ROLLOUTS[fallback] is ROLLOUTS[path]
+    asked = {
+        Path.EAGER: RolloutConfig(),
+        Path.STATIC_GRAPH: RolloutConfig(enable_graph_capture=True),
+        Path.PER_POSITION_GRAPH: RolloutConfig(enable_graph_capture=True, per_position_graphs=True),
+        Path.CONTINUOUS_EAGER: RolloutConfig(continuous_batch_size=2),
+        Path.CONTINUOUS_GRAPH: RolloutConfig(enable_graph_capture=True, continuous_batch_size=2),
+    }
+    assert all(Path.asked(config) is path for path, config in asked.items())
+
+
+def test_stats_report_the_path_as_a_plain_string():
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    stats = run(model, ids, mask, True, max_new_tokens=NEW).stats
+    assert type(stats.path) is str and stats.path == Path.STATIC_GRAPH
+    assert json.loads(json.dumps(dataclasses.asdict(stats)))["path"] == "static_graph"
+    assert "path='static_graph'" in repr(stats)

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from graphcap.rollout.plan.inputs import kv_bytes_per_token
+
 #: Large enough that random models do not collapse onto one token, small enough that 32 layers
 #: stay finite in fp16/bf16.
 INIT_SCALE = 2.0
@@ -127,7 +129,8 @@ def round_costs(model: nn.Module, peaks: Sequence[float | None]) -> tuple | None
     """Weight bytes a step reads, parameters, K/V bytes a token, and ``peaks`` (bytes/s, FLOP/s;
     None where either is unknown)."""
     parameters = sum(p.numel() for p in step_parameters(model))
-    costs = (weight_bytes_per_step(model), parameters, kv_bytes_per_token(model), *peaks)
+    kv = kv_bytes_per_token(model, next(model.parameters()).element_size())
+    costs = (weight_bytes_per_step(model), parameters, kv, *peaks)
     return costs if all(peaks) else None
 
 
@@ -149,14 +152,6 @@ def step_parameters(model: nn.Module) -> list[nn.Parameter]:
 def weight_bytes_per_step(model: nn.Module) -> int:
     """Bytes of weights a decode step reads."""
     return sum(p.numel() * p.element_size() for p in step_parameters(model))
-
-
-def kv_bytes_per_token(model: nn.Module) -> int:
-    """Bytes of keys and values one token keeps in every layer's cache."""
-    c, heads = model.config, model.config.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
 
 
 def peak_bandwidth(name: str, override: float | None = None, table: tuple = PEAK_BANDWIDTH) -> Any:

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, StoppingCriteria
 
 from graphcap.backend import Backend
 from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutStats, SamplingParams, drop_in
+from graphcap.rollout.plan import Path
 
 
 def timed_call(call: Callable[[], Any], sync: Callable[[], None]) -> tuple[float, Any]:
@@ -68,8 +69,8 @@ class Workload:
     def __post_init__(self) -> None:
         prompts, self.prompt_width = self.input_ids.shape
         self.batch_size = prompts * self.sampling.get("num_return_sequences", 1)
-        lengths = {"max_new_tokens": self.new_tokens, "min_new_tokens": 0, "pad_token_id": 0}
-        greedy = {"attention_mask": self.attention_mask, "do_sample": False, **lengths}
+        self.lengths = {"max_new_tokens": self.new_tokens, "min_new_tokens": 0, "pad_token_id": 0}
+        greedy = {"attention_mask": self.attention_mask, "do_sample": False, **self.lengths}
         self.generate_kwargs = {**greedy, **self.sampling}  # a ``generate`` call's keywords
 
 
@@ -126,7 +127,7 @@ class Mode:
     called directly or (``drop_in``) through ``model.generate`` after ``accelerate_generate``."""
 
     name: str
-    expected_path: str | None = None
+    expected_path: Path | None = None
     hf_kwargs: dict[str, Any] | None = None
     compile: bool | None = None
     drop_in: bool = False
@@ -136,8 +137,10 @@ class Mode:
         path, settings["compile"] = self.expected_path, self.compile if self.expected_path else None
         if self.drop_in:
             return replace(drop_in.drop_in_default_config(), **settings)
-        graphs = {"enable_graph_capture": path is not None}
-        return RolloutConfig(**graphs, per_position_graphs=path == "per_position_graph", **settings)
+        positions = path is Path.PER_POSITION_GRAPH
+        return RolloutConfig(
+            enable_graph_capture=bool(path), per_position_graphs=positions, **settings
+        )
 
     def compiles(self, backend: Backend) -> bool:
         """Whether this mode's first call compiles on ``backend``: transformers' static cache
@@ -165,7 +168,7 @@ class Mode:
             torch.manual_seed(work.seed)
             work.backend.manual_seed(work.seed)
         settings, rows = {"backend": work.backend, **work.settings}, work.batch_size
-        if path == "continuous_graph":  # one slot per row unless given fewer
+        if path is Path.CONTINUOUS_GRAPH:  # one slot per row unless given fewer
             settings["continuous_batch_size"] = min(work.continuous_slots or rows, rows)
         try:
             if self.hf_kwargs is not None:
@@ -186,11 +189,10 @@ class Mode:
                 torch.compiler.reset()
 
 
-def _engine_call(work: Workload, engine: RolloutEngine, path: str | None) -> CallOutput:
+def _engine_call(work: Workload, engine: RolloutEngine, path: Path | None) -> CallOutput:
     # EOS is off in steps: pinning min_new_tokens (per-position graphs need it) changes no token.
-    pin = work.new_tokens if path == "per_position_graph" else 0
-    lengths = {"max_new_tokens": work.new_tokens, "min_new_tokens": pin, "pad_token_id": 0}
-    sampling = SamplingParams(**lengths, **work.sampling)
+    pin = work.new_tokens if path is Path.PER_POSITION_GRAPH else 0
+    sampling = SamplingParams(**{**work.lengths, "min_new_tokens": pin}, **work.sampling)
     out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
     return CallOutput.of(out.sequences[:, work.prompt_width :], out.stats)
 
@@ -214,11 +216,11 @@ MODES: dict[str, Mode] = {
         Mode("hf-eager", hf_kwargs={"disable_compile": True}),
         Mode("hf-static-compile", hf_kwargs={"cache_implementation": "static"}),
         Mode("graphcap-eager"),
-        Mode("graphcap-graph", "static_graph"),
-        Mode("graphcap-graph-uncompiled", "static_graph", compile=False),
-        Mode("graphcap-continuous", "continuous_graph"),
-        Mode("graphcap-per-position", "per_position_graph"),
-        Mode("graphcap-drop-in", "static_graph", drop_in=True),
+        Mode("graphcap-graph", Path.STATIC_GRAPH),
+        Mode("graphcap-graph-uncompiled", Path.STATIC_GRAPH, compile=False),
+        Mode("graphcap-continuous", Path.CONTINUOUS_GRAPH),
+        Mode("graphcap-per-position", Path.PER_POSITION_GRAPH),
+        Mode("graphcap-drop-in", Path.STATIC_GRAPH, drop_in=True),
     )
 }
 #: The rl-round workload's modes: transformers' generate, the drop-in, the engine's two paths.

@@ -52,7 +52,7 @@ class ModeResult:
     compile_cache: str | None = None
     joined_projections: int | None = None
     first_call_phases: dict[str, float] | None = None
-    round: dict[str, Any] | None = None  # rl-round figures (rounds.fill_round)
+    round: dict[str, Any] | None = None  # rl-round figures (run.fill_round)
 
 
 #: Where a graphcap mode's first call spends its time: the prefill (input checks and the model
@@ -103,29 +103,30 @@ def _num(value: float | None, spec: str, scale: float = 1, suffix: str = "") -> 
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
-def _ms(values: Sequence[float | None], spec: str = ".1f", scale: float = 1e3) -> str:
-    """``median [min-max]`` (ms), from (median, min, max); the median alone without a spread."""
-    median, *rest = (_num(v, spec, scale) for v in values)
-    return median if None in values[1:] else f"{median} [{rest[0]}-{rest[1]}]"
+def _spread(fields: str, spec: str = ".1f", scale: float = 1e3) -> Callable[[ModeResult], str]:
+    """The cell ``median [min-max]`` (ms) of three ``fields`` (median, min, max); the median
+    alone without a spread."""
 
+    def cell(r: ModeResult) -> str:
+        values = [getattr(r, name) for name in fields.split()]
+        median, *rest = (_num(v, spec, scale) for v in values)
+        return median if None in values[1:] else f"{median} [{rest[0]}-{rest[1]}]"
 
-def _steady(r: ModeResult, spec: str = ".1f", scale: float = 1e3) -> str:
-    return _ms((r.steady_median_s, r.steady_min_s, r.steady_max_s), spec, scale)
+    return cell
 
 
 def _round(key: str, spec: str, scale: float = 1) -> Callable[[ModeResult], str]:
     return lambda r: _num(r.round and r.round[key], spec, scale)
 
 
+STEADY = "steady_median_s steady_min_s steady_max_s"
 #: header -> cell, for a mode that ran (the others show their status after the batch size).
 COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "mode": lambda r: r.mode if r.status == OK else f"{r.mode} [{r.status}]",
     "bs": lambda r: str(r.batch_size),
     "first(s)": lambda r: _num(r.first_call_s, ".2f"),
-    "steady ms [min-max]": _steady,
-    "step ms [min-max]": lambda r: _ms(
-        (r.decode_step_s, r.decode_step_min_s, r.decode_step_max_s), ".2f"
-    ),
+    "steady ms [min-max]": _spread(STEADY),
+    "step ms [min-max]": _spread("decode_step_s decode_step_min_s decode_step_max_s", ".2f"),
     "tok/s": lambda r: _num(r.tokens_per_s, ".0f"),
     "BW%": lambda r: _num(r.bandwidth_fraction, ".0f", 100),
     "peak mem": lambda r: _num(r.peak_memory_bytes, ".2f", 2**-30, "G"),
@@ -135,7 +136,7 @@ COLUMNS: dict[str, Callable[[ModeResult], str]] = {
     "x hf-static": lambda r: _num(r.speedup_vs_hf_static_compile, ".2f", suffix="x"),
 }
 ROUND_COLUMNS = {"mode": COLUMNS["mode"], "rows": COLUMNS["bs"], "first(s)": COLUMNS["first(s)"]}
-ROUND_COLUMNS |= {"round s [min-max]": lambda r: _steady(r, ".2f", 1)}
+ROUND_COLUMNS |= {"round s [min-max]": _spread(STEADY, ".2f", 1)}
 ROUND_COLUMNS |= {"useful tok": _round("useful_tokens", "d"), "useful tok/s": COLUMNS["tok/s"]}
 ROUND_COLUMNS |= {"ended%": _round("dead_share", ".0f", 100), "limit(s)": _round("limit_s", ".3g")}
 ROUND_COLUMNS |= {"%limit": _round("limit_fraction", ".0f", 100)}

@@ -36,7 +36,7 @@ from transformers import GenerationConfig
 
 from graphcap.errors import GenerateFallbackWarning
 from graphcap.rollout.engine import RolloutEngine
-from graphcap.rollout.plan.plan import graph_refusal
+from graphcap.rollout.plan import graph_refusal
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.settings.rollout_config import RolloutConfig

@@ -3,13 +3,14 @@
 The engine checks a call's inputs and dispatches it to the static path (eager, static graph,
 per-position graphs) or the continuous path; both plan the call (:mod:`~graphcap.rollout.plan`),
 prefill, take their buffers from the engine's one
-:class:`~graphcap.rollout.holder.holder.GraphHolder` and run a runner
+:class:`~graphcap.rollout.holder.GraphHolder` and run a runner
 (:mod:`~graphcap.rollout.paths`). docs/architecture.md draws the path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -20,24 +21,23 @@ from transformers import GenerationConfig
 
 from graphcap.backend import Backend
 from graphcap.registry import get_backend, register_attention_implementations
-from graphcap.rollout.cache.cache import StaticKVCache
+from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
-from graphcap.rollout.holder.holder import GraphHolder
+from graphcap.rollout.paths import ROLLOUTS
+from graphcap.rollout.plan import Path, check_graph_attention
 from graphcap.rollout.plan.fusion import ProjectionFusion
 from graphcap.rollout.plan.inputs import Call, check_generator, check_prompts, check_vocab_ids
-from graphcap.rollout.plan.plan import check_graph_attention
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.plan.signature import attention_implementation
 from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult
-from graphcap.rollout.paths.continuous import ContinuousRollout
-from graphcap.rollout.paths.static import StaticRollout
 from graphcap.rollout.sampling import call_key, generator_kept, keyed_rows
 from graphcap.rollout.settings.call import normalise_request
 from graphcap.rollout.settings.rollout_config import RolloutConfig
 from graphcap.rollout.settings.sampling_params import SamplingParams
-from graphcap.rollout.step.step import DecodeStep
+from graphcap.rollout.step import DecodeStep
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -74,8 +74,8 @@ class RolloutEngine:
         self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None
         cache = CompileCache(resolve_directory(self.config.compile_cache))
         self._holder = GraphHolder(self.backend, agreement, self._fusion, cache)
-        path = StaticRollout if self.config.continuous_batch_size is None else ContinuousRollout
-        self._path = path(model, self.config, self._holder)
+        rollout = ROLLOUTS[Path.asked(self.config)]
+        self._path = rollout(model, self.config, self._holder)
         self._lock = threading.Lock()
         self._closed = False
         self._sleeping = False  # sleep() freed the buffers and no generate has run since
@@ -137,15 +137,17 @@ class RolloutEngine:
             ):
                 result = self._path.run(call, start)
             woke, self._sleeping = self._sleeping, False
-            stats = result.stats
-            stats.captures = self._holder.capture_count()
-            stats.fused_projections = len(self._fusion.active) if self._fusion is not None else 0
-            if woke and stats.captured:
-                stats.recapture_reason.insert(0, WOKE)
-            stats.attention = stats.attention or attention_implementation(self.model)
-            stats.total_s = time.perf_counter() - start
-            if stats.captured:
-                stats.first_call_s = stats.total_s
+            stats, total_s = result.stats, time.perf_counter() - start
+            woken = [WOKE] if woke and stats.captured else []
+            result.stats = dataclasses.replace(
+                stats,
+                captures=self._holder.capture_count(),
+                fused_projections=len(self._fusion.active) if self._fusion is not None else 0,
+                recapture_reason=woken + stats.recapture_reason,
+                attention=stats.attention or attention_implementation(self.model),
+                total_s=total_s,
+                first_call_s=total_s if stats.captured else None,
+            )
             return result
 
     def sleep(self, level: int = 1) -> None:

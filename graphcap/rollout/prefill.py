@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from graphcap.rollout.cache.cache import LayerSpec, StaticKVCache
+from graphcap.rollout.cache import LayerSpec, StaticKVCache
 
 
 @dataclass

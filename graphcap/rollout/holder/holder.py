@@ -2,7 +2,7 @@
 
 One holder per engine. It drops what it holds when a call's signature differs (before the
 replacement is allocated), captures through the one capture routine
-(:func:`~graphcap.rollout.holder.capture.capture_step`) with the process group's agreement, and
+(:func:`~graphcap.rollout.holder.capture.timed_capture`) with the process group's agreement, and
 keeps graphs off for the engine after a failed capture. The static path holds one graph (key
 ``None``) and one per size of the live-row ladder it reached; per-position graphs are keyed by
 position. Keyed graphs share one memory pool.
@@ -11,23 +11,28 @@ position. Keyed graphs share one memory pool.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from graphcap.backend import Backend
-from graphcap.rollout.cache.cache import LayerSpec
-from graphcap.rollout.holder.agreement import PEER_RECAPTURE, RankAgreement
-from graphcap.rollout.holder.capture import capture_step, fallback_reason
+from graphcap.rollout.cache import LayerSpec
+from graphcap.rollout.holder.agreement import GraphVerdict, RankAgreement
+from graphcap.rollout.holder.capture import (
+    CaptureFailed,
+    CaptureOutcome,
+    fallback_reason,
+    timed_capture,
+)
 from graphcap.rollout.holder.compile_cache import CompileCache, shape_key
 from graphcap.rollout.plan.fusion import ProjectionFusion
 from graphcap.rollout.plan.regions import compiled_bookkeeping, compiled_regions, one_row_products
 from graphcap.rollout.plan.signature import GraphSignature, attention_implementation
-from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.settings.sampling_params import SamplingParams
-from graphcap.rollout.step.step import DecodeStep
+from graphcap.rollout.step import DecodeStep
 
 #: A held graph's key: ``None`` the static step, an int a per-position graph, ``("rows", n)``
 #: the live-row ladder's graph of batch size ``n`` (the step over the first ``n`` rows).
@@ -115,72 +120,70 @@ class GraphHolder:
     def graph_count(self) -> int:
         return 0 if self._held is None else len(self._held.graphs)
 
-    def agree(self, use_graph: bool, capture: bool, stats: RolloutStats) -> bool:
-        """The process group's graph decision for this call (local without a group): whether
-        to use graphs. A rank recapturing makes every rank recapture."""
+    def agree(self, use_graph: bool, capture: bool) -> GraphVerdict:
+        """The process group's graph decision for this call (local without a group): use graphs
+        when ``use_graph`` and no ``eager_reason``. A rank recapturing makes every rank
+        recapture (the graphs are dropped here)."""
         verdict = self.agreement.decide(use_graph, capture)
-        if verdict.eager_reason is not None:
-            stats.fallback_reason = verdict.eager_reason
-            return False
-        if verdict.recapture:
-            stats.recapture_reason.append(PEER_RECAPTURE)
+        if verdict.eager_reason is None and verdict.recapture:
             self.drop_graphs()
-        return use_graph
+        return verdict
 
     def capture(
         self,
         step: DecodeStep,
         attention: str,
-        stats: RolloutStats,
         key: GraphKey = None,
         compiled: bool = False,
-    ) -> object | None:
-        """Capture ``step`` as graph ``key`` and agree on the outcome with the group; ``None``
-        when this or another rank's capture failed (graphs then stay off for this engine).
+    ) -> CaptureOutcome:
+        """Capture ``step`` as graph ``key`` and agree on the outcome with the group; the
+        outcome's graph is ``None`` when this or another rank's capture failed (graphs then stay
+        off for this engine, :attr:`disabled_reason` the outcome's reason).
 
         ``attention``: the implementation the captured step runs (the model's own is restored
         after capture, so eager steps never see it). ``compiled``: the warm-up and capture run
         the model's blocks around attention compiled (:mod:`graphcap.rollout.plan.regions`; the
-        warm-up compiles them, with the compile cache's file for this shape loaded). Adds the
-        warm-up's seconds and the compile cache's use to ``stats``.
+        warm-up compiles them, with the compile cache's file for this shape loaded).
         """
         assert self._held is not None, "step_for() comes first"
+        start = time.perf_counter()
         pool = None
         if key is not None:  # a set of graphs shares one pool
             pool = self._held.pool = self._held.pool or self.backend.graph_pool_handle()
-        timings: dict[str, float] = {}
+        cache, warmup_s = None, 0.0
         try:
-            with _attention(step.model, attention), self._compiled(step, compiled, stats):
-                graph = capture_step(
-                    self.backend,
-                    step,
-                    step.mutable_tensors(),
-                    step.generator,
-                    pool=pool,
-                    timings=timings,
-                )
+            with _attention(step.model, attention), self._compiled(step, compiled) as cache:
+                graph, warmup_s = timed_capture(self.backend, step, pool)
         except Exception as exc:  # any capture failure: rolled back; the call goes on eagerly
-            stats.warmup_s += timings.get("warmup_s", 0.0)
+            if isinstance(exc, CaptureFailed):
+                exc, warmup_s = exc.__cause__, exc.warmup_s
             self.disabled_reason = fallback_reason(exc)
             self.agreement.peer_capture_failure(captured=False)
             self.drop_graphs()
-            return None
-        stats.warmup_s += timings["warmup_s"]
+            return self._outcome(None, start, warmup_s, cache)
         self._captures += 1
         peer_failure = self.agreement.peer_capture_failure(captured=True)
         if peer_failure is not None:
             self.disabled_reason = peer_failure
             self.drop_graphs()
-            return None
+            return self._outcome(None, start, warmup_s, cache)
         self._held.graphs[key] = graph
-        return graph
+        return self._outcome(graph, start, warmup_s, cache)
+
+    def _outcome(
+        self, graph: object | None, start: float, warmup_s: float, cache: str | None
+    ) -> CaptureOutcome:
+        reason = None if graph is not None else self.disabled_reason
+        return CaptureOutcome(graph, time.perf_counter() - start, warmup_s, reason, cache)
 
     @contextlib.contextmanager
-    def _compiled(self, step: DecodeStep, compiled: bool, stats: RolloutStats) -> Iterator[None]:
+    def _compiled(self, step: DecodeStep, compiled: bool) -> Iterator[str | None]:
         """Compiled captures: :func:`compiled_regions` and :func:`compiled_bookkeeping`, with the
         projections through the backend's one-row product where it offers one, under the
-        backend's compiled-capture settings, with the compile cache's file for this shape."""
+        backend's compiled-capture settings, with the compile cache's file for this shape.
+        Yields what the compile cache did (``None`` for an uncompiled capture)."""
         product = self.backend.one_row_product() if compiled else None
+        cache = None
         with contextlib.ExitStack() as stack:
             if compiled:
                 state = self._held.signature.host_state
@@ -191,13 +194,13 @@ class GraphHolder:
                 self.compiled_state = state
                 options = self.backend.compile_options()
                 key = self._cache_key(step, options)
-                stats.compile_cache = stack.enter_context(self.compile_cache.session(key)).state
+                cache = stack.enter_context(self.compile_cache.session(key)).state
                 stack.enter_context(self.backend.compiled_capture_context())
                 stack.enter_context(compiled_regions(step.model, step.cache, options))
                 stack.enter_context(compiled_bookkeeping(step, options))
             if product is not None:
                 stack.enter_context(one_row_products(step.model, product, self.fusion))
-            yield
+            yield cache
 
     def _cache_key(self, step: DecodeStep, options: dict[str, object]) -> str:
         """The compile-cache file of this step's shape on this backend."""

@@ -22,19 +22,17 @@ import torch
 
 from graphcap.errors import DecodeStalledError
 from graphcap.rollout.cache.blocks import BlockKVCache
-from graphcap.rollout.holder.holder import GraphHolder
-from graphcap.rollout.plan.inputs import Call, check_request
-from graphcap.rollout.plan.plan import plan_call
-from graphcap.rollout.prefill import Prefill, run_prefill
-from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
+from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.paths.record import begin
 from graphcap.rollout.paths.runners import (
     BlockRunner,
     Runner,
     grow_blocks,
-    record_kv,
-    record_nan_draws,
     start_runner,
 )
+from graphcap.rollout.plan.inputs import Call
+from graphcap.rollout.prefill import Prefill, run_prefill
+from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
 from graphcap.rollout.sampling import RowPlan
 from graphcap.rollout.settings.call import CallSettings
 from graphcap.rollout.settings.rollout_config import RolloutConfig
@@ -96,28 +94,9 @@ class ContinuousRollout:
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
         total = config.total_length(self.model, total)
-        check_request(
-            self.model, call.scan, holder.backend, config, settings, (prompts, width), slots, total
-        )
-        plan = plan_call(
-            self.model,
-            holder.backend,
-            config,
-            settings,
-            generator,
-            batch_size=slots,
-            total_len=total,
-            prompt_width=width,
-            sampler=holder.sampler_for(call.per_prompt),
-            disabled_reason=holder.disabled_reason,
-            scan=call.scan,
-        )
+        plan, record = begin(self.model, config, holder, call, slots, total)
         total = plan.signature.total_len  # whole blocks on a block table
-        stats = RolloutStats(path="continuous_eager")
-        stats.batch_size, stats.total_len = slots, total
-        self._stats = stats
-        stats.fallback_reason = plan.reason
-        stats.recapture_reason = holder.release_stale(plan.signature)
+        self._record = record
 
         mask = call.attention_mask
         queue = _Queue(call.input_ids, mask, repeats, limits, (width - mask.sum(-1)).tolist())
@@ -150,48 +129,55 @@ class ContinuousRollout:
         outputs = (out_seq, out_resp, out_logp, out_hit)
         if table.due_by(0):  # budget-1 requests are done at their first token
             self._service(step, table, queue, outputs, 0, align, trim, read=False)
-        stats.prefill_s = time.perf_counter() - start
+        prefill_s = time.perf_counter() - start
 
         runner: Runner = step
         interval = config.eos_check_interval
         if config.enable_graph_capture and max_new > 1:
-            runner = start_runner(holder, plan, step, stats, max_new - 1)
+            runner = start_runner(holder, plan, step, record, max_new - 1)
         if isinstance(step.cache, BlockKVCache):
             runner = BlockRunner(
-                holder, step, plan, stats, runner, lambda _: _columns(table), interval
+                holder, step, plan, record, runner, lambda _: _columns(table), interval
             )
         t_decode = time.perf_counter()
         narrow = runner is step and (align or trim)
-        attended = 0
+        attended = steps = 0
         # every request finishes within its limit and is seen within one interval after
         bound = sum(limits) + interval * (len(limits) + 1)
         while table.occupied():
-            if stats.steps > bound:
+            if steps > bound:
                 raise DecodeStalledError(
-                    f"continuous decoding ran {stats.steps} steps, more than its {len(limits)} "
+                    f"continuous decoding ran {steps} steps, more than its {len(limits)} "
                     f"requests can take ({bound}), with requests still unfinished: the decode "
                     f"step changes nothing (on backend {holder.backend.name!r}, path "
-                    f"{stats.path}); run the conformance suite on this backend"
+                    f"{record.path}); run the conformance suite on this backend"
                 )
             if narrow:
                 step.span = self._span(table, queue, total)
             attended += step.span[1] - step.span[0] if narrow else total
             runner()
-            stats.steps += 1
+            steps += 1
             for slot in table.occupied():
                 table.column[slot] = min(table.column[slot] + 1, total - 2)
-            check = stats.steps % interval == 0
-            if check or self._due(table, queue, stats.steps):
-                self._service(step, table, queue, outputs, stats.steps, align, trim, read=check)
+            check = steps % interval == 0
+            if check or self._due(table, queue, steps):
+                self._service(step, table, queue, outputs, steps, align, trim, read=check)
         holder.backend.synchronize()
-        stats.decode_s = time.perf_counter() - t_decode
-        record_kv(stats, step)
-        record_nan_draws(stats, step)
+        decode_s = time.perf_counter() - t_decode
         step.span = None
-        stats.slots_refilled = table.refilled
-        stats.moved_columns = table.moved_columns
-        stats.mean_span = attended / stats.steps if stats.steps else float(total)
-        return _result(outputs, width, settings, stats, slots)
+        stats = record.stats(
+            step,
+            slots,
+            total,
+            steps,
+            prefill_s,
+            decode_s,
+            slots_refilled=table.refilled,
+            moved_columns=table.moved_columns,
+            mean_span=attended / steps if steps else float(total),
+            occupancy=_occupancy(out_resp, slots, steps),
+        )
+        return _result(outputs, width, settings, stats)
 
     def _fill(
         self,
@@ -221,7 +207,7 @@ class ContinuousRollout:
         s = step.state
         if isinstance(step.cache, BlockKVCache):
             columns = [width if slot in free else None for slot in range(len(table.request))]
-            grow_blocks(self.holder, step, columns, self.config.eos_check_interval, self._stats)
+            grow_blocks(self.holder, step, columns, self.config.eos_check_interval, self._record)
             step.reach[rows] = width
         step.cache.load_prefill(prefill.cache, rows=rows, source_rows=sources)
         step.masks.reset(queue.mask[prompts], rows=rows)
@@ -369,7 +355,6 @@ def _result(
     width: int,
     settings: CallSettings,
     stats: RolloutStats,
-    slots: int,
 ) -> RolloutResult:
     out_seq, out_resp, out_logp, out_hit = outputs
     lengths = out_resp.sum(-1)
@@ -385,8 +370,6 @@ def _result(
         out_hit.tolist(),
         settings.stop_sequences,
     )
-    useful = int((lengths - 1).clamp(min=0).sum())
-    stats.occupancy = useful / (slots * stats.steps) if stats.steps else 1.0
     return RolloutResult(
         sequences=out_seq,
         response_mask=out_resp.to(torch.long),
@@ -397,6 +380,13 @@ def _result(
         stop_token_ids=stops,
         stop_sequences=matched,
     )
+
+
+def _occupancy(response: torch.Tensor, slots: int, steps: int) -> float:
+    """The share of slot-steps that produced a token (each request's first token is the
+    prefill's)."""
+    useful = int((response.sum(-1) - 1).clamp(min=0).sum())
+    return useful / (slots * steps) if steps else 1.0
 
 
 def _limits(

@@ -14,17 +14,16 @@ every batch size. At the end the rows go back to their own places.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
 from graphcap.rollout.cache.blocks import BlockKVCache, reads_blocks
-from graphcap.rollout.holder.holder import GraphHolder
-from graphcap.rollout.plan.plan import Plan
-from graphcap.rollout.results import RolloutStats
+from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.paths.record import Record
 from graphcap.rollout.paths.runners import grow_blocks
-from graphcap.rollout.step.step import DecodeStep
+from graphcap.rollout.plan import Plan
+from graphcap.rollout.step import DecodeStep
 
 #: Steps between two reads of the finished flags on the ladder (at most ``eos_check_interval``):
 #: a read costs one host synchronisation, a late move the steps of ended rows until it.
@@ -59,13 +58,13 @@ class LadderRunner:
         holder: GraphHolder,
         step: DecodeStep,
         plan: Plan,
-        stats: RolloutStats,
+        record: Record,
         graph: object,
         sizes: tuple[int, ...],
         width: int,
         ahead: int,
     ):
-        self.holder, self.full, self.plan, self.stats = holder, step, plan, stats
+        self.holder, self.full, self.plan, self.record = holder, step, plan, record
         self.sizes, self.width, self.ahead = sizes, width, ahead
         self.size = step.state.finished.shape[0]
         self.step, self.key, self.graph = step, None, graph
@@ -75,7 +74,6 @@ class LadderRunner:
         self.blocks = isinstance(step.cache, BlockKVCache)
         caps = holder.backend.capabilities
         self.host_lengths = caps.graph_kv_lengths_on_host and reads_blocks(plan.attention)
-        stats.batch_steps = {}
 
     def __call__(self) -> None:
         column = self.width + self.done
@@ -83,32 +81,22 @@ class LadderRunner:
         if self.blocks:
             live = [column] * self.size + [None] * (len(self.slots) - self.size)
             growths = self.full.cache.growths
-            grow_blocks(self.holder, self.full, live, self.ahead, self.stats)
+            grow_blocks(self.holder, self.full, live, self.ahead, self.record)
             if self.full.cache.growths != growths and self.key is not None:
                 self.step = self.full.leading(self.size)  # views of the new pools
         if self.replaying and (self.graph is None or self.holder.graph(self.key) is None):
-            self.graph = self._capture()
+            # after a failure the rest of the call runs eagerly, on the same ladder
+            self.graph = self.record.capture(self.holder, self.step, self.plan, key=self.key)
             self.replaying = self.graph is not None
-        self.stats.batch_steps[self.size] = self.stats.batch_steps.get(self.size, 0) + 1
-        self.stats.row_steps += self.size
+        self.record.batch_steps[self.size] = self.record.batch_steps.get(self.size, 0) + 1
+        self.record.row_steps += self.size
         if not self.replaying:
             self.step()
             return
         if self.host_lengths:
             self.holder.backend.update_graph_kv_lengths(self.graph, [column + 1] * self.size)
         self.holder.backend.replay_graph(self.graph)
-        self.stats.replays += 1
-
-    def _capture(self) -> object | None:
-        start = time.perf_counter()
-        graph = self.holder.capture(
-            self.step, self.plan.attention, self.stats, key=self.key, compiled=self.plan.compiled
-        )
-        self.stats.capture_s += time.perf_counter() - start
-        if graph is None:  # the rest of the call runs eagerly, on the same ladder
-            self.stats.path = "eager"
-            self.stats.fallback_reason = self.holder.disabled_reason
-        return graph
+        self.record.replays += 1
 
     def check(self) -> bool:
         """Read the finished flags (one host read): whether every row ended; else move to the
@@ -131,7 +119,7 @@ class LadderRunner:
             self.full.move_rows(as_index[: len(dst)], as_index[len(dst) :])
             for a, b in zip(dst, src, strict=True):
                 self.slots[a], self.slots[b] = self.slots[b], self.slots[a]
-            self.stats.rows_moved += len(src)
+            self.record.rows_moved += len(src)
         if self.blocks:  # ended rows beyond the new size give their blocks back
             self.full.cache.free_rows(range(target, self.size))
         self.size, self.key = target, ("rows", target)

@@ -1,24 +1,21 @@
 """Runners: what performs one decode step of a call — the eager step, a replay of the held
-graph, or per-position replays — each counting what it did into the call's stats.
+graph, or per-position replays — each counting what it did into the call's record.
 
 :func:`start_runner` is the one place a call turns its plan into a runner: it asks the process
-group to agree, captures what the holder lacks, and falls back to the eager step (with the
-reason in the stats) when a capture fails.
+group to agree, and :data:`RUNNERS` names the runner serving the plan's path (eager steps when
+the group refused graphs or a capture failed, with the reason in the record).
 """
 
 from __future__ import annotations
 
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from graphcap.errors import NonFiniteLogitsWarning
 from graphcap.rollout.cache.blocks import BlockKVCache, reads_blocks
-from graphcap.rollout.holder.holder import GraphHolder
-from graphcap.rollout.plan.plan import Plan
-from graphcap.rollout.results import RolloutStats
-from graphcap.rollout.step.step import DecodeStep
+from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.paths.record import Record
+from graphcap.rollout.plan import Path, Plan
+from graphcap.rollout.step import DecodeStep
 
 
 class Runner(Protocol):
@@ -28,79 +25,80 @@ class Runner(Protocol):
 class ReplayRunner:
     """Replays one graph per step."""
 
-    def __init__(self, holder: GraphHolder, graph: object, stats: RolloutStats):
-        self.backend, self.graph, self.stats = holder.backend, graph, stats
+    def __init__(self, holder: GraphHolder, graph: object, record: Record):
+        self.backend, self.graph, self.record = holder.backend, graph, record
 
     def __call__(self) -> None:
         self.backend.replay_graph(self.graph)
-        self.stats.replays += 1
+        self.record.replays += 1
+
+    @classmethod
+    def start(cls, holder: GraphHolder, step: DecodeStep, plan: Plan, record: Record) -> Runner:
+        """Replay the held graph, captured first when the holder lacks it (eager steps when
+        the capture failed)."""
+        graph = holder.graph()
+        if graph is None:
+            graph = record.capture(holder, step, plan)
+        if graph is None:
+            return step
+        record.replaying(plan)
+        return cls(holder, graph, record)
 
 
 class PositionRunner:
     """Step ``p`` replays graph ``p``, capturing it first when the holder lacks it (the capture
     leaves every buffer and the RNG as they were, so that replay performs the step). The graph
     for position ``p`` attends over the written columns ``[0, width + p + 1)`` only. After a
-    failed capture the remaining steps run eagerly (the holder has the reason)."""
+    failed capture the remaining steps run eagerly (the record has the reason)."""
 
-    def __init__(self, holder: GraphHolder, step: DecodeStep, plan: Plan, stats: RolloutStats):
-        self.holder, self.eager, self.stats = holder, step, stats
-        self.attention = plan.attention
+    def __init__(self, holder: GraphHolder, step: DecodeStep, plan: Plan, record: Record):
+        self.holder, self.eager, self.plan, self.record = holder, step, plan, record
         self.width = int(plan.signature.prompt_width or 0)
         self.position = 0
         self.failed = False
-        stats.path, stats.attention = plan.path, plan.attention
+        record.replaying(plan)
 
     def __call__(self) -> None:
         position, self.position = self.position, self.position + 1
         graph = None if self.failed else self.holder.graph(position)
         if graph is None and not self.failed:
-            graph = self._capture(position)
+            step = self.eager.with_span((0, self.width + position + 1))
+            graph = self.record.capture(self.holder, step, self.plan, key=position)
+            self.failed = graph is None  # the call finishes eagerly, as after a failed capture
         if graph is None:
             self.eager()
             return
         self.holder.backend.replay_graph(graph)
-        self.stats.replays += 1
+        self.record.replays += 1
 
-    def _capture(self, position: int) -> object | None:
-        start = time.perf_counter()
-        step = self.eager.with_span((0, self.width + position + 1))
-        graph = self.holder.capture(step, self.attention, self.stats, key=position)
-        self.stats.capture_s += time.perf_counter() - start
-        self.failed = graph is None
-        if self.failed:  # the call finishes eagerly, as after a failed static capture
-            self.stats.path = "eager"
-            self.stats.fallback_reason = self.holder.disabled_reason
-        else:
-            self.stats.captured = True
-        return graph
+    @classmethod
+    def start(cls, holder: GraphHolder, step: DecodeStep, plan: Plan, record: Record) -> Runner:
+        """Per-position graphs, each captured at its first step."""
+        return cls(holder, step, plan, record)
+
+
+#: The runner serving each graph path (an eager path's runner is the step itself).
+RUNNERS: dict[Path, type[ReplayRunner] | type[PositionRunner]] = {
+    Path.STATIC_GRAPH: ReplayRunner,
+    Path.CONTINUOUS_GRAPH: ReplayRunner,
+    Path.PER_POSITION_GRAPH: PositionRunner,
+}
 
 
 def start_runner(
-    holder: GraphHolder, plan: Plan, step: DecodeStep, stats: RolloutStats, decode_steps: int
+    holder: GraphHolder, plan: Plan, step: DecodeStep, record: Record, decode_steps: int
 ) -> Runner:
     """The runner for a call's ``decode_steps`` steps, after the group agreed on graphs.
 
     ``plan`` says whether this rank wants graphs; every rank calls this when graphs are enabled
-    and there is a step to run, so the agreement's collectives pair up. Records the path,
-    capture time and fallback reason in ``stats``.
+    and there is a step to run, so the agreement's collectives pair up. The record gets the
+    path, capture time and fallback reason.
     """
-    positions = plan.path == "per_position_graph"
+    positions = plan.path.per_position
     missing = holder.graph_count < decode_steps if positions else holder.graph() is None
-    if not holder.agree(plan.graph, missing, stats):
+    if not record.agree(holder, plan, missing):
         return step
-    if positions:
-        return PositionRunner(holder, step, plan, stats)
-    graph = holder.graph()
-    if graph is None:
-        start = time.perf_counter()
-        graph = holder.capture(step, plan.attention, stats, compiled=plan.compiled)
-        stats.capture_s = time.perf_counter() - start
-        stats.captured = graph is not None
-    if graph is None:
-        stats.fallback_reason = holder.disabled_reason
-        return step
-    stats.path, stats.attention, stats.compiled = plan.path, plan.attention, plan.compiled
-    return ReplayRunner(holder, graph, stats)
+    return RUNNERS[plan.path].start(holder, step, plan, record)
 
 
 def grow_blocks(
@@ -108,45 +106,21 @@ def grow_blocks(
     step: DecodeStep,
     columns: Sequence[int | None],
     ahead: int,
-    stats: RolloutStats,
+    record: Record,
 ) -> None:
     """Hand out blocks for rows whose next write column ``columns[b]`` (host) has none, for
     ``ahead`` steps on; when the pools must grow, the graphs reading them are dropped first
-    (the replacement pools are new tensors), with the reason in ``stats``."""
+    (the replacement pools are new tensors), with the reason in the ``record``."""
     cache = step.cache
     if not isinstance(cache, BlockKVCache):
         return
 
     def drop() -> None:
         if holder.graph_count:
-            stats.recapture_reason.append(f"kv_pool_blocks (the pool of {cache.num_blocks} grew)")
+            record.recapture_reason.append(f"kv_pool_blocks (the pool of {cache.num_blocks} grew)")
             holder.drop_graphs()
 
     cache.assign(columns, ahead, before_growth=drop)
-
-
-def record_nan_draws(stats: RolloutStats, step: DecodeStep) -> None:
-    """The tokens the call sampled from NaN logits, warned about: the sampler hides a NaN (it
-    must not reach ``multinomial``), and it is the one sign of a diverged policy."""
-    stats.nan_draws = int(step.state.nan_draws)
-    if stats.nan_draws:
-        warnings.warn(
-            f"{stats.nan_draws} sampled token(s) of this call were drawn for rows whose logits "
-            "held NaN (the model's weights or activations have diverged?): they are uniform "
-            "draws, not the model's; stats.nan_draws counts them",
-            NonFiniteLogitsWarning,
-            stacklevel=4,
-        )
-
-
-def record_kv(stats: RolloutStats, step: DecodeStep) -> None:
-    """The call's K/V layout figures: layout, peak blocks held, pool growths, cache bytes."""
-    cache = step.cache
-    stats.kv_cache_bytes = cache.nbytes()
-    if isinstance(cache, BlockKVCache):
-        stats.kv_layout = "blocks"
-        stats.kv_blocks_held = cache.peak_held
-        stats.kv_pool_growths = cache.growths
 
 
 class BlockRunner:
@@ -164,12 +138,12 @@ class BlockRunner:
         holder: GraphHolder,
         step: DecodeStep,
         plan: Plan,
-        stats: RolloutStats,
+        record: Record,
         runner: Runner,
         columns: Callable[[int], Sequence[int | None]],
         ahead: int,
     ):
-        self.holder, self.step, self.plan, self.stats = holder, step, plan, stats
+        self.holder, self.step, self.plan, self.record = holder, step, plan, record
         self.columns, self.ahead, self.done = columns, ahead, 0
         self.graph = runner.graph if isinstance(runner, ReplayRunner) else None
         caps = holder.backend.capabilities
@@ -178,16 +152,10 @@ class BlockRunner:
     def __call__(self) -> None:
         columns = self.columns(self.done)
         self.done += 1
-        grow_blocks(self.holder, self.step, columns, self.ahead, self.stats)
+        grow_blocks(self.holder, self.step, columns, self.ahead, self.record)
         if self.graph is not None and self.holder.graph() is None:
-            start = time.perf_counter()
-            self.graph = self.holder.capture(
-                self.step, self.plan.attention, self.stats, compiled=self.plan.compiled
-            )
-            self.stats.capture_s += time.perf_counter() - start
-            if self.graph is None:  # the rest of the call runs eagerly, as after any failure
-                self.stats.path = "continuous_eager" if "continuous" in self.plan.path else "eager"
-                self.stats.fallback_reason = self.holder.disabled_reason
+            # recaptured; after a failure the rest of the call runs eagerly
+            self.graph = self.record.capture(self.holder, self.step, self.plan)
         if self.graph is None:
             self.step()
             return
@@ -195,4 +163,4 @@ class BlockRunner:
             lengths = [1 if c is None else c + 1 for c in columns]
             self.holder.backend.update_graph_kv_lengths(self.graph, lengths)
         self.holder.backend.replay_graph(self.graph)
-        self.stats.replays += 1
+        self.record.replays += 1

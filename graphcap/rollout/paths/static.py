@@ -8,26 +8,25 @@ import time
 import torch
 
 from graphcap.rollout.cache.blocks import BlockKVCache
+from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.holder.agreement import RankAgreement
-from graphcap.rollout.holder.holder import GraphHolder
-from graphcap.rollout.plan.inputs import Call, check_request
-from graphcap.rollout.plan.plan import Plan, plan_call
-from graphcap.rollout.prefill import run_prefill
-from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
 from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, ladder_sizes
+from graphcap.rollout.paths.record import begin
 from graphcap.rollout.paths.runners import (
     BlockRunner,
     ReplayRunner,
     Runner,
     grow_blocks,
-    record_kv,
-    record_nan_draws,
     start_runner,
 )
+from graphcap.rollout.plan import Plan
+from graphcap.rollout.plan.inputs import Call
+from graphcap.rollout.prefill import run_prefill
+from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
 from graphcap.rollout.sampling import RowPlan
 from graphcap.rollout.settings.call import CallSettings
 from graphcap.rollout.settings.rollout_config import RolloutConfig, bucket_size
-from graphcap.rollout.step.step import DecodeState, DecodeStep
+from graphcap.rollout.step import DecodeState, DecodeStep
 
 
 class StaticRollout:
@@ -49,32 +48,7 @@ class StaticRollout:
         batch, total = rows * repeats, width + settings.max_new_tokens
         padded_batch = bucket_size(batch, self.config.batch_buckets)
         padded_total = self.config.total_length(self.model, total)
-        check_request(
-            self.model,
-            call.scan,
-            self.holder.backend,
-            self.config,
-            settings,
-            (rows, width),
-            padded_batch,
-            padded_total,
-        )
-        plan = plan_call(
-            self.model,
-            self.holder.backend,
-            self.config,
-            settings,
-            generator,
-            batch_size=padded_batch,
-            total_len=padded_total,
-            prompt_width=width,
-            sampler=self.holder.sampler_for(call.per_prompt),
-            disabled_reason=self.holder.disabled_reason,
-            scan=call.scan,
-        )
-        stats = RolloutStats(path="eager", batch_size=padded_batch, total_len=padded_total)
-        stats.fallback_reason = plan.reason
-        stats.recapture_reason = self.holder.release_stale(plan.signature)
+        plan, record = begin(self.model, self.config, self.holder, call, padded_batch, padded_total)
 
         prefill = run_prefill(self.model, input_ids, attention_mask)
         # prefill row of each batch row: samples of a prompt, then bucket padding rows
@@ -91,7 +65,7 @@ class StaticRollout:
         interval = self.config.eos_check_interval
         step.cache.reset()
         # every row writes column width + i at decode step i (host arithmetic, no device read)
-        grow_blocks(self.holder, step, [width] * padded_batch, interval, stats)
+        grow_blocks(self.holder, step, [width] * padded_batch, interval, record)
         step.cache.load_prefill(prefill.cache, source_rows=sources)
         step.masks.reset(attention_mask.index_select(0, sources))
         step.state.reset(
@@ -100,36 +74,35 @@ class StaticRollout:
             RowPlan.build(call.per_prompt, repeats, padded_batch),
         )
         step.commit(logits)
-        stats.prefill_s = time.perf_counter() - start
+        prefill_s = time.perf_counter() - start
 
         steps = settings.max_new_tokens - 1
         runner: Runner = step
         if self.config.enable_graph_capture and steps > 0:
-            runner = start_runner(self.holder, plan, step, stats, steps)
+            runner = start_runner(self.holder, plan, step, record, steps)
         sizes = self._ladder(plan, padded_batch)
         if sizes and (runner is step or isinstance(runner, ReplayRunner)):
             graph = runner.graph if isinstance(runner, ReplayRunner) else None
-            runner = LadderRunner(self.holder, step, plan, stats, graph, sizes, width, interval)
+            runner = LadderRunner(self.holder, step, plan, record, graph, sizes, width, interval)
         elif isinstance(step.cache, BlockKVCache):
             runner = BlockRunner(
                 self.holder,
                 step,
                 plan,
-                stats,
+                record,
                 runner,
                 lambda i: [width + i] * padded_batch,
                 interval,
             )
         t_decode = time.perf_counter()
-        stats.steps = decode(runner, steps, step.state, interval, self.holder.agreement)
+        decoded = decode(runner, steps, step.state, interval, self.holder.agreement)
         if isinstance(runner, LadderRunner):
             runner.restore()
         self.holder.backend.synchronize()
-        record_kv(stats, step)
-        record_nan_draws(stats, step)
-        stats.decode_s = time.perf_counter() - t_decode
-        if plan.path == "per_position_graph":  # its captures happen inside the decode loop
-            stats.decode_s -= stats.capture_s
+        decode_s = time.perf_counter() - t_decode
+        if plan.path.per_position:  # its captures happen inside the decode loop
+            decode_s -= record.capture_s
+        stats = record.stats(step, padded_batch, padded_total, decoded, prefill_s, decode_s)
         return collect(step.state, batch, width, total, settings, stats)
 
     def _ladder(self, plan: Plan, batch: int) -> tuple[int, ...]:
@@ -138,7 +111,7 @@ class StaticRollout:
         ranks that would have to agree on every move, records of every row's scores at every
         step)."""
         sampler = plan.signature.sampler
-        if plan.path == "per_position_graph" or sampler.shared or sampler.records:
+        if plan.path.per_position or sampler.shared or sampler.records:
             return ()
         if self.config.process_group is not None:
             return ()

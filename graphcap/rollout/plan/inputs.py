@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from graphcap.errors import warn_once
 from graphcap.rollout.cache.blocks import full_pool_columns
-from graphcap.rollout.plan.plan import kv_layout
+from graphcap.rollout.plan.plan import Path, kv_layout
 from graphcap.rollout.plan.scan import ModelScan
 from graphcap.rollout.settings.call import CallSettings
 from graphcap.rollout.settings.rollout_config import RolloutConfig
@@ -270,6 +270,18 @@ def check_positions(model: PreTrainedModel, width: int, max_new_tokens: int) -> 
         )
 
 
+def kv_bytes_per_token(model: PreTrainedModel, itemsize: int, shards: int = 1) -> int:
+    """Bytes of keys and values one token keeps in every layer's cache, its K/V heads divided
+    over ``shards`` tensor-parallel ranks."""
+    config = model.config.get_text_config()
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", 0) or (hidden // heads if heads else 0))
+    return layers * max(kv_heads // shards, 1) * head_dim * 2 * itemsize
+
+
 def request_bytes(
     model: PreTrainedModel,
     dtype: torch.dtype,
@@ -284,14 +296,8 @@ def request_bytes(
     total`` columns; on a block table of ``block_size``, its pools rounded to whole blocks) and
     the prefill's (``prompt_rows x width``), the decode buffers and the per-step scores. K/V
     heads are divided over ``shards`` tensor-parallel ranks."""
-    config = model.config.get_text_config()
     itemsize = dtype.itemsize
-    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    head_dim = int(getattr(config, "head_dim", 0) or (hidden // heads if heads else 0))
-    kv_per_token = layers * max(kv_heads // shards, 1) * head_dim * 2 * itemsize
+    kv_per_token = kv_bytes_per_token(model, itemsize, shards)
     columns = batch * total if block_size is None else full_pool_columns(batch, total, block_size)
     cache = (columns + prompt_rows * width) * kv_per_token
     # sequences (long), response and valid (bool), logprobs (float32), one mask row
@@ -323,7 +329,7 @@ def check_request(
     shards = dist.get_world_size(config.process_group) if config.process_group else 1
     # per-position graphs keep the static cache (the smaller estimate) when the call pins its
     # length; which the plan decides, so the estimate stays a lower bound
-    path = "per_position_graph" if config.per_position_graphs else "static_graph"
+    path = Path.PER_POSITION_GRAPH if config.per_position_graphs else Path.STATIC_GRAPH
     block_size = kv_layout(config, backend, path)
     need = request_bytes(model, scan.dtype, decode_batch, total, rows, width, shards, block_size)
     source = " = RolloutConfig.continuous_batch_size" if slots is not None else ""

@@ -13,6 +13,7 @@ values per call).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,48 @@ from graphcap.rollout.settings.rollout_config import RolloutConfig
 #: Attention implementations whose kernels read host values per call (varlen lengths, block
 #: tables) or build masks with host logic; a graph would freeze them.
 UNSAFE_ATTENTION_MARKERS: tuple[str, ...] = ("flash_attention", "flex_attention", "paged")
+
+
+class Path(StrEnum):
+    """The path a call's decode steps take. The values are what ``RolloutStats.path`` reports
+    (a ``Path`` is its string: ``Path.EAGER == "eager"``)."""
+
+    EAGER = "eager"
+    STATIC_GRAPH = "static_graph"
+    PER_POSITION_GRAPH = "per_position_graph"
+    CONTINUOUS_EAGER = "continuous_eager"
+    CONTINUOUS_GRAPH = "continuous_graph"
+
+    @property
+    def is_graph(self) -> bool:
+        return self in _GRAPH_PATHS
+
+    @property
+    def continuous(self) -> bool:
+        return self in (Path.CONTINUOUS_EAGER, Path.CONTINUOUS_GRAPH)
+
+    @property
+    def eager_fallback(self) -> Path:
+        """The eager path this one runs as when graphs cannot serve it (itself if eager)."""
+        return Path.CONTINUOUS_EAGER if self.continuous else Path.EAGER
+
+    @property
+    def per_position(self) -> bool:
+        """A graph per decode position, captured while decoding (a host-given column span)."""
+        return self is Path.PER_POSITION_GRAPH
+
+    @classmethod
+    def asked(cls, config: RolloutConfig) -> Path:
+        """The path ``config`` asks for, before any refusal."""
+        if config.continuous_batch_size is not None:
+            graph = config.enable_graph_capture
+            return cls.CONTINUOUS_GRAPH if graph else cls.CONTINUOUS_EAGER
+        if not config.enable_graph_capture:
+            return cls.EAGER
+        return cls.PER_POSITION_GRAPH if config.per_position_graphs else cls.STATIC_GRAPH
+
+
+_GRAPH_PATHS = frozenset({Path.STATIC_GRAPH, Path.PER_POSITION_GRAPH, Path.CONTINUOUS_GRAPH})
 
 
 def check_attention(model: torch.nn.Module) -> None:
@@ -177,7 +220,7 @@ def selected_attention(model: torch.nn.Module, backend: Backend, config: Rollout
     return choice or attention_implementation(model)
 
 
-def kv_layout(config: RolloutConfig, backend: Backend, path: str) -> int | None:
+def kv_layout(config: RolloutConfig, backend: Backend, path: Path) -> int | None:
     """The block size of the call's block KV table, or ``None`` for the static cache.
 
     ``RolloutConfig.kv_block_size`` ``"auto"`` follows the backend's declaration. The eager
@@ -188,7 +231,7 @@ def kv_layout(config: RolloutConfig, backend: Backend, path: str) -> int | None:
     size = config.kv_block_size
     if size == "auto":
         size = backend.capabilities.kv_block_size
-    if config.align_decode_fronts or config.trim_cache or path == "per_position_graph":
+    if config.align_decode_fronts or config.trim_cache or path.per_position:
         return None
     return size
 
@@ -197,15 +240,15 @@ def kv_layout(config: RolloutConfig, backend: Backend, path: str) -> int | None:
 class Plan:
     """How one call runs.
 
-    ``path``: the path graphs take (``static_graph``, ``per_position_graph``,
-    ``continuous_graph``) or the eager one (``eager``, ``continuous_eager``). ``reason``: why the
+    ``path``: the path graphs take (:class:`Path`: static, per-position or continuous graphs) or
+    the eager one (eager, continuous eager). ``reason``: why the
     call does not take the path the config asked for (eager instead of a graph, or the static
     graph instead of per-position graphs, or uncompiled steps); ``None`` when it does.
     ``compiled``: captured steps run the blocks around attention compiled
     (:mod:`graphcap.rollout.plan.regions`).
     """
 
-    path: str
+    path: Path
     reason: str | None
     signature: GraphSignature
     windows: dict[str, int | None]
@@ -214,7 +257,7 @@ class Plan:
 
     @property
     def graph(self) -> bool:
-        return self.path.endswith("_graph")
+        return self.path.is_graph
 
 
 def plan_call(
@@ -237,8 +280,8 @@ def plan_call(
     ``sampler``: the sampler shape the step needs (the holder's, widened by this call);
     ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
     """
-    continuous = config.continuous_batch_size is not None
-    path = "continuous_eager" if continuous else "eager"
+    asked = Path.asked(config)
+    path = asked.eager_fallback
     reason = None
     attention = attention_implementation(model)
     compiled = False
@@ -261,10 +304,10 @@ def plan_call(
             )
         if compiled and (reason := compile_refusal(scan)) is not None:
             compiled = False
-        path = "continuous_graph" if continuous else "static_graph"
-        if config.per_position_graphs:
+        path = asked
+        if path.per_position:
             reason = pinned_refusal(settings)
-            path = "static_graph" if reason else "per_position_graph"
+            path = Path.STATIC_GRAPH if reason else path
     windows = layer_windows(model.config)
     block_size = kv_layout(config, backend, path)
     signature = signature_of(
@@ -278,8 +321,8 @@ def plan_call(
         windows=windows,
         generator=generator,
         attention=attention,
-        prompt_width=prompt_width if path == "per_position_graph" else None,
-        decode_steps=settings.max_new_tokens - 1 if path == "per_position_graph" else None,
+        prompt_width=prompt_width if path.per_position else None,
+        decode_steps=settings.max_new_tokens - 1 if path.per_position else None,
         compiled=compiled,
         kv_block_size=block_size,
     )

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, ClassVar, TypeAlias
 import torch
 from transformers.cache_utils import Cache
 
+from graphcap.rollout.cache import LayerSpec, SpanView, StaticKVCache
 from graphcap.rollout.cache.blocks import BlockKVCache, whole_table_blocks
-from graphcap.rollout.cache.cache import LayerSpec, SpanView, StaticKVCache
 from graphcap.rollout.cache.masks import MaskBuffers
 from graphcap.rollout.plan.signature import attention_implementation
 from graphcap.rollout.prefill import accepts_logits_to_keep, cache_keyword
@@ -38,7 +38,7 @@ from graphcap.rollout.sampling import (
 )
 
 if TYPE_CHECKING:
-    from graphcap.rollout.plan.plan import Plan
+    from graphcap.rollout.plan import Plan
     from graphcap.rollout.settings.call import CallSettings
 
 MaskInput: TypeAlias = "torch.Tensor | dict[str, torch.Tensor]"

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from graphcap.backend import Backend
-from graphcap.rollout.cache.cache import StaticKVCache
+from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.cache.masks import MaskBuffers, layer_windows
 from graphcap.rollout.holder.capture import capture_step
 from graphcap.rollout.sampling import RowPlan, SamplerShape
 from graphcap.rollout.settings.sampling_params import SamplingParams
-from graphcap.rollout.step.step import DecodeState, DecodeStep
+from graphcap.rollout.step import DecodeState, DecodeStep
 from graphcap.testing import models
 from graphcap.testing.conformance.replay import replay
 
