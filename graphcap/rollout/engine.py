@@ -75,7 +75,7 @@ class RolloutEngine:
         cache = CompileCache(resolve_directory(self.config.compile_cache))
         self._holder = GraphHolder(self.backend, agreement, self._fusion, cache)
         rollout = ROLLOUTS[Path.asked(self.config)]
-        self._path = rollout(model, self.config, self._holder)
+        self._rollout = rollout(model, self.config, self._holder)
         self._lock = threading.Lock()
         self._closed = False
         self._sleeping = False  # sleep() freed the buffers and no generate has run since
@@ -135,7 +135,7 @@ class RolloutEngine:
                 generator_kept(self.backend, generator, keep=not call.draws),
                 self._fusion.applied() if self._fusion is not None else contextlib.nullcontext(),
             ):
-                result = self._path.run(call, start)
+                result = self._rollout.run(call, start)
             woke, self._sleeping = self._sleeping, False
             stats, total_s = result.stats, time.perf_counter() - start
             woken = [WOKE] if woke and stats.captured else []
