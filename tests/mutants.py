@@ -99,7 +99,10 @@ PLANTS = (
         "graphcap/rollout/holder/capture.py",
         "        warmup_s = time.perf_counter() - start\n        rollback()\n",
         "        warmup_s = time.perf_counter() - start\n",
-        ("tests/test_rollout_equivalence.py",),
+        (
+            "tests/test_capture_detection.py::"
+            "test_the_capture_starts_from_the_state_the_warm_up_started_from",
+        ),
     ),
     Plant(
         "compile-cache file never loaded",

@@ -81,3 +81,20 @@ def _unmarked():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+def test_the_capture_starts_from_the_state_the_warm_up_started_from() -> None:
+    """The warm-up's writes are undone before the capture: a backend whose capture runs the step
+    (the CPU reference does) computes from the state the first replay will see. Here the step
+    writes at a device index that the warm-up moves past the buffer's end."""
+    buffer, index = torch.zeros(4), torch.tensor([3])
+
+    def step() -> None:
+        buffer.index_fill_(0, index, 1.0)
+        index.add_(1)
+
+    backend = CPUBackend()
+    graph = capture_step(backend, step, [buffer, index], None)
+    assert buffer.tolist() == [0, 0, 0, 0] and index.tolist() == [3]
+    backend.replay_graph(graph)
+    assert buffer.tolist() == [0, 0, 0, 1] and index.tolist() == [4]
