@@ -1,15 +1,17 @@
 """Continuous batching: a queue of requests through a fixed number of slots (docs/continuous.md).
 
-The decode step always runs over all ``N`` slots, so a captured graph sees one batch shape and
-one set of tensor addresses. The queue runs longest budget first (results still come back in
-request order). A request that uses its whole budget finishes at a step the host computes, so
-its slot is retired and refilled right after that step, without a device read; one that stops
-early (EOS, stop token) is seen every ``eos_check_interval`` steps, when the host reads the
-slots' device ``finished`` flags (the only device read while decoding). Retiring copies the
-request's rows out and clears the slot; refilling prefills queued requests eagerly, writes
-their K/V into the slot's cache row and chooses their first token by the same commit math.
-Graph and eager loops share this schedule, so they differ only in the kernels the step runs
-(bit-identical where both run the same attention; docs/continuous.md).
+While requests wait, the decode step runs over all ``N`` slots, so a captured graph sees one
+batch shape and one set of tensor addresses. The queue runs longest budget first (results
+still come back in request order). A request that uses its whole budget finishes at a step
+the host computes, so its slot is retired and refilled right after that step, without a device
+read; one that stops early (EOS, stop token) is seen every ``eos_check_interval`` steps, when
+the host reads the slots' device ``finished`` flags (the only device read while decoding).
+Retiring copies the request's rows out and clears the slot; refilling prefills queued requests
+eagerly, writes their K/V into the slot's cache row and chooses their first token by the same
+commit math. Graph and eager loops share this schedule, so they differ only in the kernels the
+step runs (bit-identical where both run the same attention; docs/continuous.md). Once the
+queue is empty the busy slots follow the live-row ladder (:mod:`graphcap.rollout.paths.ladder`):
+when they fit a smaller size they move to the leading slots and the steps run at that size.
 """
 
 from __future__ import annotations
@@ -23,13 +25,9 @@ import torch
 from graphcap.errors import DecodeStalledError
 from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, call_ladder, decode_runner
 from graphcap.rollout.paths.record import begin
-from graphcap.rollout.paths.runners import (
-    BlockRunner,
-    Runner,
-    grow_blocks,
-    start_runner,
-)
+from graphcap.rollout.paths.runners import Runner, grow_blocks, start_runner
 from graphcap.rollout.plan.inputs import Call
 from graphcap.rollout.prefill import Prefill, run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
@@ -135,10 +133,18 @@ class ContinuousRollout:
         interval = config.eos_check_interval
         if config.enable_graph_capture and max_new > 1:
             runner = start_runner(holder, plan, step, record, max_new - 1)
-        if isinstance(step.cache, BlockKVCache):
-            runner = BlockRunner(
-                holder, step, plan, record, runner, lambda _: _columns(table), interval
-            )
+        # the layout modes move columns under a span the eager step reads: they keep the slots
+        runner = decode_runner(
+            holder,
+            step,
+            plan,
+            record,
+            runner=runner,
+            sizes=() if align or trim else call_ladder(config, plan, slots),
+            columns=lambda _: _columns(table),
+            ahead=interval,
+        )
+        ladder = runner if isinstance(runner, LadderRunner) else None
         t_decode = time.perf_counter()
         narrow = runner is step and (align or trim)
         attended = steps = 0
@@ -152,6 +158,8 @@ class ContinuousRollout:
                     f"step changes nothing (on backend {holder.backend.name!r}, path "
                     f"{record.path}); run the conformance suite on this backend"
                 )
+            if ladder is not None and queue.empty:
+                self._compact(ladder, step, table)
             if narrow:
                 step.span = self._span(table, queue, total)
             attended += step.span[1] - step.span[0] if narrow else total
@@ -159,8 +167,11 @@ class ContinuousRollout:
             steps += 1
             for slot in table.occupied():
                 table.column[slot] = min(table.column[slot] + 1, total - 2)
-            check = steps % interval == 0
-            if check or self._due(table, queue, steps):
+            # on the ladder, once no request waits, the flags are read as the static path
+            # reads them: each read may let the busy slots move to a smaller size
+            tail = ladder is not None and queue.empty
+            check = steps % (min(interval, CHECK_EVERY) if tail else interval) == 0
+            if check or self._due(table, queue, steps, ladder):
                 self._service(step, table, queue, outputs, steps, align, trim, read=check)
         holder.backend.synchronize()
         decode_s = time.perf_counter() - t_decode
@@ -175,7 +186,7 @@ class ContinuousRollout:
             slots_refilled=table.refilled,
             moved_columns=table.moved_columns,
             mean_span=attended / steps if steps else float(total),
-            occupancy=_occupancy(out_resp, slots, steps),
+            occupancy=_occupancy(out_resp, record.row_steps if ladder else slots * steps),
         )
         return _result(outputs, width, settings, stats)
 
@@ -237,12 +248,33 @@ class ContinuousRollout:
         return run_prefill(self.model, queue.ids[prompts], queue.mask[prompts])
 
     @staticmethod
-    def _due(table: SlotTable, queue: _Queue, now: int) -> bool:
+    def _due(table: SlotTable, queue: _Queue, now: int, ladder: LadderRunner | None) -> bool:
         """Whether to retire between checks: a slot's budget ran out and a queued request can
-        take it, or every busy slot is done (the call ends without waiting for a check). With
-        an empty queue and others still busy, retiring early would free nothing useful."""
+        take it, or every busy slot is done (the call ends without waiting for a check), or on
+        the ladder the slots left busy fit a smaller size. With an empty queue and others still
+        busy, retiring early would otherwise free nothing useful."""
         due = table.due_by(now)
-        return bool(due) and (not queue.empty or len(due) == len(table.occupied()))
+        if not due:
+            return False
+        left = len(table.occupied()) - len(due)
+        shrinks = ladder is not None and ladder.target(left) is not None
+        return not queue.empty or not left or shrinks
+
+    @staticmethod
+    def _compact(ladder: LadderRunner, step: ContinuousStep, table: SlotTable) -> None:
+        """With no request waiting: when the busy slots fit a smaller size of the ladder, the
+        busy ones beyond it move into free slots inside it (every per-row buffer, the cache's
+        rows, the slot table's entries), the following steps run at that size, and the slots
+        they left are cleared as retired ones are. Host bookkeeping, no device read."""
+        target = ladder.target(len(table.occupied()))
+        if target is None:
+            return
+        free = [request < 0 for request in table.request[: ladder.size]]
+        moved = ladder.shrink(free, target)
+        for dst, src in moved:
+            table.swap(dst, src)
+        if moved:
+            clear_slots(step, [src for _, src in moved])
 
     def _service(
         self,
@@ -382,11 +414,11 @@ def _result(
     )
 
 
-def _occupancy(response: torch.Tensor, slots: int, steps: int) -> float:
-    """The share of slot-steps that produced a token (each request's first token is the
-    prefill's)."""
+def _occupancy(response: torch.Tensor, computed: int) -> float:
+    """The share of the ``computed`` slot-steps (slots x steps, or on the live-row ladder the
+    rows its steps ran) that produced a token (each request's first token is the prefill's)."""
     useful = int((response.sum(-1) - 1).clamp(min=0).sum())
-    return useful / (slots * steps) if steps else 1.0
+    return useful / computed if computed else 1.0
 
 
 def _limits(

@@ -1,28 +1,32 @@
-"""The live-row ladder: a static call's steps run at the smallest batch size that holds the rows
-still generating.
+"""The live-row ladder: a call's steps run at the smallest batch size that holds the rows still
+generating.
 
 In an RL round most rows end long before the longest one, and a step costs what its batch size
-costs whether its rows are live or not. At each "all finished" check the runner reads which rows
-ended; when the live ones fit a smaller size of the ladder, live rows from beyond that size swap
-places with ended rows inside it (every per-row buffer, and the cache's own way: the static
-cache copies K/V rows, the block table swaps table rows), and the following steps replay the
-graph captured for that size over the first rows of the same buffers. Each size's graph is
-captured once per held signature and kept across calls. A row's tokens do not depend on where
-it sits: its settings, key and buffers move with it, and a step's per-row math is the same at
-every batch size. At the end the rows go back to their own places.
+costs whether its rows are live or not. Between two steps the caller learns which rows ended
+(the static path at each "all finished" check, :meth:`LadderRunner.check`; the continuous path
+from its slot table once its queue is empty); when the live ones fit a smaller size of the
+ladder, live rows from beyond that size swap places with ended rows inside it
+(:meth:`LadderRunner.shrink`: every per-row buffer, and the cache's own way: the static cache
+copies K/V rows, the block table swaps table rows), and the following steps replay the graph
+captured for that size over the first rows of the same buffers. Each size's graph is captured
+once per held signature and kept across calls. A row's tokens do not depend on where it sits:
+its settings, key, counters and buffers move with it, and a step's per-row math is the same at
+every batch size. At the end the static path puts the rows back in their own places; the
+continuous path's slot table follows its requests instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from graphcap.rollout.cache.blocks import BlockKVCache, reads_blocks
+from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.paths.record import Record
-from graphcap.rollout.paths.runners import grow_blocks
+from graphcap.rollout.paths.runners import BlockRunner, ReplayRunner, Runner, grow_blocks, replay
 from graphcap.rollout.plan import Plan
+from graphcap.rollout.settings.rollout_config import RolloutConfig
 from graphcap.rollout.step import DecodeStep
 
 #: Steps between two reads of the finished flags on the ladder (at most ``eos_check_interval``):
@@ -43,43 +47,69 @@ def ladder_sizes(ladder: Sequence[int] | str | None, batch_size: int) -> tuple[i
     return tuple(sorted({s for s in sizes if s < batch_size}, reverse=True))
 
 
-class LadderRunner:
-    """Runs the current batch size's step; :meth:`check` moves to a smaller size.
+def call_ladder(config: RolloutConfig, plan: Plan, batch: int) -> tuple[int, ...]:
+    """The smaller batch sizes a call of ``batch`` rows may shrink to, eager or captured (none
+    where moving rows would change what a step does: the shared generator's draws,
+    per-position graphs, ranks that would have to agree on every move, records of every row's
+    scores at every step)."""
+    sampler = plan.signature.sampler
+    if plan.path.per_position or sampler.shared or sampler.records:
+        return ()
+    if config.process_group is not None:
+        return ()
+    return ladder_sizes(config.batch_ladder, batch)
 
-    ``graph``: the full size's graph (captured by :func:`start_runner`), or ``None`` for an
-    eager call, whose steps follow the same ladder eagerly (so eager and graph calls compute
-    every step at the same batch size, bit for bit alike). ``width``: the prompt width, so row
-    ``b`` writes column ``width + i`` at decode step ``i`` (block tables hand blocks out
-    ``ahead`` steps on, for the rows the current size runs).
+
+def decode_runner(
+    holder: GraphHolder,
+    step: DecodeStep,
+    plan: Plan,
+    record: Record,
+    *,
+    runner: Runner,
+    sizes: tuple[int, ...],
+    columns: Callable[[int], Sequence[int | None]],
+    ahead: int,
+) -> Runner:
+    """What runs a call's decode steps, around ``runner`` (the eager step or the full size's
+    replay): the ladder's runner where ``sizes`` is not empty, else on a block table a runner
+    that hands blocks out between steps, else ``runner`` itself. ``columns(i)``: each row's
+    write column at the call's ``i``-th decode step, in the rows' current places (host values;
+    ``None`` for idle rows)."""
+    blocks = BlockRunner(holder, step, plan, record, runner, columns, ahead)
+    if sizes and (runner is step or isinstance(runner, ReplayRunner)):
+        return LadderRunner(blocks, sizes)
+    return blocks if isinstance(step.cache, BlockKVCache) else runner
+
+
+class LadderRunner:
+    """Runs the current batch size's step; :meth:`shrink` moves to a smaller size.
+
+    ``base``: the call's runner off the ladder, whose settings this one takes: the full
+    size's graph (captured by :func:`start_runner`), or ``None`` for an eager call, whose
+    steps follow the same ladder eagerly (so eager and graph calls compute every step at the
+    same batch size, bit for bit alike); ``columns(i)``, each row's write column at the call's
+    ``i``-th decode step, rows in their current places (``None`` for idle rows): block tables
+    hand blocks out ``ahead`` steps on for the rows the current size runs, and a backend taking
+    the kernel's lengths on the host gets them from it.
     """
 
-    def __init__(
-        self,
-        holder: GraphHolder,
-        step: DecodeStep,
-        plan: Plan,
-        record: Record,
-        graph: object,
-        sizes: tuple[int, ...],
-        width: int,
-        ahead: int,
-    ):
-        self.holder, self.full, self.plan, self.record = holder, step, plan, record
-        self.sizes, self.width, self.ahead = sizes, width, ahead
-        self.size = step.state.finished.shape[0]
-        self.step, self.key, self.graph = step, None, graph
-        self.replaying = graph is not None
+    def __init__(self, base: BlockRunner, sizes: tuple[int, ...]):
+        self.holder, self.full, self.plan = base.holder, base.step, base.plan
+        self.record = base.record
+        self.columns, self.ahead, self.host_lengths = base.columns, base.ahead, base.host_lengths
+        self.sizes, self.size = sizes, base.step.state.finished.shape[0]
+        self.step, self.key, self.graph = base.step, None, base.graph
+        self.replaying = self.graph is not None
         self.slots = list(range(self.size))  # the original row each slot now holds
         self.done = 0
-        self.blocks = isinstance(step.cache, BlockKVCache)
-        caps = holder.backend.capabilities
-        self.host_lengths = caps.graph_kv_lengths_on_host and reads_blocks(plan.attention)
+        self.blocks = isinstance(self.full.cache, BlockKVCache)
 
     def __call__(self) -> None:
-        column = self.width + self.done
+        columns = list(self.columns(self.done))[: self.size]
         self.done += 1
         if self.blocks:
-            live = [column] * self.size + [None] * (len(self.slots) - self.size)
+            live = columns + [None] * (len(self.slots) - self.size)
             growths = self.full.cache.growths
             grow_blocks(self.holder, self.full, live, self.ahead, self.record)
             if self.full.cache.growths != growths and self.key is not None:
@@ -93,26 +123,32 @@ class LadderRunner:
         if not self.replaying:
             self.step()
             return
-        if self.host_lengths:
-            self.holder.backend.update_graph_kv_lengths(self.graph, [column + 1] * self.size)
-        self.holder.backend.replay_graph(self.graph)
-        self.record.replays += 1
+        replay(self.holder, self.graph, self.record, columns if self.host_lengths else None)
 
     def check(self) -> bool:
         """Read the finished flags (one host read): whether every row ended; else move to the
         smallest ladder size that holds the live rows, if it is smaller than the current one."""
         finished = self.full.state.finished[: self.size].tolist()
-        live = [row for row, ended in enumerate(finished) if not ended]
+        live = finished.count(False)
         if not live:
             return True
-        target = min((s for s in self.sizes if len(live) <= s < self.size), default=None)
+        target = self.target(live)
         if target is not None:
-            self._shrink(finished, live, target)
+            self.shrink(finished, target)
         return False
 
-    def _shrink(self, finished: list[bool], live: list[int], target: int) -> None:
+    def target(self, live: int) -> int | None:
+        """The smallest ladder size that holds ``live`` rows, where it is below the current
+        size (else ``None``)."""
+        return min((s for s in self.sizes if live <= s < self.size), default=None)
+
+    def shrink(self, ended: Sequence[bool], target: int) -> list[tuple[int, int]]:
+        """Run at size ``target`` from the next step: the live rows (``ended[b]`` false, for
+        each row of the current size) beyond it swap places with ended rows inside it. Returns
+        the ``(ended row, live row)`` pairs that swapped. Between replays only."""
+        live = [row for row, gone in enumerate(ended) if not gone]
         src = [row for row in live if row >= target]
-        dst = [row for row, ended in enumerate(finished[:target]) if ended][: len(src)]
+        dst = [row for row, gone in enumerate(ended[:target]) if gone][: len(src)]
         if src:
             device = self.full.state.finished.device
             as_index = torch.tensor(dst + src, dtype=torch.long).to(device)
@@ -125,6 +161,7 @@ class LadderRunner:
         self.size, self.key = target, ("rows", target)
         self.step = self.full.leading(target)
         self.graph = self.holder.graph(self.key) if self.replaying else None
+        return list(zip(dst, src, strict=True))
 
     def restore(self) -> None:
         """Put every row back in its own place (the caller's order), after the last step."""

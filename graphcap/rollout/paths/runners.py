@@ -159,8 +159,20 @@ class BlockRunner:
         if self.graph is None:
             self.step()
             return
-        if self.host_lengths:
-            lengths = [1 if c is None else c + 1 for c in columns]
-            self.holder.backend.update_graph_kv_lengths(self.graph, lengths)
-        self.holder.backend.replay_graph(self.graph)
-        self.record.replays += 1
+        replay(self.holder, self.graph, self.record, columns if self.host_lengths else None)
+
+
+def replay(
+    holder: GraphHolder,
+    graph: object,
+    record: Record,
+    columns: Sequence[int | None] | None,
+) -> None:
+    """Replay ``graph``, after handing a backend that takes the kernel's lengths on the host
+    each row's (``columns`` given: ``columns + 1``, idle rows 1, the values the step sets on
+    the device)."""
+    if columns is not None:
+        lengths = [1 if c is None else c + 1 for c in columns]
+        holder.backend.update_graph_kv_lengths(graph, lengths)
+    holder.backend.replay_graph(graph)
+    record.replays += 1

@@ -7,19 +7,15 @@ import time
 
 import torch
 
-from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.holder.agreement import RankAgreement
-from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, ladder_sizes
+from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, call_ladder, decode_runner
 from graphcap.rollout.paths.record import begin
 from graphcap.rollout.paths.runners import (
-    BlockRunner,
-    ReplayRunner,
     Runner,
     grow_blocks,
     start_runner,
 )
-from graphcap.rollout.plan import Plan
 from graphcap.rollout.plan.inputs import Call
 from graphcap.rollout.prefill import run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
@@ -80,20 +76,16 @@ class StaticRollout:
         runner: Runner = step
         if self.config.enable_graph_capture and steps > 0:
             runner = start_runner(self.holder, plan, step, record, steps)
-        sizes = self._ladder(plan, padded_batch)
-        if sizes and (runner is step or isinstance(runner, ReplayRunner)):
-            graph = runner.graph if isinstance(runner, ReplayRunner) else None
-            runner = LadderRunner(self.holder, step, plan, record, graph, sizes, width, interval)
-        elif isinstance(step.cache, BlockKVCache):
-            runner = BlockRunner(
-                self.holder,
-                step,
-                plan,
-                record,
-                runner,
-                lambda i: [width + i] * padded_batch,
-                interval,
-            )
+        runner = decode_runner(
+            self.holder,
+            step,
+            plan,
+            record,
+            runner=runner,
+            sizes=call_ladder(self.config, plan, padded_batch),
+            columns=lambda i: [width + i] * padded_batch,
+            ahead=interval,
+        )
         t_decode = time.perf_counter()
         decoded = decode(runner, steps, step.state, interval, self.holder.agreement)
         if isinstance(runner, LadderRunner):
@@ -104,18 +96,6 @@ class StaticRollout:
             decode_s -= record.capture_s
         stats = record.stats(step, padded_batch, padded_total, decoded, prefill_s, decode_s)
         return collect(step.state, batch, width, total, settings, stats)
-
-    def _ladder(self, plan: Plan, batch: int) -> tuple[int, ...]:
-        """The smaller batch sizes this call may shrink to, eager or captured (none where moving
-        rows would change what a step does: the shared generator's draws, per-position graphs,
-        ranks that would have to agree on every move, records of every row's scores at every
-        step)."""
-        sampler = plan.signature.sampler
-        if plan.path.per_position or sampler.shared or sampler.records:
-            return ()
-        if self.config.process_group is not None:
-            return ()
-        return ladder_sizes(self.config.batch_ladder, batch)
 
 
 def decode(

@@ -81,12 +81,13 @@ class RolloutConfig:
     model's within float rounding. ``None`` (the default) fuses in graph engines where the
     backend declares that it pays (``Capabilities.fuse_projections_by_default``: CUDA),
     ``True`` always, ``False`` never.
-    ``batch_ladder``: the batch sizes a static graph call shrinks to as rows end, so a step
-    computes only rows still generating: ``"auto"`` (the default) every power of two below the
-    call's batch, a tuple those sizes, ``None`` never (docs/rollout.md, "The live-row
-    ladder"). Each size is one more graph, captured when a call first reaches it and kept.
-    Not with ``draws="generate"`` (moving rows would change how many numbers a step draws),
-    per-position graphs or ``process_group``.
+    ``batch_ladder``: the batch sizes a call shrinks to as rows end, so a step computes only
+    rows still generating (the continuous path's slots once its queue is empty):
+    ``"auto"`` (the default) every power of two below the call's batch and three quarters of
+    each, a tuple those sizes, ``None`` never (docs/rollout.md, "The live-row ladder"). Each
+    size is one more graph, captured when a call first reaches it and kept. Not with
+    ``draws="generate"`` (moving rows would change how many numbers a step draws),
+    per-position graphs, ``process_group`` or the continuous path's eager layout modes.
     ``draws``: how sampled rows draw. ``"per_row"`` (the default): each row from its own
     counter-based stream (its ``seed``, or one number drawn from the shared generator per call
     plus its prompt index), so a row's tokens do not depend on the rest of the batch and a

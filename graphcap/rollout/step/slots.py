@@ -68,6 +68,19 @@ class ContinuousStep(DecodeStep):
         reach = [self.reach] if self.reach is not None else []
         return [*super().mutable_tensors(), self.limits, *reach]
 
+    def row_tensors(self) -> list[torch.Tensor]:
+        """The step's per-row buffers, the limits and reach among them (they move with a row)."""
+        reach = [self.reach] if self.reach is not None else []
+        return [*super().row_tensors(), self.limits, *reach]
+
+    def leading(self, rows: int) -> ContinuousStep:
+        """The first ``rows`` slots, limits and reach narrowed too (the live-row ladder)."""
+        narrowed = super().leading(rows)
+        assert isinstance(narrowed, ContinuousStep)
+        narrowed.limits = self.limits[:rows]
+        narrowed.reach = None if self.reach is None else self.reach[:rows]
+        return narrowed
+
     def furthest(self) -> torch.Tensor:
         """Idle and finished rows sit at the sink, so a row's furthest open column is its
         reach (block table), or the buffer end (the static cache's sink column)."""
@@ -145,6 +158,11 @@ class SlotTable:
 
     def free(self) -> list[int]:
         return [i for i, r in enumerate(self.request) if r < 0]
+
+    def swap(self, a: int, b: int) -> None:
+        """Slots ``a`` and ``b`` trade what they hold (their rows moved on the device)."""
+        for column in (self.request, self.start, self.column, self.due):
+            column[a], column[b] = column[b], column[a]
 
 
 def clear_slots(step: ContinuousStep, slots: Sequence[int]) -> None:

@@ -53,7 +53,7 @@ class DecodeState:
     logprobs: torch.Tensor  # (B, L) float32: log-prob of the chosen token at its column
     tokens: torch.Tensor  # (B, 1) long: the token the next forward consumes
     positions: torch.Tensor  # (B, 1) long: its position id
-    generated: torch.Tensor  # () long: tokens chosen so far in this call
+    generated: torch.Tensor  # () long: tokens chosen so far in this call; (B, 1) per row
     finished: torch.Tensor  # (B,) bool
     all_finished: torch.Tensor  # () bool: the one value the host reads
     nan_draws: torch.Tensor  # () long: tokens sampled for live rows whose logits held NaN
@@ -117,19 +117,21 @@ class DecodeState:
         "top_ids",
     )
 
+    def _row_fields(self) -> list[str]:
+        """The fields allocated with one row per batch row; the step counter is one of them
+        where each row counts its own tokens (the continuous path's ``(B, 1)`` counter)."""
+        names = [name for name in self.ROW_FIELDS if getattr(self, name) is not None]
+        return names + (["generated"] if self.generated.dim() else [])
+
     def row_tensors(self) -> list[torch.Tensor]:
         """Every tensor with one row per batch row (what moves with a row)."""
-        present = [getattr(self, name) for name in self.ROW_FIELDS]
-        return [t for t in present if t is not None] + self.rows.row_tensors()
+        present = [getattr(self, name) for name in self._row_fields()]
+        return present + self.rows.row_tensors()
 
     def leading(self, rows: int) -> DecodeState:
         """The first ``rows`` rows, as views of the same buffers; the counters, flags and
         tables every row shares are the same tensors."""
-        narrowed = {
-            name: getattr(self, name)[:rows]
-            for name in self.ROW_FIELDS
-            if getattr(self, name) is not None
-        }
+        narrowed = {name: getattr(self, name)[:rows] for name in self._row_fields()}
         return replace(self, **narrowed, rows=self.rows.leading(rows))
 
     def record(self) -> None:
@@ -428,13 +430,18 @@ class DecodeStep:
         narrowed.masks = self.masks.leading(rows)
         return narrowed
 
+    def row_tensors(self) -> list[torch.Tensor]:
+        """Every per-row buffer of the state and the masks (the cache's rows move their own
+        way): what :meth:`move_rows` swaps and :meth:`leading` narrows."""
+        return self.state.row_tensors() + self.masks.row_tensors()
+
     def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Swap rows ``dst`` (ended) and ``src`` (live) in every per-row buffer, so the live
         rows sit where a smaller batch size reads them; the cache moves its own way
         (:meth:`StaticKVCache.move_rows` copies K/V, the block table swaps table rows). Between
         replays only."""
         index, swapped = torch.cat([dst, src]), torch.cat([src, dst])
-        for tensor in self.state.row_tensors() + self.masks.row_tensors():
+        for tensor in self.row_tensors():
             tensor[index] = tensor[swapped]
         self.cache.move_rows(dst, src)
 

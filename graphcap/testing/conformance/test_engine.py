@@ -153,7 +153,9 @@ def test_continuous_graph_equals_eager(gc_graph_backend: Backend, model: torch.n
         backend, model, params, enable_graph_capture=True, continuous_batch_size=2
     )
     assert result.stats.path == "continuous_graph", result.stats.fallback_reason
-    assert result.stats.captures == 1 and result.stats.replays > 0
+    # one graph per batch size the call ran (the live-row ladder, once the queue is empty)
+    sizes = max(1, len(result.stats.batch_steps))
+    assert result.stats.captures == sizes and result.stats.replays > 0
     _same_tokens(result, eager, "continuous graph path (2 slots, 3 prompts)")
 
 
