@@ -55,6 +55,7 @@ SETTINGS = "tests/test_drop_in_settings.py"
 CACHE = "tests/test_compile_cache.py"
 NUMERICS = "tests/test_rollout_numerics.py"
 LADDER = "tests/test_rollout_ladder.py"
+CONTINUOUS_LADDER = "tests/test_rollout_continuous_ladder.py"
 
 HOOKED_COMPILE = (
     "tests/test_compile_default.py::test_a_hooked_model_is_captured_uncompiled_with_the_reason"
@@ -250,7 +251,7 @@ PLANTS = (
     Plant(
         "budget-finished slots wait for the refill check",
         "graphcap/rollout/paths/continuous.py",
-        "            if check or self._due(table, queue, steps):\n",
+        "            if check or self._due(table, queue, steps, ladder):\n",
         "            if check:\n",
         (
             "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
@@ -670,6 +671,13 @@ PLANTS = (
         (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
     ),
     Plant(
+        "the ladder's block table is not grown between steps",
+        "graphcap/rollout/paths/ladder.py",
+        "            grow_blocks(self.holder, self.full, live, self.ahead, self.record)\n",
+        "            pass\n",
+        (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
+    ),
+    Plant(
         "the static path's block pool sized to the first call",
         "graphcap/rollout/step/step.py",
         "    pool_for_bucket: ClassVar[bool] = True\n",
@@ -924,8 +932,8 @@ PLANTS = (
     Plant(
         "a moved row leaves its sampling settings behind",
         "graphcap/rollout/step/step.py",
-        "        return [t for t in present if t is not None] + self.rows.row_tensors()",
-        "        return [t for t in present if t is not None]",
+        "        return present + self.rows.row_tensors()",
+        "        return present",
         (LADDER,),
     ),
     Plant(
@@ -948,6 +956,27 @@ PLANTS = (
         "        for tensor in (self.table, self.lengths, self.write_pos):",
         "        for tensor in (self.lengths, self.write_pos):",
         (LADDER,),
+    ),
+    Plant(
+        "a slot moved down the ladder leaves its token limit behind",
+        "graphcap/rollout/step/slots.py",
+        "        return [*super().row_tensors(), self.limits, *reach]",
+        "        return [*super().row_tensors(), *reach]",
+        (CONTINUOUS_LADDER,),
+    ),
+    Plant(
+        "the slot table does not follow the slots the ladder moved",
+        "graphcap/rollout/paths/continuous.py",
+        "            table.swap(dst, src)\n",
+        "            pass\n",
+        (CONTINUOUS_LADDER,),
+    ),
+    Plant(
+        "the slots the ladder vacated are not cleared",
+        "graphcap/rollout/paths/continuous.py",
+        "            clear_slots(step, [src for _, src in moved])\n",
+        "            pass\n",
+        (CONTINUOUS_LADDER + "::test_each_size_is_captured_once_and_kept_across_calls",),
     ),
     Plant(
         "unseeded rows of a call share one stream",

@@ -108,6 +108,18 @@ def assert_rows_equal_alone(model, ids, mask, result, limits, sampling=lambda ro
         assert result.finish_reasons[row] == alone.finish_reasons[0], row
 
 
+def assert_same_rows(a, b) -> None:
+    """Two results with the same tokens, finish reasons and stop sequences; log-probs within
+    float rounding (the live-row ladder: a product over fewer rows may take another CPU
+    kernel, which rounds the logits' last bits differently)."""
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.response_mask, b.response_mask)
+    assert a.finish_reasons == b.finish_reasons
+    assert a.stop_sequences == b.stop_sequences
+    if a.logprobs is not None:
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
 def teacher_forced_logits(model, sequences, mask, new: int) -> torch.Tensor:
     """(B, new, V) logits that predicted each response token, from one full forward."""
     width = sequences.shape[1] - new

@@ -87,13 +87,20 @@ def test_each_length_bucket_is_one_graph_its_pool_sized_for_the_bucket():
     assert engine.captures == 1 and engine.cache.num_blocks == 3 * 64 // 4 + 2
 
 
-def test_pool_growth_between_replays_recaptures_with_the_reason():
+@pytest.mark.parametrize("ladder", [None, "auto"], ids=["slots", "ladder"])
+def test_pool_growth_between_replays_recaptures_with_the_reason(ladder):
     """Slots hold requests of any length, so the continuous path's pool follows the tokens
-    held: it grows between replays, dropping the graph first, with the reason."""
+    held: it grows between replays, dropping the graph first, with the reason (at the slot
+    count, and on the live-row ladder, whose runner hands blocks out itself)."""
     model = tiny_model("llama")
     ids, mask = prompts(3)
     engine = make_engine(
-        model, True, kv_block_size=2, eos_check_interval=2, continuous_batch_size=2
+        model,
+        True,
+        kv_block_size=2,
+        eos_check_interval=2,
+        continuous_batch_size=2,
+        batch_ladder=ladder,
     )
     params = SamplingParams(max_new_tokens=NEW, eos_token_id=[])
     result = engine.generate(ids, mask, params)
@@ -101,7 +108,8 @@ def test_pool_growth_between_replays_recaptures_with_the_reason():
     assert torch.equal(result.sequences, static.sequences)
     assert result.stats.kv_pool_growths >= 2
     assert any(r.startswith("kv_pool_blocks") for r in result.stats.recapture_reason)
-    again = engine.generate(ids, mask, params)  # the pool is large enough now: one graph
+    assert len(result.stats.batch_steps) == (2 if ladder else 0)
+    again = engine.generate(ids, mask, params)  # the pool is large enough now: no capture
     assert again.stats.recapture_reason == [] and not again.stats.captured
     assert torch.equal(again.sequences, static.sequences)
 

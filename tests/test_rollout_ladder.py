@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_models import generate_padded, prompts, tiny_model
+from rollout_models import assert_same_rows, generate_padded, prompts, tiny_model
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -38,16 +38,6 @@ def three_ways(model, ids, mask, params, **config):
     return results
 
 
-def assert_same(a, b) -> None:
-    """The same tokens; log-probs within float rounding (a product over fewer rows may take
-    another CPU kernel, which rounds the logits' last bits differently)."""
-    assert torch.equal(a.sequences, b.sequences)
-    assert torch.equal(a.response_mask, b.response_mask)
-    assert a.finish_reasons == b.finish_reasons
-    if a.logprobs is not None:
-        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
-
-
 @pytest.mark.parametrize("kv_block_size", [None, "auto"], ids=["static-cache", "block-table"])
 @pytest.mark.parametrize(("family", "batch"), [("llama", 8), ("gpt2", 5), ("qwen2", 12)])
 def test_greedy_rows_on_the_ladder_equal_generate(family, batch, kv_block_size):
@@ -61,8 +51,8 @@ def test_greedy_rows_on_the_ladder_equal_generate(family, batch, kv_block_size):
     assert len(ladder.stats.batch_steps) > 1, ladder.stats.batch_steps  # it shrank
     assert ladder.stats.rows_moved > 0
     assert ladder.stats.row_steps < batch * ladder.stats.steps
-    assert_same(ladder, plain)
-    assert_same(ladder, eager)
+    assert_same_rows(ladder, plain)
+    assert_same_rows(ladder, eager)
     total = ids.shape[1] + NEW
     reference = generate_padded(model, ids, mask, total, max_new_tokens=NEW, eos_token_id=STOPS)
     assert torch.equal(ladder.sequences, reference)
@@ -85,8 +75,8 @@ def test_rows_draw_the_same_tokens_wherever_they_run(sampling):
     params = SamplingParams(max_new_tokens=NEW, eos_token_id=STOPS, **sampling)
     ladder, plain, eager = three_ways(model, ids, mask, params, eos_check_interval=3)
     assert len(ladder.stats.batch_steps) > 1
-    assert_same(ladder, plain)
-    assert_same(ladder, eager)
+    assert_same_rows(ladder, plain)
+    assert_same_rows(ladder, eager)
     if params.top_logprobs:
         torch.testing.assert_close(ladder.top_logprobs, plain.top_logprobs, rtol=0, atol=1e-5)
         assert torch.equal(ladder.top_logprob_ids, plain.top_logprob_ids)
@@ -98,7 +88,7 @@ def test_rows_that_end_together_and_rows_that_end_at_a_move():
     ids, mask = prompts(16, seed=5)
     params = SamplingParams(max_new_tokens=NEW, eos_token_id=STOPS)
     ladder, plain, _ = three_ways(model, ids, mask, params, eos_check_interval=1)
-    assert_same(ladder, plain)
+    assert_same_rows(ladder, plain)
     assert len(ladder.stats.batch_steps) > 1
 
 
@@ -112,7 +102,7 @@ def test_each_size_is_captured_once_and_kept_across_calls():
     assert first.stats.captures == len(sizes)  # the full size and each smaller one reached
     again = e.generate(ids, mask, params)
     assert again.stats.captures == first.stats.captures and not again.stats.captured
-    assert_same(first, again)
+    assert_same_rows(first, again)
     # other prompts of the same shape: only a size no call reached yet is captured
     for seed in (2, 3, 4):
         other_ids, other_mask = prompts(8, seed=seed)

@@ -222,8 +222,14 @@ def test_paged_continuous_graph_refills_and_equals_eager(fake_npu, monkeypatch) 
     params = SamplingParams(max_new_tokens=30, eos_token_id=[])
     limits = [3, 30, 12, 26, 5]
     # exact lengths: a bucket's longer rows would grow the pool and recapture mid-call, and
-    # this test reads the first replays of the one graph
-    blocks = {"continuous_batch_size": 3, "kv_block_size": 16, "length_buckets": None}
+    # this test reads the first replays of the one graph (no live-row ladder: its smaller
+    # sizes are graphs of their own)
+    blocks = {
+        "continuous_batch_size": 3,
+        "kv_block_size": 16,
+        "length_buckets": None,
+        "batch_ladder": None,
+    }
     result = RolloutEngine(model, _on_blocks(True, **blocks)).generate(
         ids, mask, params, request_max_new_tokens=limits
     )
@@ -245,6 +251,39 @@ def test_paged_continuous_graph_refills_and_equals_eager(fake_npu, monkeypatch) 
         ids, mask, params, request_max_new_tokens=limits
     )
     assert torch.equal(result.sequences, eager.sequences)
+
+
+def test_paged_continuous_graph_on_the_ladder_gets_each_sizes_lengths(fake_npu, monkeypatch):
+    """Once the queue is empty the slots move down the live-row ladder (budgets 10, 6, 5, 5 in
+    3 slots: the third slot's request moves to the second after step 5): each size's graph is
+    handed one length per row it runs, the moved row's own, and tokens equal the eager loop's
+    and the unmoved run's."""
+    monkeypatch.delenv(ATTENTION_VAR, raising=False)
+    model = _blocks_model()
+    ids, mask = models.prompts(4, torch.device("cpu"), width=5, seed=3)
+    params = SamplingParams(max_new_tokens=10, eos_token_id=[])
+    limits = [10, 6, 5, 5]
+    blocks = {"continuous_batch_size": 3, "kv_block_size": 16, "length_buckets": None}
+    outs, graphs = {}, []
+    for graph, ladder in ((True, "auto"), (False, "auto"), (True, None)):
+        config = _on_blocks(graph, batch_ladder=ladder, **blocks)
+        outs[graph, ladder] = RolloutEngine(model, config).generate(
+            ids, mask, params, request_max_new_tokens=limits
+        )
+        if ladder and graph:  # the graphs of sizes 3, 2 and 1, in the order the call ran them
+            graphs = [call["graph"] for call in fake_npu.graph_calls[-3:]]
+    result = outs[True, "auto"]
+    assert result.stats.path == "continuous_graph", result.stats.fallback_reason
+    assert result.stats.batch_steps == {3: 5, 2: 3, 1: 1} and result.stats.rows_moved == 1
+    sizes = [{len(update[0]["actual_seq_lengths_kv"]) for update in g.updates} for g in graphs]
+    assert sizes == [{3}, {2}, {1}]
+    # the moved request (budget 5, second place from step 6) wrote columns 9-12 of its row
+    width = ids.shape[1]
+    assert [u[0]["actual_seq_lengths_kv"] for u in graphs[1].updates] == [
+        [width + 6 + i, width + 2 + i] for i in range(3)
+    ]
+    assert torch.equal(result.sequences, outs[False, "auto"].sequences)
+    assert torch.equal(result.sequences, outs[True, None].sequences)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
