@@ -186,7 +186,9 @@ class ContinuousRollout:
             slots_refilled=table.refilled,
             moved_columns=table.moved_columns,
             mean_span=attended / steps if steps else float(total),
-            occupancy=_occupancy(out_resp, record.row_steps if ladder else slots * steps),
+            occupancy=_occupancy(
+                out_resp, record.row_steps if ladder is not None else slots * steps
+            ),
         )
         return _result(outputs, width, settings, stats)
 
