@@ -135,3 +135,33 @@ def test_an_explicit_ladder_and_the_cases_that_do_not_shrink():
     assert engine(model, eos_check_interval=2).generate(ids, mask, scored).stats.batch_steps == {}
     with pytest.raises(ValueError, match="batch_ladder"):
         RolloutConfig(batch_ladder=(0, 4))
+
+
+@pytest.mark.parametrize("slots", [None, 4], ids=["static", "continuous"])
+@pytest.mark.parametrize("kv_block_size", [None, "auto"], ids=["static-cache", "block-table"])
+def test_rounds_of_new_prompt_widths_capture_each_size_once(slots, kv_block_size):
+    """An RL trainer's rounds: prompts padded to a new width every round, rows ending at EOS
+    ids. In the default configuration (length buckets, ladder) the engine captures each batch
+    size's graph once, whatever the width, on both paths and both K/V layouts."""
+    backend, captures = CPUBackend(), []
+    capture = backend.capture_to_graph
+    backend.capture_to_graph = lambda *a, **k: captures.append(1) or capture(*a, **k)
+    config = RolloutConfig(
+        enable_graph_capture=True,
+        backend=backend,
+        continuous_batch_size=slots,
+        kv_block_size=kv_block_size,
+    )
+    e = RolloutEngine(tiny_model("llama"), config)
+    params = SamplingParams(
+        max_new_tokens=19,  # widths 6-13 + 19: one length bucket (32 columns)
+        do_sample=True,
+        num_return_sequences=2,
+        eos_token_id=STOPS,
+    )
+    reached: set[int] = set()
+    for width in range(6, 14):
+        result = e.generate(*prompts(4, width, seed=width), params)
+        assert result.stats.path.endswith("graph"), result.stats.fallback_reason
+        reached |= set(result.stats.batch_steps)
+    assert len(reached) > 1 and len(captures) == result.stats.captures == len(reached)
