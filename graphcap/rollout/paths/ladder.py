@@ -104,9 +104,10 @@ class LadderRunner:
         self.slots = list(range(self.size))  # the original row each slot now holds
         self.done = 0
         self.blocks = isinstance(self.full.cache, BlockKVCache)
+        self.reads_columns = self.blocks or self.host_lengths  # else no host list a step
 
     def __call__(self) -> None:
-        columns = list(self.columns(self.done))[: self.size]
+        columns = list(self.columns(self.done))[: self.size] if self.reads_columns else []
         self.done += 1
         if self.blocks:
             live = columns + [None] * (len(self.slots) - self.size)

@@ -64,14 +64,16 @@ class ContinuousStep(DecodeStep):
     #: slots hold requests of any length: the pool follows the tokens held, growing as needed
     pool_for_bucket = False
 
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        """The slots' own per-row buffers: each slot's token limit and, on a block table, reach."""
+        return [self.limits] + ([self.reach] if self.reach is not None else [])
+
     def mutable_tensors(self) -> list[torch.Tensor]:
-        reach = [self.reach] if self.reach is not None else []
-        return [*super().mutable_tensors(), self.limits, *reach]
+        return [*super().mutable_tensors(), *self._slot_tensors()]
 
     def row_tensors(self) -> list[torch.Tensor]:
         """The step's per-row buffers, the limits and reach among them (they move with a row)."""
-        reach = [self.reach] if self.reach is not None else []
-        return [*super().row_tensors(), self.limits, *reach]
+        return [*super().row_tensors(), *self._slot_tensors()]
 
     def leading(self, rows: int) -> ContinuousStep:
         """The first ``rows`` slots, limits and reach narrowed too (the live-row ladder)."""
