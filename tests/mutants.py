@@ -960,8 +960,8 @@ PLANTS = (
     Plant(
         "a slot moved down the ladder leaves its token limit behind",
         "graphcap/rollout/step/slots.py",
-        "        return [*super().row_tensors(), self.limits, *reach]",
-        "        return [*super().row_tensors(), *reach]",
+        "        return [*super().row_tensors(), *self._slot_tensors()]",
+        "        return [*super().row_tensors(), *self._slot_tensors()[1:]]",
         (CONTINUOUS_LADDER,),
     ),
     Plant(
