@@ -54,8 +54,8 @@ import transformers
 from transformers import GPT2LMHeadModel
 
 import graphcap
-from graphcap.bench.models import preset_config
 from graphcap.bench.modes import spread, timed_call
+from graphcap.preset_models import preset_config
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 FULL = {

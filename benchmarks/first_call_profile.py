@@ -43,7 +43,8 @@ import torch
 # private: dynamo's cache counters and phase times have no public API
 from torch._dynamo.utils import compile_times, counters
 
-from graphcap.bench.models import build_model, make_prompts
+from graphcap.bench.models import make_prompts
+from graphcap.preset_models import build_model
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 

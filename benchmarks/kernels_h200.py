@@ -64,7 +64,7 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 def shapes(smoke: bool) -> dict[str, dict[str, int]]:
     """Attention and projection sizes of each preset."""
-    from graphcap.bench.models import preset_config
+    from graphcap.preset_models import preset_config
 
     out = {}
     for name in ("tiny-llama",) if smoke else ("llama-8b", "llama-1b"):

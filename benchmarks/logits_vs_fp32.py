@@ -43,7 +43,7 @@ def build(name: str) -> torch.nn.Module:
     """The preset with seeded random weights in bf16 on the GPU, the model's SDPA."""
     from transformers import AutoModelForCausalLM
 
-    from graphcap.bench.models import preset_config
+    from graphcap.preset_models import preset_config
 
     torch.manual_seed(0)
     with torch.device("cuda"):

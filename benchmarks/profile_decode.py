@@ -37,7 +37,8 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 import graphcap
-from graphcap.bench.models import DTYPES, build_model, make_prompts
+from graphcap.bench.models import make_prompts
+from graphcap.preset_models import DTYPES, build_model
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 FAMILIES = {

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import graphcap
+from graphcap import preset_models
 from graphcap.bench import models
 from graphcap.bench.modes import MODES, Workload, spread, timed_call
 from graphcap.bench.report import render_table
@@ -178,7 +179,7 @@ def _ms(values: Iterable[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-llama", help="a preset or a local directory")
-    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default=None)
+    parser.add_argument("--dtype", choices=sorted(preset_models.DTYPES), default=None)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -189,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args(argv)
     backend = graphcap.get_backend()
-    dtype = args.dtype or models.default_dtype_name(args.model, backend.device.type)
-    model = models.build_model(args.model, dtype=models.DTYPES[dtype], device=backend.device)
+    dtype = args.dtype or preset_models.default_dtype_name(args.model, backend.device.type)
+    model = preset_models.build_model(
+        args.model, dtype=preset_models.DTYPES[dtype], device=backend.device
+    )
     vocab = model.config.vocab_size
     ids, mask = models.make_prompts(
         vocab, args.batch_size, args.prompt_len, args.seed, backend.device

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.distributed import DistributedConfig
 
 from graphcap import get_backend
-from graphcap.bench.models import DTYPES, build_model, default_dtype_name
+from graphcap.preset_models import DTYPES, build_model, default_dtype_name
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 

@@ -6,7 +6,7 @@
 Each rank selects its graphcap backend (GRAPHCAP_BACKEND or auto-detection), binds to the
 accelerator of its LOCAL_RANK, joins the job with the backend's collective library (gloo on the
 CPU, nccl on CUDA GPUs, hccl on Ascend), builds the same model (a preset of
-``graphcap.bench.models`` with seeded random weights, or a local model directory) and the same
+``graphcap.preset_models`` with seeded random weights, or a local model directory) and the same
 prompts, and calls :func:`graphcap.rollout.data_parallel.generate_data_parallel`. Rank 0 prints
 one JSON line (rows, new tokens, seconds, tokens/s, the path each rank took) and with ``--out``
 saves the gathered rows. docs/distributed.md explains the sharding and the seeds.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from graphcap import get_backend
-from graphcap.bench.models import DTYPES, build_model, default_dtype_name
+from graphcap.preset_models import DTYPES, build_model, default_dtype_name
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.data_parallel import generate_data_parallel
 

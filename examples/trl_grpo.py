@@ -32,7 +32,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import graphcap
-from graphcap.bench.models import DTYPES, build_model
+from graphcap.preset_models import DTYPES, build_model
 from graphcap.rollout import accelerate_generate, drop_in_default_config, restore_generate
 from graphcap.tiny_models import tiny_model
 

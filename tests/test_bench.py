@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from graphcap import preset_models
 from graphcap.bench import command, config, models, modes, report, run
 from graphcap.bench.config import BenchConfig, resolve
 from graphcap.bench.modes import MODES, Workload, default_modes, parse_modes
@@ -47,7 +49,7 @@ def backend() -> CPUBackend:
 
 
 def tiny(batch: int = 1, backend: Any = None, new_tokens: int = 4) -> Workload:
-    model = models.build_model("tiny-llama", dtype=torch.float32, device=CPU)
+    model = preset_models.build_model("tiny-llama", dtype=torch.float32, device=CPU)
     ids, mask = models.make_prompts(model.config.vocab_size, batch, 4, seed=0, device=CPU)
     return Workload(model, backend or CPUBackend(), ids, mask, new_tokens)
 
@@ -88,7 +90,7 @@ class MemoryReportingBackend(CPUBackend):
 # ---- models and the roofline ------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_tiny_presets_build_in_eval_mode_without_eos(name: str) -> None:
-    model = models.build_model(name, dtype=torch.float32, device=CPU)
+    model = preset_models.build_model(name, dtype=torch.float32, device=CPU)
     assert not model.training and model.generation_config.eos_token_id is None
     assert model.generation_config.pad_token_id == 0
     assert models.describe_model(model)["parameters"] == sum(p.numel() for p in model.parameters())
@@ -102,7 +104,7 @@ def test_large_presets_have_the_real_checkpoint_shapes(
     name: str, billions: float, tied: bool
 ) -> None:
     with torch.device("meta"):
-        model = models.AutoModelForCausalLM.from_config(models.preset_config(name))
+        model = AutoModelForCausalLM.from_config(preset_models.preset_config(name))
     assert models.describe_model(model)["parameters"] == pytest.approx(billions * 1e9, rel=0.01)
     assert bool(model.config.tie_word_embeddings) is tied
 
@@ -113,26 +115,28 @@ def test_preset_outputs_are_varied_and_local_directories_load(tmp_path: Any) -> 
     # Degenerate (one repeated token) output would make token agreement vacuous.
     assert out.shape == (2, 24) and all(len(set(row.tolist())) >= 8 for row in out)
     work.model.save_pretrained(tmp_path)
-    loaded = models.build_model(str(tmp_path), dtype=torch.float32, device=CPU)
+    loaded = preset_models.build_model(str(tmp_path), dtype=torch.float32, device=CPU)
     assert torch.equal(loaded.lm_head.weight, work.model.lm_head.weight)
-    shapes = models.build_model(str(tmp_path), dtype=torch.float32, device=torch.device("meta"))
+    shapes = preset_models.build_model(
+        str(tmp_path), dtype=torch.float32, device=torch.device("meta")
+    )
     assert models.describe_model(shapes) == models.describe_model(loaded)
     assert models.weight_bytes_per_step(shapes) == models.weight_bytes_per_step(loaded)
     with pytest.raises(ValueError, match="neither a preset"):
-        models.build_model(str(tmp_path / "missing"), dtype=torch.float32, device=CPU)
+        preset_models.build_model(str(tmp_path / "missing"), dtype=torch.float32, device=CPU)
 
 
 def test_default_dtypes_weight_bytes_and_peak_bandwidth() -> None:
-    assert models.default_dtype_name("llama-8b", "cpu") == "fp32"
-    assert models.default_dtype_name("gpt2-medium", "cuda") == "fp16"
-    assert models.default_dtype_name("llama-1b", "cuda") == "bf16"
+    assert preset_models.default_dtype_name("llama-8b", "cpu") == "fp32"
+    assert preset_models.default_dtype_name("gpt2-medium", "cuda") == "fp16"
+    assert preset_models.default_dtype_name("llama-1b", "cuda") == "bf16"
     llama = tiny().model  # untied: the input embedding is a lookup table, not read whole
     embed = llama.get_input_embeddings().weight.numel() * 4
     assert (
         models.weight_bytes_per_step(llama)
         == sum(p.numel() * 4 for p in llama.parameters()) - embed
     )
-    gpt2 = models.build_model(
+    gpt2 = preset_models.build_model(
         "tiny-gpt2", dtype=torch.float16, device=CPU
     )  # wte tied: counted once
     positions = gpt2.transformer.wpe.weight.numel() * 2

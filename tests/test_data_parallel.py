@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphcap.bench.models import build_model
 from graphcap.cpu import CPUBackend
+from graphcap.preset_models import build_model
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.data_parallel import (
     generate_data_parallel,

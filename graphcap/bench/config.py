@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from graphcap.backend import Backend
-from graphcap.bench.models import DTYPES, PRESETS, default_dtype_name, parse_bandwidth
+from graphcap.bench.models import parse_bandwidth
 from graphcap.bench.modes import MODES, default_modes, parse_modes
+from graphcap.preset_models import DTYPES, PRESETS, default_dtype_name
 
 
 def int_list(text: str) -> list[int]:

@@ -23,6 +23,7 @@ import torch
 import transformers
 
 import graphcap
+from graphcap import preset_models
 from graphcap.backend import Backend
 from graphcap.bench import models, modes
 from graphcap.bench import report as rep
@@ -84,8 +85,13 @@ def _prepare(
     device (shapes, no weights), enough for the report; no workload runs on it."""
     device = torch.device("meta") if describe_only else backend.device
     say(f"building {cfg.model} ({cfg.dtype}) on {device}")
-    dtype, name, seed, vocab = models.DTYPES[cfg.dtype], backend.device_name(), cfg.seed, None
-    model = models.build_model(
+    dtype, name, seed, vocab = (
+        preset_models.DTYPES[cfg.dtype],
+        backend.device_name(),
+        cfg.seed,
+        None,
+    )
+    model = preset_models.build_model(
         cfg.model, dtype=dtype, device=device, seed=seed, backend_seed=backend.manual_seed
     )
     peaks = [models.peak_bandwidth(name, cfg.peak_bandwidth)]
