@@ -4,11 +4,13 @@
 #
 #   bash benchmarks/h200.sh OUT [PART...]      # no PART: every one-GPU part, in this order
 #
-#   round            graphcap bench --workload rl-round, the default configuration: a GRPO-shaped
+#   round-llama-1b   graphcap bench --workload rl-round, the default configuration: a GRPO-shaped
 #                    round (32 prompts of 64-256 tokens x 8 samples, temperature 1, rows ending at
-#                    EOS ids) for llama-1b (up to 1024 new tokens) then llama-8b (512), from empty
-#                    caches: HF generate (its first round only), the drop-in, the engine's static
-#                    and continuous (128 slots) paths, first round and 2 steady rounds each
+#                    EOS ids) for llama-1b (up to 1024 new tokens), from empty caches: HF generate
+#                    (its first round only), the drop-in, the engine's static and continuous (128
+#                    slots) paths, first round and 2 steady rounds each
+#   round-llama-8b   the same for llama-8b (up to 512 new tokens)
+#   round            both of the above (two commands' worth of time)
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
 #                    new tokens, --repeats 2 --warmup 1, each mode and batch size in its own
 #                    process): graphcap-graph (the default configuration) and
@@ -172,10 +174,13 @@ steps() {
 }
 # round: the rl-round figures of llama-1b then llama-8b (one cold cache: the later modes of a
 # model find what its first graphcap mode compiled, as a trainer's later rounds would).
-part_round() {
+part_round_llama_1b() {
     cold_caches
     bench round-llama-1b 120 --workload rl-round --model llama-1b --new-tokens 1024 \
         --repeats 2 --hf-repeats 0 --compile-cache "$COMPILE_CACHE"
+}
+part_round_llama_8b() {
+    cold_caches
     bench round-llama-8b 150 --workload rl-round --model llama-8b --new-tokens 512 \
         --repeats 2 --hf-repeats 0 --compile-cache "$COMPILE_CACHE"
 }
@@ -380,7 +385,8 @@ part_distributed() {
 for part in "${PARTS[@]}"; do
     case $part in
     steps) parts=(steps_llama_8b steps_llama_1b) ;;
-    round | steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
+    round) parts=(round_llama_1b round_llama_8b) ;;
+    round-llama-1b | round-llama-8b | steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed)

@@ -58,6 +58,12 @@ class GenerateFallbackWarning(UserWarning):
     transformers' own ``generate`` (the reason is in the message and in the drop-in's stats)."""
 
 
+class RequestTooLargeError(GraphcapError, ValueError):
+    """A call would allocate more than ``RolloutConfig.max_request_bytes`` or than the device has
+    free (with what the engine holds counted as free: the call reuses or releases it). A
+    ``ValueError`` too, as every refused input is."""
+
+
 class DecodeStalledError(GraphcapError):
     """Decoding made no progress: rows that must finish within a known number of steps did not
     (a backend whose graph replays do nothing, for one)."""

@@ -65,6 +65,24 @@ ROUND_BY_HAND = "tests/test_bench.py::test_round_inputs_lengths_and_limit_by_han
 
 PLANTS = (
     Plant(
+        "a repeat call's memory check forgets the cache the engine holds",
+        "graphcap/rollout/paths/record.py",
+        "shape, held = call.input_ids.shape, holder.held_bytes()",
+        "shape, held = call.input_ids.shape, 0",
+        (
+            "tests/test_rollout_inputs.py::test_the_cache_an_engine_holds_counts_as_available_to_its_next_call",
+        ),
+    ),
+    Plant(
+        "the drop-in keeps its buffers when a call is too large and generate takes it",
+        "graphcap/rollout/drop_in.py",
+        "self.engine.sleep()\n",
+        "pass\n",
+        (
+            "tests/test_drop_in.py::test_a_call_too_large_for_the_device_frees_the_engines_buffers_for_generate",
+        ),
+    ),
+    Plant(
         "mask not cleared on reuse",
         "graphcap/rollout/cache/masks.py",
         "            self.valid.zero_()\n",

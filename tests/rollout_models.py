@@ -12,6 +12,7 @@ import functools
 import torch
 
 from graphcap import tiny_models
+from graphcap.cpu import CPUBackend
 from graphcap.tiny_models import EOS, PAD, VOCAB
 
 #: The families every-family tests run (phi3 and gemma are built for the tests that name them).
@@ -60,9 +61,22 @@ def generate_padded(model, ids, mask, total: int, **kwargs) -> torch.Tensor:
     return torch.cat([out, pad], dim=1)
 
 
+class ScriptedMemory(CPUBackend):
+    """The CPU reference backend reporting ``free`` bytes available, as a device whose free
+    memory the engine's own buffers have taken."""
+
+    name = "scripted-memory"
+
+    def __init__(self, free: int) -> None:
+        super().__init__()
+        self.free = free
+
+    def memory_available(self) -> int:
+        return self.free
+
+
 def make_engine(model, graph: bool = True, backend=None, **config):
     """The tests' one engine factory: CPU reference backend unless ``backend`` is given."""
-    from graphcap.cpu import CPUBackend
     from graphcap.rollout import RolloutConfig, RolloutEngine
 
     config = RolloutConfig(enable_graph_capture=graph, backend=backend or CPUBackend(), **config)

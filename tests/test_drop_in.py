@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from rollout_models import EOS, FAMILIES, prompts, tiny_model
+from rollout_models import EOS, FAMILIES, ScriptedMemory, prompts, tiny_model
 from transformers import GenerationConfig, LogitsProcessorList, TopKLogitsWarper
 
 from graphcap.cpu.torch_internals import TorchDispatchMode
@@ -326,6 +326,28 @@ def test_right_padded_prompts_go_to_generate_with_the_engines_reason():
     with pytest.warns(GenerateFallbackWarning, match="refused"):
         expected, got, accelerated, _ = both(model, call)
     assert torch.equal(got, expected) and accelerated.stats.served == 0
+
+
+def test_a_call_too_large_for_the_device_frees_the_engines_buffers_for_generate():
+    """generate gets the memory the engine held, where graphcap cannot serve a call for want
+    of it (the engine's next served call allocates again)."""
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    backend = ScriptedMemory(free=2**40)
+    accelerated = accelerate_generate(model, replace(drop_in_default_config(), backend=backend))
+    try:
+        served = model.generate(ids, attention_mask=mask, max_new_tokens=6)
+        assert accelerated.stats.served == 1 and accelerated.engine.cache is not None
+        backend.free = 0
+        with pytest.warns(GenerateFallbackWarning, match="would allocate.*freed for generate"):
+            handed = model.generate(ids, attention_mask=mask, max_new_tokens=6)
+        assert accelerated.engine.cache is None and accelerated.stats.served == 1
+        backend.free = 2**40
+        again = model.generate(ids, attention_mask=mask, max_new_tokens=6)
+        assert accelerated.stats.served == 2
+    finally:
+        restore_generate(model)
+    assert torch.equal(handed, served) and torch.equal(again, served)
 
 
 def test_a_fallback_warns_once_per_reason():

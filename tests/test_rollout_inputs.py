@@ -9,10 +9,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from rollout_models import EOS, VOCAB, generate_padded, prompts, run, tiny_model
+from rollout_models import EOS, VOCAB, ScriptedMemory, generate_padded, prompts, run, tiny_model
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import (
+    RequestTooLargeError,
     RolloutConfig,
     RolloutEngine,
     SamplingParams,
@@ -172,6 +173,46 @@ def test_request_that_cannot_fit_is_refused_with_its_size():
         engine.generate(ids, mask, SamplingParams(max_new_tokens=10))
     assert engine.cache is None
     _engine(model, max_request_bytes=need).generate(ids, mask, SamplingParams(max_new_tokens=10))
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+@pytest.mark.parametrize("slots", [None, 2], ids=["static", "continuous"])
+def test_the_cache_an_engine_holds_counts_as_available_to_its_next_call(graph, slots):
+    """A repeat call reuses the cache the engine holds, and a call of another size releases it
+    first: neither may be refused for memory the engine itself took (a llama-8b round of 256
+    rows on an 80 GB device was refused at its second call)."""
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    sampling = SamplingParams(max_new_tokens=10)
+    backend = ScriptedMemory(free=2**40)
+    config = RolloutConfig(
+        backend=backend,
+        enable_graph_capture=graph,
+        continuous_batch_size=slots,
+        length_buckets=None,
+    )
+    engine = RolloutEngine(model, config)
+    first = engine.generate(ids, mask, sampling)
+    held = first.stats.kv_cache_bytes
+    block = backend.capabilities.kv_block_size
+    sink = slots is not None  # the continuous path's cache has a sink column after the rows'
+    need = request_bytes(
+        model, scan_model(model).dtype, slots or 3, 16 + sink, 3, 6, block_size=block
+    )
+    assert held > 0
+    backend.free = need - held  # the device has lost what the engine holds
+    again = engine.generate(ids, mask, sampling)
+    assert torch.equal(again.sequences, first.sequences)
+    assert again.stats.captures == first.stats.captures  # the held step was reused
+    longer = SamplingParams(max_new_tokens=40)  # another size: the held cache goes first
+    grown = request_bytes(
+        model, scan_model(model).dtype, slots or 3, 46 + sink, 3, 6, block_size=block
+    )
+    backend.free = grown - held
+    assert engine.generate(ids, mask, longer).stats.steps > 0
+    backend.free = grown - engine.cache.nbytes() - 1
+    with pytest.raises(RequestTooLargeError, match=r"available on cpu \(with [0-9.]+ GiB the"):
+        engine.generate(ids, mask, longer)
 
 
 def test_the_request_limit_counts_the_block_tables_whole_blocks():

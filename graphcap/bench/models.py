@@ -78,7 +78,7 @@ def round_costs(model: nn.Module, peaks: Sequence[float | None]) -> tuple | None
 #: reads every weight once, so bandwidth bounds its speed; a large batch's products bound it too.
 PEAK_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
 PEAK_BANDWIDTH += (("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12))
-PEAK_FLOPS = (("H200", 7.9e14),)
+PEAK_FLOPS = (("H200", 7.9e14), ("H100 80GB HBM3", 7.9e14))  # one GH100 chip, same clocks
 
 
 def step_parameters(model: nn.Module) -> list[nn.Parameter]:

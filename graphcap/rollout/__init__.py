@@ -8,7 +8,11 @@ model's ``generate`` (docs/trainers.md; its default config: :func:`drop_in_defau
 See docs/rollout.md and docs/continuous.md.
 """
 
-from graphcap.errors import CaptureFallbackWarning, GraphUnsupportedModelError
+from graphcap.errors import (
+    CaptureFallbackWarning,
+    GraphUnsupportedModelError,
+    RequestTooLargeError,
+)
 from graphcap.rollout.data_parallel import generate_data_parallel
 from graphcap.rollout.drop_in import (
     AcceleratedGenerate,
@@ -25,6 +29,7 @@ __all__ = [
     "AcceleratedGenerate",
     "CaptureFallbackWarning",
     "GraphUnsupportedModelError",
+    "RequestTooLargeError",
     "RolloutConfig",
     "RolloutEngine",
     "RolloutResult",

@@ -34,7 +34,7 @@ import transformers
 from packaging.version import Version
 from transformers import GenerationConfig
 
-from graphcap.errors import GenerateFallbackWarning
+from graphcap.errors import GenerateFallbackWarning, RequestTooLargeError
 from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.plan import graph_refusal
 from graphcap.rollout.plan.scan import scan_model
@@ -115,6 +115,9 @@ class AcceleratedGenerate:
         if reason is None:
             try:
                 served = self._serve(request)
+            except RequestTooLargeError as exc:  # generate gets the memory the engine held
+                self.engine.sleep()
+                reason = f"graphcap refused the call: {exc}; its buffers were freed for generate"
             except (ValueError, TypeError) as exc:  # refused by the engine's input checks
                 reason = f"graphcap refused the call: {exc}"
             else:

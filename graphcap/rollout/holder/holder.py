@@ -113,6 +113,11 @@ class GraphHolder:
             self._held = Held(signature, build())
         return self._held.step
 
+    def held_bytes(self) -> int:
+        """Bytes of the K/V cache held for the last signature: a new call reuses or releases
+        them, so they count as available to it."""
+        return 0 if self._held is None else self._held.step.cache.nbytes()
+
     def graph(self, key: GraphKey = None) -> object | None:
         return None if self._held is None else self._held.graphs.get(key)
 

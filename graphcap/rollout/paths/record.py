@@ -145,8 +145,9 @@ def begin(
     """What both paths do first: refuse a call that cannot run (``batch`` rows of ``total``
     columns), plan it, and start its record (releasing what the holder held for another
     signature)."""
+    shape, held = call.input_ids.shape, holder.held_bytes()
     check_request(
-        model, call.scan, holder.backend, config, call.settings, call.input_ids.shape, batch, total
+        model, call.scan, holder.backend, config, call.settings, shape, batch, total, held
     )
     plan = plan_call(
         model,

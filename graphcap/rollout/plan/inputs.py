@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from graphcap.errors import warn_once
+from graphcap.errors import RequestTooLargeError, warn_once
 from graphcap.rollout.cache.blocks import full_pool_columns
 from graphcap.rollout.plan.plan import Path, kv_layout
 from graphcap.rollout.plan.scan import ModelScan
@@ -315,12 +315,15 @@ def check_request(
     prompts: tuple[int, int],
     batch: int,
     total: int,
+    held: int = 0,
 ) -> None:
     """Refuse, before any allocation, a call that cannot run: positions past a learned table,
     or more memory than ``config.max_request_bytes`` or than the backend says is available.
 
     ``prompts``: (rows, width) of ``input_ids``; ``batch`` / ``total``: the decode batch (rows
-    x samples, bucketed) and total length the call allocates for.
+    x samples, bucketed) and total length the call allocates for; ``held``: bytes the engine
+    already holds from an earlier call, which this call reuses or releases before allocating,
+    so they count as available.
     """
     rows, width = prompts
     check_positions(model, width, settings.max_new_tokens)
@@ -334,12 +337,15 @@ def check_request(
     need = request_bytes(model, scan.dtype, decode_batch, total, rows, width, shards, block_size)
     source = " = RolloutConfig.continuous_batch_size" if slots is not None else ""
     limits = [(config.max_request_bytes, "RolloutConfig.max_request_bytes")]
-    limits.append((backend.memory_available(), f"available on {backend.device}"))
+    available = backend.memory_available()
+    held_note = f" (with {held / 2**30:.2f} GiB the engine holds)" if held else ""
+    if available is not None:
+        limits.append((available + held, f"available on {backend.device}{held_note}"))
     blocks = "" if block_size is None else f", K/V in whole blocks of {block_size} columns"
     fewer = "" if block_size is None else " or RolloutConfig.kv_block_size"
     for limit, what in limits:
         if limit is not None and need > limit:
-            raise ValueError(
+            raise RequestTooLargeError(
                 f"this request would allocate at least {need / 2**30:.2f} GiB (batch "
                 f"{decode_batch}{source} x total length {total}: prompt width {width} + "
                 f"max_new_tokens {settings.max_new_tokens}{blocks}) but {limit / 2**30:.2f} GiB "
