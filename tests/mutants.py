@@ -269,7 +269,7 @@ PLANTS = (
     Plant(
         "budget-finished slots wait for the refill check",
         "graphcap/rollout/paths/continuous.py",
-        "            if check or self._due(table, queue, steps, ladder):\n",
+        "            if check or schedule.due(steps, ladder):\n",
         "            if check:\n",
         (
             "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
@@ -287,8 +287,8 @@ PLANTS = (
     Plant(
         "budget refills read the device flags",
         "graphcap/rollout/paths/continuous.py",
-        "align, trim, read=check)",
-        "align, trim, read=True)",
+        "schedule.service(steps, read=check)",
+        "schedule.service(steps, read=True)",
         (
             "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
         ),
@@ -992,7 +992,7 @@ PLANTS = (
     Plant(
         "the slots the ladder vacated are not cleared",
         "graphcap/rollout/paths/continuous.py",
-        "            clear_slots(step, [src for _, src in moved])\n",
+        "            clear_slots(self.step, [src for _, src in moved])\n",
         "            pass\n",
         (CONTINUOUS_LADDER + "::test_each_size_is_captured_once_and_kept_across_calls",),
     ),

@@ -26,7 +26,7 @@ from graphcap.errors import DecodeStalledError
 from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, call_ladder, decode_runner
-from graphcap.rollout.paths.record import begin
+from graphcap.rollout.paths.record import Record, begin
 from graphcap.rollout.paths.runners import Runner, grow_blocks, start_runner
 from graphcap.rollout.plan.inputs import Call
 from graphcap.rollout.prefill import Prefill, run_prefill
@@ -68,7 +68,8 @@ class _Queue:
 
 
 class ContinuousRollout:
-    """The continuous path of one engine: a scheduler on the engine's holder and runners."""
+    """The continuous path of one engine: a scheduler on the engine's holder and runners. It
+    keeps nothing of a call: each call's queue, slots and outputs are its :class:`_Schedule`."""
 
     def __init__(self, model: torch.nn.Module, config: RolloutConfig, holder: GraphHolder):
         self.model, self.config, self.holder = model, config, holder
@@ -94,20 +95,11 @@ class ContinuousRollout:
         total = config.total_length(self.model, total)
         plan, record = begin(self.model, config, holder, call, slots, total)
         total = plan.signature.total_len  # whole blocks on a block table
-        self._record = record
 
         mask = call.attention_mask
         queue = _Queue(call.input_ids, mask, repeats, limits, (width - mask.sum(-1)).tolist())
-        self._rows = RowPlan.build(call.per_prompt, repeats, len(limits))
-        rows = len(limits)
-        device = holder.backend.device
-        out_seq = torch.full((rows, width + max_new), settings.pad_token_id, device=device)
-        out_resp = torch.zeros((rows, max_new), dtype=torch.bool, device=device)
-        out_logp = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
-        out_hit = torch.full((rows,), -1, dtype=torch.long, device=device)
-        table = SlotTable.empty(slots)
         first = queue.take(slots)
-        prefill = self._prefill(queue, first)
+        prefill = _prefill(self.model, queue, first)
         vocab = prefill.logits.shape[-1]
         step = holder.step_for(
             plan.signature,
@@ -123,14 +115,27 @@ class ContinuousRollout:
             step.cache.reset()
         clear_slots(step, range(slots))
         step.state.nan_draws.zero_()
-        self._fill(step, table, queue, first, 0, prefill)
-        outputs = (out_seq, out_resp, out_logp, out_hit)
+        interval = config.eos_check_interval
+        schedule = _Schedule(
+            self.model,
+            holder,
+            step,
+            queue,
+            RowPlan.build(call.per_prompt, repeats, len(limits)),
+            record,
+            _outputs(len(limits), width, max_new, settings.pad_token_id, holder.backend.device),
+            SlotTable.empty(slots),
+            interval,
+            align,
+            trim,
+        )
+        table = schedule.table
+        schedule.fill(first, 0, prefill)
         if table.due_by(0):  # budget-1 requests are done at their first token
-            self._service(step, table, queue, outputs, 0, align, trim, read=False)
+            schedule.service(0, read=False)
         prefill_s = time.perf_counter() - start
 
         runner: Runner = step
-        interval = config.eos_check_interval
         if config.enable_graph_capture and max_new > 1:
             runner = start_runner(holder, plan, step, record, max_new - 1)
         # the layout modes move columns under a span the eager step reads: they keep the slots
@@ -159,9 +164,9 @@ class ContinuousRollout:
                     f"{record.path}); run the conformance suite on this backend"
                 )
             if ladder is not None and queue.empty:
-                self._compact(ladder, step, table)
+                schedule.compact(ladder)
             if narrow:
-                step.span = self._span(table, queue, total)
+                step.span = schedule.span(total)
             attended += step.span[1] - step.span[0] if narrow else total
             runner()
             steps += 1
@@ -171,11 +176,12 @@ class ContinuousRollout:
             # reads them: each read may let the busy slots move to a smaller size
             tail = ladder is not None and queue.empty
             check = steps % (min(interval, CHECK_EVERY) if tail else interval) == 0
-            if check or self._due(table, queue, steps, ladder):
-                self._service(step, table, queue, outputs, steps, align, trim, read=check)
+            if check or schedule.due(steps, ladder):
+                schedule.service(steps, read=check)
         holder.backend.synchronize()
         decode_s = time.perf_counter() - t_decode
         step.span = None
+        out_resp = schedule.outputs[1]
         stats = record.stats(
             step,
             slots,
@@ -190,13 +196,29 @@ class ContinuousRollout:
                 out_resp, record.row_steps if ladder is not None else slots * steps
             ),
         )
-        return _result(outputs, width, settings, stats)
+        return _result(schedule.outputs, width, settings, stats)
 
-    def _fill(
+
+@dataclass
+class _Schedule:
+    """One call on the slots: its queue, the slot table, the requests' settings (``rows``, a
+    :class:`RowPlan` by request) and the output buffers the retired requests are copied into
+    (sequences, response mask, log-probs, matched stop sequence)."""
+
+    model: torch.nn.Module
+    holder: GraphHolder
+    step: ContinuousStep
+    queue: _Queue
+    rows: RowPlan
+    record: Record
+    outputs: tuple[torch.Tensor, ...]
+    table: SlotTable
+    interval: int
+    align: bool
+    trim: bool
+
+    def fill(
         self,
-        step: ContinuousStep,
-        table: SlotTable,
-        queue: _Queue,
         requests: list[int],
         now: int,
         prefill: Prefill | None = None,
@@ -206,8 +228,9 @@ class ContinuousRollout:
         first token chosen)."""
         if not requests:
             return
+        step, table, queue = self.step, self.table, self.queue
         if prefill is None:
-            prefill = self._prefill(queue, requests)
+            prefill = _prefill(self.model, queue, requests)
         free = table.free()[: len(requests)]
         device = step.state.finished.device
         rows = torch.tensor(free, dtype=torch.long, device=device)
@@ -220,7 +243,7 @@ class ContinuousRollout:
         s = step.state
         if isinstance(step.cache, BlockKVCache):
             columns = [width if slot in free else None for slot in range(len(table.request))]
-            grow_blocks(self.holder, step, columns, self.config.eos_check_interval, self._record)
+            grow_blocks(self.holder, step, columns, self.interval, self.record)
             step.reach[rows] = width
         step.cache.load_prefill(prefill.cache, rows=rows, source_rows=sources)
         step.masks.reset(queue.mask[prompts], rows=rows)
@@ -238,36 +261,29 @@ class ContinuousRollout:
             table.due[slot] = now + queue.limits[request] - 1  # the first token is chosen here
             if front is not None:
                 _shift(step, table, slot, front - width)
-        settings = self._rows  # the call's RowPlan: each request's sampling settings
         step.configure_rows(
-            rows, [settings.params[r] for r in requests], [settings.samples[r] for r in requests]
+            rows, [self.rows.params[r] for r in requests], [self.rows.samples[r] for r in requests]
         )
         step.commit_rows(prefill.logits[sources], rows)
 
-    def _prefill(self, queue: _Queue, requests: list[int]) -> Prefill:
-        """One prefill row per distinct prompt among ``requests``, in first-seen order."""
-        prompts = list(dict.fromkeys(queue.prompt(r) for r in requests))
-        return run_prefill(self.model, queue.ids[prompts], queue.mask[prompts])
-
-    @staticmethod
-    def _due(table: SlotTable, queue: _Queue, now: int, ladder: LadderRunner | None) -> bool:
+    def due(self, now: int, ladder: LadderRunner | None) -> bool:
         """Whether to retire between checks: a slot's budget ran out and a queued request can
         take it, or every busy slot is done (the call ends without waiting for a check), or on
         the ladder the slots left busy fit a smaller size. With an empty queue and others still
         busy, retiring early would otherwise free nothing useful."""
-        due = table.due_by(now)
+        due = self.table.due_by(now)
         if not due:
             return False
-        left = len(table.occupied()) - len(due)
+        left = len(self.table.occupied()) - len(due)
         shrinks = ladder is not None and ladder.target(left) is not None
-        return not queue.empty or not left or shrinks
+        return not self.queue.empty or not left or shrinks
 
-    @staticmethod
-    def _compact(ladder: LadderRunner, step: ContinuousStep, table: SlotTable) -> None:
+    def compact(self, ladder: LadderRunner) -> None:
         """With no request waiting: when the busy slots fit a smaller size of the ladder, the
         busy ones beyond it move into free slots inside it (every per-row buffer, the cache's
         rows, the slot table's entries), the following steps run at that size, and the slots
         they left are cleared as retired ones are. Host bookkeeping, no device read."""
+        table = self.table
         target = ladder.target(len(table.occupied()))
         if target is None:
             return
@@ -276,57 +292,43 @@ class ContinuousRollout:
         for dst, src in moved:
             table.swap(dst, src)
         if moved:
-            clear_slots(step, [src for _, src in moved])
+            clear_slots(self.step, [src for _, src in moved])
 
-    def _service(
-        self,
-        step: ContinuousStep,
-        table: SlotTable,
-        queue: _Queue,
-        outputs: tuple[torch.Tensor, ...],
-        now: int,
-        align: bool,
-        trim: bool,
-        read: bool,
-    ) -> None:
+    def service(self, now: int, read: bool) -> None:
         """Retire finished slots after decode step ``now``, then refill them from the queue.
 
         Slots whose budget ran out are known on the host; with ``read`` (the refill check) the
         device ``finished`` flags add those stopped early. Requests of budget 1 are done at their
         first token, so their slots are retired and refilled again at once.
         """
+        table = self.table
         done = table.due_by(now)
         if read:
             # the one device read of the check; agreed over a process group (a row retires once
             # it is finished on every rank, so on the same step everywhere)
-            finished = self.holder.agreement.finished_rows(step.state.finished)
+            finished = self.holder.agreement.finished_rows(self.step.state.finished)
             done = [i for i in table.occupied() if finished[i] or i in done]
         while True:
             if done:
-                self._retire(step, table, done, outputs, queue)
-            requests = queue.take(len(table.free()))
+                self.retire(done)
+            requests = self.queue.take(len(table.free()))
             front = None
-            if align:
-                front = self._align(step, table, queue, trim, bool(requests))
-            elif trim:
-                self._trim(step, table, queue)
+            if self.align:
+                front = self.align_front(bool(requests))
+            elif self.trim:
+                self.trim_front()
             table.refilled += len(requests)
-            self._fill(step, table, queue, requests, now, front=front)
+            self.fill(requests, now, front=front)
             done = table.due_by(now)
             if not done:
                 return
 
-    @staticmethod
-    def _retire(
-        step: ContinuousStep,
-        table: SlotTable,
-        done: list[int],
-        outputs: tuple[torch.Tensor, ...],
-        queue: _Queue,
-    ) -> None:
-        out_seq, out_resp, out_logp, out_hit = outputs
+    def retire(self, done: list[int]) -> None:
+        """Copy the ``done`` slots' requests into the outputs and free the slots."""
+        out_seq, out_resp, out_logp, out_hit = self.outputs
+        table, queue = self.table, self.queue
         width, max_new = queue.ids.shape[1], out_resp.shape[1]
-        s = step.state
+        s = self.step.state
         for slot in done:
             request = table.request[slot]
             first = table.start[slot] + width  # the first response column (start may be < 0
@@ -339,49 +341,67 @@ class ContinuousRollout:
                 out_hit[request] = s.stop_hit[slot]
             table.request[slot] = -1
             table.start[slot] = 0
-        clear_slots(step, done)
+        clear_slots(self.step, done)
 
-    @staticmethod
-    def _span(table: SlotTable, queue: _Queue, total: int) -> tuple[int, int]:
+    def span(self, total: int) -> tuple[int, int]:
         """Columns any busy slot may attend to: from the first real prompt token to the
         furthest write column (host bookkeeping, no device read)."""
+        table, queue = self.table, self.queue
         busy = table.occupied()
         lo = min(table.start[i] + queue.pads[queue.prompt(table.request[i])] for i in busy)
         hi = max(table.column[i] for i in busy) + 1
         return max(lo, 0), min(hi, total - 1)
 
-    @staticmethod
-    def _trim(step: ContinuousStep, table: SlotTable, queue: _Queue) -> None:
+    def trim_front(self) -> None:
         """Drop the leading columns no active slot attends to (shift every active slot left):
         columns left of every row's first real prompt token (left padding, dead space)."""
+        table, queue = self.table, self.queue
         busy = table.occupied()
         if not busy:
             return
         lead = min(table.start[i] + queue.pads[queue.prompt(table.request[i])] for i in busy)
         for slot in busy:
-            _shift(step, table, slot, -lead)
+            _shift(self.step, table, slot, -lead)
 
-    def _align(
-        self, step: ContinuousStep, table: SlotTable, queue: _Queue, trim: bool, refilling: bool
-    ) -> int:
+    def align_front(self, refilling: bool) -> int:
         """Right-align every active slot at one write column; return it for the newcomers.
 
         Rows only move right here, so without trimming the front never moves back; it compacts
         (drops dead leading columns) only when a row could otherwise run into the sink.
         """
-        if trim:
-            self._trim(step, table, queue)
+        if self.trim:
+            self.trim_front()
+        table = self.table
         busy = table.occupied()
-        width = queue.ids.shape[1]
-        sink = step.cache.max_len - 1  # host int: no device read
+        width = self.queue.ids.shape[1]
+        sink = self.step.cache.max_len - 1  # host int: no device read
         max_new = (sink - width) // 2  # the buffers were sized W + 2 * max_new + 1
         front = max([table.column[i] for i in busy] + ([width] if refilling else []), default=width)
         if front + max_new >= sink:
-            self._trim(step, table, queue)
+            self.trim_front()
             front = max([table.column[i] for i in busy] + [width])
         for slot in busy:
-            _shift(step, table, slot, front - table.column[slot])
+            _shift(self.step, table, slot, front - table.column[slot])
         return front
+
+
+def _prefill(model: torch.nn.Module, queue: _Queue, requests: list[int]) -> Prefill:
+    """One prefill row per distinct prompt among ``requests``, in first-seen order."""
+    prompts = list(dict.fromkeys(queue.prompt(r) for r in requests))
+    return run_prefill(model, queue.ids[prompts], queue.mask[prompts])
+
+
+def _outputs(
+    rows: int, width: int, max_new: int, pad: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The call's output buffers, in request order: sequences, response mask, log-probs, the
+    matched stop sequence (-1: none)."""
+    return (
+        torch.full((rows, width + max_new), pad, device=device),
+        torch.zeros((rows, max_new), dtype=torch.bool, device=device),
+        torch.zeros((rows, max_new), dtype=torch.float32, device=device),
+        torch.full((rows,), -1, dtype=torch.long, device=device),
+    )
 
 
 def _result(
