@@ -85,12 +85,7 @@ def _prepare(
     device (shapes, no weights), enough for the report; no workload runs on it."""
     device = torch.device("meta") if describe_only else backend.device
     say(f"building {cfg.model} ({cfg.dtype}) on {device}")
-    dtype, name, seed, vocab = (
-        preset_models.DTYPES[cfg.dtype],
-        backend.device_name(),
-        cfg.seed,
-        None,
-    )
+    dtype, name, seed = preset_models.DTYPES[cfg.dtype], backend.device_name(), cfg.seed
     model = preset_models.build_model(
         cfg.model, dtype=dtype, device=device, seed=seed, backend_seed=backend.manual_seed
     )
