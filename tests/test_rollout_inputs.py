@@ -175,9 +175,10 @@ def test_request_that_cannot_fit_is_refused_with_its_size():
     _engine(model, max_request_bytes=need).generate(ids, mask, SamplingParams(max_new_tokens=10))
 
 
+@pytest.mark.parametrize("layout", [None, "auto"], ids=["static-cache", "block-table"])
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("slots", [None, 2], ids=["static", "continuous"])
-def test_the_cache_an_engine_holds_counts_as_available_to_its_next_call(graph, slots):
+def test_the_cache_an_engine_holds_counts_as_available_to_its_next_call(graph, slots, layout):
     """A repeat call reuses the cache the engine holds, and a call of another size releases it
     first: neither may be refused for memory the engine itself took (a llama-8b round of 256
     rows on an 80 GB device was refused at its second call)."""
@@ -190,11 +191,12 @@ def test_the_cache_an_engine_holds_counts_as_available_to_its_next_call(graph, s
         enable_graph_capture=graph,
         continuous_batch_size=slots,
         length_buckets=None,
+        kv_block_size=layout,
     )
     engine = RolloutEngine(model, config)
     first = engine.generate(ids, mask, sampling)
     held = first.stats.kv_cache_bytes
-    block = backend.capabilities.kv_block_size
+    block = None if layout is None else backend.capabilities.kv_block_size
     sink = slots is not None  # the continuous path's cache has a sink column after the rows'
     need = request_bytes(
         model, scan_model(model).dtype, slots or 3, 16 + sink, 3, 6, block_size=block
