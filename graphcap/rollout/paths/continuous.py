@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -123,7 +124,9 @@ class ContinuousRollout:
             queue,
             RowPlan.build(call.per_prompt, repeats, len(limits)),
             record,
-            _outputs(len(limits), width, max_new, settings.pad_token_id, holder.backend.device),
+            _Outputs.empty(
+                len(limits), width, max_new, settings.pad_token_id, holder.backend.device
+            ),
             SlotTable.empty(slots),
             interval,
             align,
@@ -181,7 +184,6 @@ class ContinuousRollout:
         holder.backend.synchronize()
         decode_s = time.perf_counter() - t_decode
         step.span = None
-        out_resp = schedule.outputs[1]
         stats = record.stats(
             step,
             slots,
@@ -193,17 +195,34 @@ class ContinuousRollout:
             moved_columns=table.moved_columns,
             mean_span=attended / steps if steps else float(total),
             occupancy=_occupancy(
-                out_resp, record.row_steps if ladder is not None else slots * steps
+                schedule.outputs.response, record.row_steps if ladder is not None else slots * steps
             ),
         )
         return _result(schedule.outputs, width, settings, stats)
 
 
+class _Outputs(NamedTuple):
+    """The call's output buffers, in request order, which retired requests are copied into."""
+
+    sequences: torch.Tensor
+    response: torch.Tensor
+    logprobs: torch.Tensor
+    stop_hit: torch.Tensor  # the matched stop sequence (-1: none)
+
+    @classmethod
+    def empty(cls, rows: int, width: int, max_new: int, pad: int, device: torch.device) -> _Outputs:
+        return cls(
+            torch.full((rows, width + max_new), pad, device=device),
+            torch.zeros((rows, max_new), dtype=torch.bool, device=device),
+            torch.zeros((rows, max_new), dtype=torch.float32, device=device),
+            torch.full((rows,), -1, dtype=torch.long, device=device),
+        )
+
+
 @dataclass
 class _Schedule:
     """One call on the slots: its queue, the slot table, the requests' settings (``rows``, a
-    :class:`RowPlan` by request) and the output buffers the retired requests are copied into
-    (sequences, response mask, log-probs, matched stop sequence)."""
+    :class:`RowPlan` by request) and the output buffers the retired requests are copied into."""
 
     model: torch.nn.Module
     holder: GraphHolder
@@ -211,7 +230,7 @@ class _Schedule:
     queue: _Queue
     rows: RowPlan
     record: Record
-    outputs: tuple[torch.Tensor, ...]
+    outputs: _Outputs
     table: SlotTable
     interval: int
     align: bool
@@ -391,21 +410,8 @@ def _prefill(model: torch.nn.Module, queue: _Queue, requests: list[int]) -> Pref
     return run_prefill(model, queue.ids[prompts], queue.mask[prompts])
 
 
-def _outputs(
-    rows: int, width: int, max_new: int, pad: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """The call's output buffers, in request order: sequences, response mask, log-probs, the
-    matched stop sequence (-1: none)."""
-    return (
-        torch.full((rows, width + max_new), pad, device=device),
-        torch.zeros((rows, max_new), dtype=torch.bool, device=device),
-        torch.zeros((rows, max_new), dtype=torch.float32, device=device),
-        torch.full((rows,), -1, dtype=torch.long, device=device),
-    )
-
-
 def _result(
-    outputs: tuple[torch.Tensor, ...],
+    outputs: _Outputs,
     width: int,
     settings: CallSettings,
     stats: RolloutStats,

@@ -157,7 +157,7 @@ def begin(
         call.generator,
         batch_size=batch,
         total_len=total,
-        prompt_width=call.input_ids.shape[1],
+        prompt_width=shape[1],
         sampler=holder.sampler_for(call.per_prompt),
         disabled_reason=holder.disabled_reason,
         scan=call.scan,
