@@ -59,6 +59,10 @@ class Capabilities:
     keeps the static cache. ``graph_kv_lengths_on_host``: captured block-aware attention takes
     per-row KV lengths as host values frozen into the graph, so the engine hands the lengths of
     every replay to :meth:`Backend.update_graph_kv_lengths` first.
+    ``keeps_addresses_on_release``: :meth:`Backend.memory_region` hands out regions whose
+    physical memory is given back at ``release()`` and mapped again at ``restore()`` under the
+    same addresses, so captured graphs replay after a sleep without a new capture (derived
+    from behaviour, like ``graph_capture``).
     """
 
     graph_capture: bool
@@ -72,6 +76,7 @@ class Capabilities:
     fuse_projections_by_default: bool = False
     kv_block_size: int | None = None
     graph_kv_lengths_on_host: bool = False
+    keeps_addresses_on_release: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -238,6 +243,13 @@ class Backend:
         """A memory-pool handle several graphs can share, or ``None`` if pools are not shared."""
         return None
 
+    def memory_region(self) -> MemoryRegion | None:
+        """A new :class:`MemoryRegion` (memory given back at a sleep and mapped again at the
+        same addresses), or ``None`` (the default) where the device cannot keep addresses
+        across a release: engines then free their buffers and graphs at a sleep and capture
+        again after it."""
+        return None
+
     def _no_graph_message(self, hook: str) -> str:
         return (
             f"backend {self.name!r} cannot capture graphs (create_graph() returned None), so "
@@ -252,6 +264,16 @@ class Backend:
         if cached is None:
             cached = self.create_graph() is not None
             self.__dict__["_created_graph"] = cached
+        return cached
+
+    def _releases_in_place(self) -> bool:
+        """Behaviour, probed once: does ``memory_region()`` hand out a region?"""
+        cached = self.__dict__.get("_region_probe")
+        if cached is None:
+            region = self.memory_region()
+            cached = self.__dict__["_region_probe"] = region is not None
+            if region is not None:
+                region.close()
         return cached
 
     @property
@@ -281,6 +303,7 @@ class Backend:
             fuse_projections_by_default=capture and self.fuse_projections_by_default,
             kv_block_size=self.kv_block_size,
             graph_kv_lengths_on_host=capture and self.graph_kv_lengths_on_host,
+            keeps_addresses_on_release=self._releases_in_place(),
         )
 
     # ---- device plumbing (defaults on torch.get_device_module / torch.accelerator) --------
@@ -370,6 +393,18 @@ class Backend:
             return None
         return int(free + unused)
 
+    def free_memory(self) -> int | None:
+        """Bytes the device itself reports free (not torch's allocator counters): what a sleep
+        gives back shows here. On the host, the kernel's available memory (Linux
+        ``MemAvailable``); ``None`` where the device does not say."""
+        if self.device_type == "cpu":
+            return _host_available_memory()
+        try:
+            free, _total = self.device_module.mem_get_info(self.device)
+        except (AttributeError, RuntimeError, TypeError):
+            return None
+        return int(free)
+
     def empty_cache(self) -> None:
         if self.device_type != "cpu":
             torch.accelerator.empty_cache()
@@ -399,6 +434,61 @@ class Backend:
             info["device"] = str(self.device)
             info["capabilities"] = self.capabilities.as_dict()
         return info
+
+
+class MemoryRegion:
+    """Device memory a backend can give back and map again under the same addresses.
+
+    Tensors allocated inside :meth:`allocating` (and graphs captured into :meth:`graph_pool`)
+    live in the region. :meth:`release` returns its physical memory to the device while every
+    address stays reserved; :meth:`restore` maps memory there again. Contents allocated with
+    ``keep=True`` survive the pair (the backend saves them to host memory); the rest read as
+    undefined after a restore, as memory that was never written. Replays while released are an
+    error: the device has nothing there. One region per engine; :meth:`close` frees it for good.
+    """
+
+    def allocating(self, keep: bool) -> contextlib.AbstractContextManager[None]:
+        """Within the block, new tensors live in this region; ``keep``: their contents survive
+        a release."""
+        raise NotImplementedError
+
+    def graph_pool(self) -> Any | None:
+        """The pool handle captures pass to ``capture_to_graph`` so the graphs' memory lives in
+        this region (contents not kept); ``None`` where captures inside :meth:`allocating`
+        already land here."""
+        return None
+
+    @property
+    def released(self) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Give the physical memory back; addresses stay reserved."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Map memory at the same addresses again (``keep`` contents restored)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes the region holds while mapped."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free everything for good (tensors still referenced elsewhere stay valid where the
+        device allows, but leave the region)."""
+
+
+def _host_available_memory() -> int | None:
+    """Linux's ``MemAvailable``: what the host could still hand out without swapping."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 class GraphBackend(Backend):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from graphcap.backend import Availability, Backend, GraphBackend
+from graphcap.backend import Availability, Backend, GraphBackend, MemoryRegion
 from graphcap.cpu.graph import ReferenceGraphs
+from graphcap.cpu.region import ReferenceRegion
 from graphcap.hookspecs import PLUGIN_API_VERSION, hookimpl
 
 
@@ -34,6 +35,10 @@ class CPUBackend(GraphBackend):
 
     def graph_library(self) -> type[ReferenceGraphs]:
         return ReferenceGraphs
+
+    def memory_region(self) -> MemoryRegion:
+        """Regions that model a device's release and remap (:mod:`graphcap.cpu.region`)."""
+        return ReferenceRegion()
 
 
 class CPUPlugin:

@@ -104,6 +104,22 @@ _REDUCE_OP_NAMES = (
 # Byte written over integer memory allocated during capture: 0xA5A5... is a recognisably wrong
 # value for every integer width (and an out-of-range index, so gathers on it fail loudly).
 _POISON_BYTE = 0xA5
+#: Storages (by :func:`storage_key`) a memory region has released: a replay touching one
+#: raises, as a device graph would read unmapped memory (:mod:`graphcap.cpu.region`).
+RELEASED_STORAGES: set[int] = set()
+
+
+def poison_storage(storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
+    """Fill ``storage`` with values no computation produced: NaN for floating types, True for
+    booleans, 0xA5 bytes for integers (out of range as an index, so gathers fail loudly)."""
+    numel = storage.nbytes() // dtype.itemsize
+    view = torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
+    if dtype.is_floating_point or dtype.is_complex:
+        view.fill_(float("nan"))
+    elif dtype == torch.bool:
+        view.fill_(True)
+    else:
+        storage.fill_(_POISON_BYTE)
 
 
 def is_capturing() -> bool:
@@ -251,7 +267,7 @@ def _leaves(value: Any) -> list[Any]:
     return [value]
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_in(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in _leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
@@ -306,14 +322,7 @@ class _Recording:
 
     def poison(self) -> None:
         for storage, dtype in self.new_storages.values():
-            numel = storage.nbytes() // dtype.itemsize
-            view = torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
-            if dtype.is_floating_point or dtype.is_complex:
-                view.fill_(float("nan"))
-            elif dtype == torch.bool:
-                view.fill_(True)
-            else:
-                storage.fill_(_POISON_BYTE)
+            poison_storage(storage, dtype)
 
 
 class _Recorder(TorchDispatchMode):
@@ -333,7 +342,7 @@ class _Recorder(TorchDispatchMode):
         self._refuse(func, args, kwargs)
         info = _op_info(func)
         for position, name in info.written:
-            for tensor in _tensors(info.get(position, name, args, kwargs)):
+            for tensor in tensors_in(info.get(position, name, args, kwargs)):
                 rec.snapshot(tensor)
         if info.generator_pos is not None:
             generator = info.get(info.generator_pos, "generator", args, kwargs)
@@ -343,7 +352,7 @@ class _Recorder(TorchDispatchMode):
         collective = func.overloadpacket in _COLLECTIVES
         result = _unissued(func, args, kwargs) if collective else func(*args, **kwargs)
 
-        inputs = _tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         input_keys = {storage_key(t) for t in inputs}
         flat = _leaves(result)
         fresh = []
@@ -493,6 +502,7 @@ class CPUGraph:
         self._steps: tuple[_Step, ...] = ()
         self._op_names: tuple[str, ...] = ()
         self._keepalive: list[Any] = []
+        self._storages: frozenset[int] = frozenset()
         self._state = "empty"  # empty | capturing | captured | failed
         self._failure = ""
 
@@ -560,6 +570,7 @@ class CPUGraph:
         self._steps = tuple(recording.steps)
         self._op_names = tuple(recording.op_names)
         self._keepalive = recording.keepalive
+        self._storages = frozenset(storage_key(t) for t in tensors_in(recording.keepalive))
         self._state = "captured"
 
     def reset(self) -> None:
@@ -567,6 +578,7 @@ class CPUGraph:
         if self._state == "capturing":
             raise GraphCaptureError("cannot reset a graph while it is capturing")
         self._steps, self._op_names, self._keepalive = (), (), []
+        self._storages = frozenset()
         self._state, self._failure = "empty", ""
 
     # ---- replay ---------------------------------------------------------------------------
@@ -580,6 +592,11 @@ class CPUGraph:
         """
         if self._state != "captured":
             raise GraphcapError(self._not_replayable())
+        if RELEASED_STORAGES and not RELEASED_STORAGES.isdisjoint(self._storages):
+            raise GraphcapError(
+                "replay() of a graph whose memory was released (a sleeping engine's region): "
+                "restore the region (wake the engine) before replaying"
+            )
         with torch.inference_mode(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, single, several in self._steps:
                 result = func(*args, **kwargs)

@@ -73,12 +73,15 @@ class RolloutEngine:
         agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None
         cache = CompileCache(resolve_directory(self.config.compile_cache))
-        self._holder = GraphHolder(self.backend, agreement, self._fusion, cache)
+        self._holder = GraphHolder(
+            self.backend, agreement, self._fusion, cache, self.config.sleep_keeps_graphs
+        )
         rollout = ROLLOUTS[Path.asked(self.config)]
         self._rollout = rollout(model, self.config, self._holder)
         self._lock = threading.Lock()
         self._closed = False
-        self._sleeping = False  # sleep() freed the buffers and no generate has run since
+        #: sleep() dropped the buffers and graphs (no memory region) and no generate has run
+        self._dropped = False
 
     def generate(
         self,
@@ -105,6 +108,7 @@ class RolloutEngine:
         with self._lock:
             self._check_open()
             start = time.perf_counter()
+            wake_s = self._holder.wake()
             request = normalise_request(self.model, sampling, overrides)
             device = self.backend.device
             scan = scan_model(self.model)
@@ -136,9 +140,9 @@ class RolloutEngine:
                 self._fusion.applied() if self._fusion is not None else contextlib.nullcontext(),
             ):
                 result = self._rollout.run(call, start)
-            woke, self._sleeping = self._sleeping, False
+            dropped, self._dropped = self._dropped, False
             stats, total_s = result.stats, time.perf_counter() - start
-            woken = [WOKE] if woke and stats.captured else []
+            woken = [WOKE] if dropped and stats.captured else []
             result.stats = dataclasses.replace(
                 stats,
                 captures=self._holder.capture_count(),
@@ -147,41 +151,59 @@ class RolloutEngine:
                 attention=stats.attention or attention_implementation(self.model),
                 total_s=total_s,
                 first_call_s=total_s if stats.captured else None,
+                wake_s=wake_s,
             )
             return result
 
     def sleep(self, level: int = 1) -> None:
-        """Free the KV cache, masks, decode buffers and graphs until the next ``generate``.
+        """Give the engine's device memory back until the next ``generate`` (vLLM's ``sleep``),
+        for a trainer that needs it while it trains.
 
-        For a trainer that needs the memory back while it trains (vLLM's ``sleep``). The
-        weights are the caller's and stay untouched at either vLLM ``level`` (1: vLLM offloads
-        its weights, 2: discards them; graphcap holds no copy of them to free). The freed
-        memory goes back to the device through ``backend.empty_cache()``. The next ``generate``
-        allocates and captures again (``stats.captured``, ``capture_s``, ``first_call_s``;
-        ``recapture_reason`` starts with ``"woke from sleep"``). Not freed: the weights,
-        ``torch.compile``'s compiled code, the backend's capture stream (docs/rollout.md,
-        "Memory between rollouts").
+        Where the backend keeps addresses across a release
+        (``Capabilities.keeps_addresses_on_release``; ``RolloutConfig.sleep_keeps_graphs``),
+        the K/V cache, the decode buffers and the graphs' memory are released in place: the
+        physical memory returns to the device, and the next call maps it again (``wake_s``)
+        and replays the graphs already captured. Elsewhere they are freed, and the next call
+        allocates and captures again (``recapture_reason`` starts with ``"woke from sleep"``).
+        The weights are the caller's and stay untouched at either vLLM ``level`` (1: vLLM
+        offloads its weights, 2: discards them). Not freed: ``torch.compile``'s compiled code
+        and the backend's capture stream (docs/rollout.md, "Memory between rollouts").
         """
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2 (vLLM's levels), got {level!r}")
         with self._lock:
             self._check_open()
-            freed = self._holder.drop()
-            self._sleeping = self._sleeping or freed
+            held = self._holder.sleep()
+            self._dropped = self._dropped or (held and not self._holder.asleep)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """End a ``sleep`` explicitly (vLLM's name and signature); safe to call at any time.
 
-        ``generate`` wakes the engine by itself, and the buffers are sized from the call's
-        prefill, so this allocates nothing for any of vLLM's ``tags`` (``"weights"``: the
-        caller's, never freed; ``"kv_cache"``: allocated by the next call): to pre-warm, run a
-        short ``generate``.
+        Maps the released memory again where the sleep kept it (what ``generate`` does by
+        itself otherwise), so a trainer can take the mapping's cost outside its timed round.
+        After a sleep that freed the buffers nothing is allocated here: they are sized from
+        the next call's prefill. vLLM's ``tags``: ``"weights"`` (the caller's, never freed) and
+        ``"kv_cache"``.
         """
         unknown = sorted(set(tags or ()) - set(WAKE_TAGS))
         if isinstance(tags, str) or unknown:
             raise ValueError(f"wake_up tags must be a list of {list(WAKE_TAGS)}, got {tags!r}")
         with self._lock:
             self._check_open()
+            if tags is None or "kv_cache" in tags:
+                self._holder.wake()
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the engine's memory is released (a ``sleep`` that kept the graphs, no
+        ``generate`` or ``wake_up`` since)."""
+        return self._holder.asleep
+
+    def memory_held(self) -> int:
+        """Bytes of device memory the engine holds in its memory region while awake (K/V,
+        buffers, the graphs' memory): what a sleep gives back; 0 where the backend has no
+        region or nothing is held."""
+        return self._holder.region_bytes()
 
     def _check_open(self) -> None:
         if self._closed:

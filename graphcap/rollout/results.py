@@ -38,6 +38,8 @@ class RolloutStats:
     them), over the cache's life; ``kv_cache_bytes``: the K/V buffers' size at the call's end.
     ``nan_draws``: tokens sampled for rows whose logits held NaN (a diverged model; each such
     draw is uniform, and the call warns with a ``NonFiniteLogitsWarning``).
+    ``wake_s``: seconds this call spent mapping the engine's memory again after a ``sleep``
+    that kept its graphs (part of ``total_s``); ``None`` when the engine was awake.
     """
 
     path: str
@@ -71,6 +73,7 @@ class RolloutStats:
     kv_pool_growths: int = 0
     kv_cache_bytes: int = 0
     nan_draws: int = 0
+    wake_s: float | None = None
 
     @property
     def joined_projections(self) -> int:

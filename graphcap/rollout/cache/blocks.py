@@ -208,6 +208,13 @@ class BlockKVCache(PreallocatedCache):
         the old contents), so every layer keeps one size and the next call grows again."""
         old = self.num_blocks
         new = min(max(2 * old, old + missing), self.batch_size * self.table.shape[1] + _RESERVED)
+        with self.memory():
+            self._grow_pools(old, new)
+        self.free += range(old, new)
+        self.growths += 1
+
+    def _grow_pools(self, old: int, new: int) -> None:
+        """:meth:`_grow`'s allocation: every layer's pools at ``new`` blocks, or none."""
         try:
             for layer in self.layers:
                 for name in ("keys", "values"):
@@ -221,8 +228,6 @@ class BlockKVCache(PreallocatedCache):
                 for name in ("keys", "values"):
                     setattr(layer, name, getattr(layer, name)[:old])
             raise
-        self.free += range(old, new)
-        self.growths += 1
 
     def free_rows(self, rows: Sequence[int]) -> None:
         """Return rows' blocks to the free list; the rows then point at the sink block, write

@@ -136,8 +136,16 @@ class PreallocatedCache(Cache):
     write_pos: torch.Tensor
     max_len: int
 
+    #: where new K/V buffers (a block pool's growth) are allocated: an engine's memory region
+    memory: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in self.layers)
+
+    def clear(self) -> None:
+        """Zero every K/V buffer (memory mapped again after a sleep holds no values)."""
+        for layer in self.layers:
+            layer.reset()
 
     @property
     def batch_size(self) -> int:  # type: ignore[override]

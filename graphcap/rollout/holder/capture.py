@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -103,14 +104,19 @@ def capture_step(
 
 
 def timed_capture(
-    backend: Backend, step: Capturable, pool: object | None = None
+    backend: Backend,
+    step: Capturable,
+    pool: object | None = None,
+    memory: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> tuple[object, float]:
     """Warm up ``step``, capture it into a new graph; the graph and the warm-up's seconds.
 
     ``pool``: a handle from ``backend.graph_pool_handle()`` that several graphs share (the
     per-position path passes one for its whole set); ``None`` asks the backend for one. A
     failure raises :class:`CaptureFailed` with the warm-up's seconds (0 when the warm-up
-    failed), the failure chained as its cause.
+    failed), the failure chained as its cause. ``memory``: where what the capture allocates
+    lives (an engine's memory region); the warm-up runs outside it, so memory a library caches
+    at its first use (a matrix library's workspace) is not given back with the engine's.
 
     Every tensor ``step`` writes (its ``mutable_tensors()``), the backend's RNG state and its
     ``generator`` are left as they were, also when capture fails (rolled back before
@@ -151,7 +157,7 @@ def timed_capture(
         rollback()
         if pool is None:
             pool = backend.graph_pool_handle()
-        with backend.capture_to_graph(graph, pool=pool, stream=stream), graph_step():
+        with memory(), backend.capture_to_graph(graph, pool=pool, stream=stream), graph_step():
             step()
         backend.synchronize()
         return graph, warmup_s

@@ -11,13 +11,14 @@ position. Keyed graphs share one memory pool.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from graphcap.backend import Backend
+from graphcap.backend import Backend, MemoryRegion
 from graphcap.rollout.cache import LayerSpec
 from graphcap.rollout.holder.agreement import GraphVerdict, RankAgreement
 from graphcap.rollout.holder.capture import (
@@ -39,14 +40,21 @@ from graphcap.rollout.step import DecodeStep
 GraphKey = int | tuple[str, int] | None
 
 
+#: What a step's builder is handed: a context in which to allocate the K/V buffers, whose
+#: contents need not survive a sleep (a call writes every column it reads).
+KVMemory = Callable[[], contextlib.AbstractContextManager[None]]
+
+
 @dataclass
 class Held:
-    """What one signature owns: its decode step (with cache, masks and state) and graphs."""
+    """What one signature owns: its decode step (with cache, masks and state), its graphs and
+    the memory region they live in (``None`` where the backend has none)."""
 
     signature: GraphSignature
     step: DecodeStep
     graphs: dict[GraphKey, object] = field(default_factory=dict)
     pool: object | None = None
+    region: MemoryRegion | None = None
 
 
 class GraphHolder:
@@ -59,8 +67,12 @@ class GraphHolder:
         agreement: RankAgreement,
         fusion: ProjectionFusion | None = None,
         compile_cache: CompileCache | None = None,
+        keep_across_sleep: bool = True,
     ):
         self.backend = backend
+        #: whether what is held lives in a memory region of the backend (when it offers one),
+        #: so a sleep gives the memory back and keeps the graphs
+        self.keep_across_sleep = keep_across_sleep
         self.agreement = agreement
         #: where compiled captures keep their compiled code between processes
         self.compile_cache = compile_cache or CompileCache(None)
@@ -103,15 +115,57 @@ class GraphHolder:
         self,
         signature: GraphSignature,
         specs: tuple[LayerSpec, ...],
-        build: Callable[[], DecodeStep],
+        build: Callable[[KVMemory], DecodeStep],
     ) -> DecodeStep:
         """The held step for ``signature``, or a new one from ``build`` (sized from ``specs``,
-        the K/V shapes the prefill produced)."""
+        the K/V shapes the prefill produced), allocated in a memory region of the backend where
+        it offers one (``build`` allocates the K/V buffers within the context it is handed)."""
         if self._held is not None and self._held.step.cache.layer_specs() != specs:
             self.drop()
         if self._held is None:
-            self._held = Held(signature, build())
+            region = self.backend.memory_region() if self.keep_across_sleep else None
+            if region is None:
+                step = build(contextlib.nullcontext)
+            else:
+                with region.allocating(keep=True):
+                    step = build(functools.partial(region.allocating, keep=False))
+            self._held = Held(signature, step, region=region)
         return self._held.step
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the held memory is released (:meth:`sleep`) and not mapped again yet."""
+        return self._held is not None and self._held.region is not None and (
+            self._held.region.released
+        )
+
+    def sleep(self) -> bool:
+        """Give the held memory back to the device: released in place where it lives in a
+        region (the graphs stay and replay after :meth:`wake`), else dropped with the graphs.
+        Whether anything was held."""
+        held = self._held
+        if held is None or held.region is None:
+            return self.drop()
+        if not held.region.released:
+            self.backend.synchronize()  # no queued replay may still use the memory
+            held.region.release()
+            self.backend.empty_cache()
+        return True
+
+    def wake(self) -> float | None:
+        """Map released memory again (its K/V buffers zeroed, as freshly allocated ones are);
+        the seconds it took, or ``None`` when nothing was asleep."""
+        if not self.asleep:
+            return None
+        start = time.perf_counter()
+        self._held.region.restore()
+        self._held.step.cache.clear()
+        return time.perf_counter() - start
+
+    def region_bytes(self) -> int:
+        """Bytes of the held memory region (what a sleep gives back); 0 without one."""
+        held = self._held
+        return 0 if held is None or held.region is None else held.region.nbytes()
 
     def held_bytes(self) -> int:
         """Bytes of the K/V cache held for the last signature: a new call reuses or releases
@@ -152,13 +206,16 @@ class GraphHolder:
         """
         assert self._held is not None, "step_for() comes first"
         start = time.perf_counter()
-        pool = None
-        if key is not None:  # a set of graphs shares one pool
+        region, pool, memory = self._held.region, None, contextlib.nullcontext
+        if region is not None:  # the graphs' memory sleeps with the rest
+            pool = region.graph_pool()
+            memory = functools.partial(region.allocating, keep=False)
+        elif key is not None:  # a set of graphs shares one pool
             pool = self._held.pool = self._held.pool or self.backend.graph_pool_handle()
         cache, warmup_s = None, 0.0
         try:
             with _attention(step.model, attention), self._compiled(step, compiled) as cache:
-                graph, warmup_s = timed_capture(self.backend, step, pool)
+                graph, warmup_s = timed_capture(self.backend, step, pool, memory)
         except Exception as exc:  # any capture failure: rolled back; the call goes on eagerly
             if isinstance(exc, CaptureFailed):
                 exc, warmup_s = exc.__cause__, exc.warmup_s
@@ -236,6 +293,8 @@ class GraphHolder:
         if held is not None:
             held.graphs.clear()
             held.step.cache.release()
+            if held.region is not None:
+                held.region.close()
             self.backend.empty_cache()
         return held is not None
 

@@ -105,8 +105,8 @@ class ContinuousRollout:
         step = holder.step_for(
             plan.signature,
             prefill.specs,
-            lambda: ContinuousStep.build(
-                self.model, prefill.specs, plan, vocab, settings, generator
+            lambda memory: ContinuousStep.build(
+                self.model, prefill.specs, plan, vocab, settings, generator, memory
             ),
         )
         assert isinstance(step, ContinuousStep)

@@ -54,8 +54,8 @@ class StaticRollout:
         step = self.holder.step_for(
             plan.signature,
             prefill.specs,
-            lambda: DecodeStep.build(
-                self.model, prefill.specs, plan, logits.shape[-1], settings, generator
+            lambda memory: DecodeStep.build(
+                self.model, prefill.specs, plan, logits.shape[-1], settings, generator, memory
             ),
         )
         interval = self.config.eos_check_interval

@@ -94,6 +94,11 @@ class RolloutConfig:
     step reads the scores once; ``"generate"``: unseeded rows draw ``multinomial`` from the
     shared generator over all rows, generate's own random numbers (docs/rollout.md, "Random
     numbers").
+    ``sleep_keeps_graphs``: ``True`` (the default) keeps what the engine holds in a memory
+    region of the backend where it offers one (``Capabilities.keeps_addresses_on_release``),
+    so ``sleep()`` gives the memory back and the graphs replay after it without a new capture;
+    ``False`` frees the buffers and graphs at a sleep and captures again after it (docs/rollout.md,
+    "Memory between rollouts").
     """
 
     enable_graph_capture: bool | None = None
@@ -115,6 +120,7 @@ class RolloutConfig:
     kv_block_size: int | Literal["auto"] | None = "auto"
     draws: Literal["per_row", "generate"] = "per_row"
     batch_ladder: tuple[int, ...] | Literal["auto"] | None = "auto"
+    sleep_keeps_graphs: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.compile_cache, os.PathLike):  # a pathlib.Path names a directory too

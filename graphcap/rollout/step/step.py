@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
@@ -281,18 +282,22 @@ class DecodeStep:
         vocab_size: int,
         settings: CallSettings,
         generator: torch.Generator | None,
+        kv_memory: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> DecodeStep:
         """A step with fresh buffers for ``plan``'s signature, sized from ``specs`` (the K/V
-        shapes the prefill produced)."""
+        shapes the prefill produced); its K/V buffers allocated within ``kv_memory()``, now
+        and when a block pool grows."""
         sig = plan.signature
         device, batch, total = sig.device, sig.batch_size, sig.total_len
         cache: StaticKVCache | BlockKVCache
-        if sig.kv_block_size is None:
-            cache = StaticKVCache(specs, batch, total)
-        else:
-            size = sig.kv_block_size
-            blocks = whole_table_blocks(batch, total, size) if cls.pool_for_bucket else None
-            cache = BlockKVCache(specs, batch, total, size, num_blocks=blocks)
+        with kv_memory():
+            if sig.kv_block_size is None:
+                cache = StaticKVCache(specs, batch, total)
+            else:
+                size = sig.kv_block_size
+                blocks = whole_table_blocks(batch, total, size) if cls.pool_for_bucket else None
+                cache = BlockKVCache(specs, batch, total, size, num_blocks=blocks)
+        cache.memory = kv_memory
         masks = MaskBuffers.for_model(
             model.config, batch, total, sig.dtype, device, plan.windows, sig.mask_form
         )
