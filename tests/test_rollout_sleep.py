@@ -1,4 +1,6 @@
-"""``RolloutEngine.sleep()``: the buffers and graphs go, the weights stay, the next call recaptures.
+"""``RolloutEngine.sleep()`` on a backend that cannot keep addresses across a release: the
+buffers and graphs go, the weights stay, the next call recaptures (tests/test_training_loop.py
+covers backends that keep them).
 
 The CPU has no allocator statistics, so these tests check that the freed objects are gone
 (weak references to the cache, mask and state tensors, the step and the graphs) and that the
@@ -24,9 +26,15 @@ PARAMS = SamplingParams(max_new_tokens=NEW, eos_token_id=[])
 PINNED = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=[])
 
 
-class RecordingBackend(CPUBackend):
-    """The CPU reference backend, keeping weak references to its graphs and counting
-    ``empty_cache`` calls."""
+class FreeingBackend(CPUBackend):
+    """The CPU reference backend without memory regions: a sleep frees."""
+
+    def memory_region(self) -> None:
+        return None
+
+
+class RecordingBackend(FreeingBackend):
+    """Keeps weak references to its graphs and counts ``empty_cache`` calls."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,6 +75,7 @@ def held_objects(engine: RolloutEngine) -> list[weakref.ref]:
 )
 def test_sleep_frees_buffers_and_graphs_and_the_next_call_recaptures(config, params, path):
     backend = RecordingBackend()
+    assert not backend.capabilities.keeps_addresses_on_release
     engine = engine_on(backend, **config)
     weights = {n: (p.data_ptr(), p.detach().clone()) for n, p in engine.model.named_parameters()}
     ids, mask = prompts(3)
@@ -99,7 +108,7 @@ def test_sleep_frees_buffers_and_graphs_and_the_next_call_recaptures(config, par
 
 
 def test_wake_up_and_sleep_are_safe_in_any_order():
-    engine = engine_on(CPUBackend())
+    engine = engine_on(FreeingBackend())
     ids, mask = prompts(2)
     engine.wake_up()
     engine.sleep()  # nothing held yet: the first capture is not a wake-up
@@ -120,7 +129,7 @@ def test_wake_up_and_sleep_are_safe_in_any_order():
 
 def test_sleep_waits_for_a_running_generate():
     """A sleep from another thread must not free the buffers under a running call."""
-    engine = engine_on(CPUBackend())
+    engine = engine_on(FreeingBackend())
     ids, mask = prompts(3)
     expected = engine.generate(ids, mask, PARAMS).sequences
     sleeper = threading.Thread(target=engine.sleep)
@@ -149,7 +158,7 @@ def test_sampled_tokens_do_not_depend_on_sleeping():
     ids, mask = prompts(3)
     outputs = {}
     for sleeps in (False, True):
-        engine = engine_on(CPUBackend())
+        engine = engine_on(FreeingBackend())
         torch.manual_seed(5)
         calls = []
         for _ in range(3):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,9 +105,19 @@ _REDUCE_OP_NAMES = (
 # Byte written over integer memory allocated during capture: 0xA5A5... is a recognisably wrong
 # value for every integer width (and an out-of-range index, so gathers on it fail loudly).
 _POISON_BYTE = 0xA5
-#: Storages (by :func:`storage_key`) a memory region has released: a replay touching one
-#: raises, as a device graph would read unmapped memory (:mod:`graphcap.cpu.region`).
-RELEASED_STORAGES: set[int] = set()
+#: Storages a memory region has released, by :func:`storage_key`, each with a weak reference
+#: to the storage (a key whose storage died may name new memory): a replay touching one raises,
+#: as a device graph would read unmapped memory (:mod:`graphcap.cpu.region`).
+RELEASED_STORAGES: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+
+def _released(storages: frozenset[int]) -> bool:
+    """Whether any of ``storages`` is released now (dead entries are dropped on the way)."""
+    for key in RELEASED_STORAGES.keys() & storages:
+        if RELEASED_STORAGES[key]() is not None:
+            return True
+        del RELEASED_STORAGES[key]
+    return False
 
 
 def poison_storage(storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
@@ -592,7 +603,7 @@ class CPUGraph:
         """
         if self._state != "captured":
             raise GraphcapError(self._not_replayable())
-        if RELEASED_STORAGES and not RELEASED_STORAGES.isdisjoint(self._storages):
+        if RELEASED_STORAGES and _released(self._storages):
             raise GraphcapError(
                 "replay() of a graph whose memory was released (a sleeping engine's region): "
                 "restore the region (wake the engine) before replaying"

@@ -109,9 +109,9 @@ class ReferenceRegion(MemoryRegion):
     def adopt(self, tensor: torch.Tensor, keep: bool) -> None:
         """Make ``tensor``'s storage part of the region (the first owner's ``keep`` wins)."""
         storage = tensor.untyped_storage()
-        if storage.nbytes():
-            entry = _Entry(weakref.ref(storage), tensor.dtype, keep)
-            self._entries.setdefault(storage_key(tensor), entry)
+        key = storage_key(tensor)
+        if storage.nbytes() and key not in self._entries:
+            self._entries[key] = _Entry(weakref.ref(storage), tensor.dtype, keep)
 
     def _live(self) -> Iterator[tuple[int, _Entry, torch.UntypedStorage]]:
         """The entries whose storage is still alive (a freed one leaves the region)."""
@@ -135,14 +135,15 @@ class ReferenceRegion(MemoryRegion):
                 entry.saved = storage.clone()
             poison_storage(storage, entry.dtype)  # the edges madvise cannot drop
             given += _give_back(storage)
-            RELEASED_STORAGES.add(key)
+            RELEASED_STORAGES[key] = entry.storage
         self.given_back = given
         self._released = True
 
     def restore(self) -> None:
         if not self._released:
             return
-        RELEASED_STORAGES.difference_update(self._entries)
+        for key in self._entries:
+            RELEASED_STORAGES.pop(key, None)
         for _key, entry, storage in self._live():
             poison_storage(storage, entry.dtype)
             if entry.saved is not None:

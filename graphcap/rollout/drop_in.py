@@ -97,9 +97,19 @@ class DropInStats:
 class AcceleratedGenerate:
     """The installed ``generate`` of one model: the engine, the original method, the stats."""
 
-    def __init__(self, model: PreTrainedModel, config: RolloutConfig) -> None:
+    def __init__(
+        self, model: PreTrainedModel, config: RolloutConfig, sleep_between_calls: bool | None
+    ) -> None:
         self.model = model
         self.engine = RolloutEngine(model, config)
+        keeps = self.engine.backend.capabilities.keeps_addresses_on_release
+        #: whether the engine gives its memory back after every served call (see
+        #: :func:`accelerate_generate`)
+        self.sleep_between_calls = (
+            keeps and config.sleep_keeps_graphs
+            if sleep_between_calls is None
+            else sleep_between_calls
+        )
         self.original: Callable[..., Any] = model.generate
         self.stats = DropInStats()
         self._warned: set[str] = set()
@@ -192,6 +202,8 @@ class AcceleratedGenerate:
                 result = self.engine.generate(
                     request.input_ids, request.attention_mask, request.sampling
                 )
+                if self.sleep_between_calls:  # the trainer gets the memory until the next call
+                    self.engine.sleep()
             finally:
                 self._serving = None
         width = request.input_ids.shape[-1]
@@ -437,7 +449,10 @@ def drop_in_config(config: RolloutConfig) -> RolloutConfig:
 
 
 def accelerate_generate(
-    model: torch.nn.Module, config: RolloutConfig | None = None
+    model: torch.nn.Module,
+    config: RolloutConfig | None = None,
+    *,
+    sleep_between_calls: bool | None = None,
 ) -> AcceleratedGenerate:
     """Serve ``model.generate`` with graphcap's engine until :func:`restore_generate`.
 
@@ -445,6 +460,12 @@ def accelerate_generate(
     replacement is installed on the model whose ``generate`` finally runs, so calls through the
     wrapper reach it. ``config``: the engine's settings (default:
     :func:`drop_in_default_config`), as :func:`drop_in_config` adjusts them.
+    ``sleep_between_calls``: the engine gives its device memory back when a served call ends
+    (``engine.sleep()``) and maps it again at the next one, as ``generate`` frees its cache.
+    ``None`` (the default): where that keeps the graphs
+    (``Capabilities.keeps_addresses_on_release`` and ``config.sleep_keeps_graphs``), so a call
+    pays only the mapping (``stats.last.wake_s``); elsewhere the engine holds its memory, since
+    a sleep there means capturing again at every call.
     Returns the installed object (``.stats``, ``.engine``, ``.restore()``).
     """
     target = generating_model(model)
@@ -455,7 +476,7 @@ def accelerate_generate(
             "graphcap.rollout.restore_generate(model) first to change its config"
         )
     config = drop_in_config(config or drop_in_default_config())
-    accelerated = AcceleratedGenerate(target, config)
+    accelerated = AcceleratedGenerate(target, config, sleep_between_calls)
     if getattr(target, "dtype", None) in (torch.float16, torch.bfloat16):
         warnings.warn(
             f"graphcap: this model computes in {target.dtype}: served calls are half-precision "

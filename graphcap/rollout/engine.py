@@ -25,6 +25,7 @@ from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
+from graphcap.rollout.holder.weights import Served
 from graphcap.rollout.paths import ROLLOUTS
 from graphcap.rollout.plan import Path, check_graph_attention
 from graphcap.rollout.plan.fusion import ProjectionFusion
@@ -74,7 +75,12 @@ class RolloutEngine:
         self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None
         cache = CompileCache(resolve_directory(self.config.compile_cache))
         self._holder = GraphHolder(
-            self.backend, agreement, self._fusion, cache, self.config.sleep_keeps_graphs
+            self.backend,
+            agreement,
+            self._fusion,
+            cache,
+            keep_across_sleep=self.config.sleep_keeps_graphs,
+            weights=self.config.weights,
         )
         rollout = ROLLOUTS[Path.asked(self.config)]
         self._rollout = rollout(model, self.config, self._holder)
@@ -105,7 +111,7 @@ class RolloutEngine:
             if sampling is not None:
                 raise TypeError("give sampling or sampling_params (vLLM's name), not both")
             sampling = sampling_params
-        with self._lock:
+        with self._lock, contextlib.ExitStack() as stack:
             self._check_open()
             start = time.perf_counter()
             wake_s = self._holder.wake()
@@ -114,6 +120,9 @@ class RolloutEngine:
             scan = scan_model(self.model)
             if self._fusion is not None and self._fusion.join(scan):
                 scan = scan_model(self.model)  # the joined parameters' new addresses
+            weights = stack.enter_context(self._serving())
+            if weights is not None and weights.copied:
+                scan = scan_model(self.model)  # the held tensors' addresses
             input_ids, attention_mask = check_prompts(
                 self.model, scan, device, input_ids, attention_mask, request.call
             )
@@ -152,8 +161,17 @@ class RolloutEngine:
                 total_s=total_s,
                 first_call_s=total_s if stats.captured else None,
                 wake_s=wake_s,
+                weights=weights.kind if weights is not None else "model",
+                weights_copied=weights.copied if weights is not None else 0,
             )
             return result
+
+    def _serving(self) -> contextlib.AbstractContextManager[Served | None]:
+        """The tensors a graph engine's graphs read, bound to the model for the call
+        (:mod:`graphcap.rollout.holder.weights`); nothing for eager engines."""
+        if not self.config.enable_graph_capture:
+            return contextlib.nullcontext()
+        return self._holder.weights.serving(self.model)
 
     def sleep(self, level: int = 1) -> None:
         """Give the engine's device memory back until the next ``generate`` (vLLM's ``sleep``),
@@ -174,7 +192,8 @@ class RolloutEngine:
         with self._lock:
             self._check_open()
             held = self._holder.sleep()
-            self._dropped = self._dropped or (held and not self._holder.asleep)
+            kept = self._holder.asleep
+            self._dropped = self._dropped or (held and not kept)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """End a ``sleep`` explicitly (vLLM's name and signature); safe to call at any time.
@@ -213,6 +232,7 @@ class RolloutEngine:
         """Release the graphs, their pool and the buffers; the engine cannot be used afterwards."""
         with self._lock:
             self._holder.drop()
+            self._holder.weights.clear()
             self._closed = True
 
     @property

@@ -40,6 +40,10 @@ class RolloutStats:
     draw is uniform, and the call warns with a ``NonFiniteLogitsWarning``).
     ``wake_s``: seconds this call spent mapping the engine's memory again after a ``sleep``
     that kept its graphs (part of ``total_s``); ``None`` when the engine was awake.
+    ``weights``: what the graphs read: ``"model"`` (the model's own tensors), ``"adopted"``
+    (some of them moved and the engine holds the storage its graphs read) or ``"copy"`` (the
+    engine's own copy, ``RolloutConfig.weights``); ``weights_copied``: tensors copied into
+    them for this call (:mod:`graphcap.rollout.holder.weights`).
     """
 
     path: str
@@ -74,6 +78,8 @@ class RolloutStats:
     kv_cache_bytes: int = 0
     nan_draws: int = 0
     wake_s: float | None = None
+    weights: str = "model"
+    weights_copied: int = 0
 
     @property
     def joined_projections(self) -> int:

@@ -28,6 +28,7 @@ from graphcap.rollout.holder.capture import (
     timed_capture,
 )
 from graphcap.rollout.holder.compile_cache import CompileCache, shape_key
+from graphcap.rollout.holder.weights import HeldWeights, WeightsMode
 from graphcap.rollout.plan.fusion import ProjectionFusion
 from graphcap.rollout.plan.regions import compiled_bookkeeping, compiled_regions, one_row_products
 from graphcap.rollout.plan.signature import GraphSignature, attention_implementation
@@ -68,11 +69,14 @@ class GraphHolder:
         fusion: ProjectionFusion | None = None,
         compile_cache: CompileCache | None = None,
         keep_across_sleep: bool = True,
+        weights: WeightsMode = "auto",
     ):
         self.backend = backend
         #: whether what is held lives in a memory region of the backend (when it offers one),
         #: so a sleep gives the memory back and keeps the graphs
         self.keep_across_sleep = keep_across_sleep
+        #: the tensors the graphs read in place of the model's (:mod:`.weights`)
+        self.weights = HeldWeights(backend, weights)
         self.agreement = agreement
         #: where compiled captures keep their compiled code between processes
         self.compile_cache = compile_cache or CompileCache(None)
@@ -145,10 +149,12 @@ class GraphHolder:
         Whether anything was held."""
         held = self._held
         if held is None or held.region is None:
+            self.weights.clear()
             return self.drop()
         if not held.region.released:
             self.backend.synchronize()  # no queued replay may still use the memory
             held.region.release()
+            self.weights.release()
             self.backend.empty_cache()
         return True
 
@@ -159,13 +165,15 @@ class GraphHolder:
             return None
         start = time.perf_counter()
         self._held.region.restore()
+        self.weights.restore()
         self._held.step.cache.clear()
         return time.perf_counter() - start
 
     def region_bytes(self) -> int:
         """Bytes of the held memory region (what a sleep gives back); 0 without one."""
         held = self._held
-        return 0 if held is None or held.region is None else held.region.nbytes()
+        mine = 0 if held is None or held.region is None else held.region.nbytes()
+        return mine + self.weights.nbytes()
 
     def held_bytes(self) -> int:
         """Bytes of the K/V cache held for the last signature: a new call reuses or releases

@@ -70,10 +70,13 @@ class JoinedGroup:
         )
 
     def join(self) -> None:
-        """Copy the weights (and biases) into one buffer and make the parameters its views."""
-        self.weight = torch.cat([linear.weight.detach() for linear in self.linears])
+        """Copy the weights (and biases) into one buffer and make the parameters its views.
+        A group joined before copies into its buffer again, so captured graphs, which read
+        the buffer, need no new capture when a trainer gave a parameter new storage."""
+        self.weight = _into(self.weight, [linear.weight for linear in self.linears])
         has_bias = self.linears[0].bias is not None
-        self.bias = torch.cat([lin.bias.detach() for lin in self.linears]) if has_bias else None
+        biases = [lin.bias for lin in self.linears] if has_bias else None
+        self.bias = _into(self.bias, biases) if biases is not None else None
         for linear, row, size in zip(self.linears, self.rows, self.sizes, strict=True):
             linear.weight.data = self.weight[row : row + size]
             if self.bias is not None:
@@ -100,6 +103,19 @@ class JoinedGroup:
 
         rest = [(lin, later(i, lin)) for i, lin in enumerate(self.linears) if i > 0]
         return [(self.linears[0], first), *rest]
+
+
+def _into(buffer: torch.Tensor | None, parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` concatenated: in ``buffer`` when it has their joined shape, dtype and device,
+    else in a new buffer."""
+    joined = torch.cat([part.detach() for part in parts])
+    if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (
+        joined.shape,
+        joined.dtype,
+        joined.device,
+    ):
+        return joined
+    return buffer.copy_(joined)
 
 
 def _is_view_of(param: torch.Tensor, buffer: torch.Tensor, row: int) -> bool:

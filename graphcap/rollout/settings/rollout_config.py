@@ -99,6 +99,13 @@ class RolloutConfig:
     so ``sleep()`` gives the memory back and the graphs replay after it without a new capture;
     ``False`` frees the buffers and graphs at a sleep and captures again after it (docs/rollout.md,
     "Memory between rollouts").
+    ``weights``: what captured graphs read. ``"model"``: the model's own parameters and
+    buffers (in-place updates reach them for free); one that gets new storage is kept by the
+    engine at the captured address and the new values copied there each call (no capture).
+    ``"copy"``: the engine's own copy in its memory region (released at a sleep), refilled
+    from the model at each call, for trainers whose weights move every round. ``"auto"`` (the
+    default): ``"copy"`` for DeepSpeed ZeRO-3 parameters, else ``"model"`` (docs/trainers.md,
+    "Weights that move").
     """
 
     enable_graph_capture: bool | None = None
@@ -121,6 +128,7 @@ class RolloutConfig:
     draws: Literal["per_row", "generate"] = "per_row"
     batch_ladder: tuple[int, ...] | Literal["auto"] | None = "auto"
     sleep_keeps_graphs: bool = True
+    weights: Literal["auto", "model", "copy"] = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.compile_cache, os.PathLike):  # a pathlib.Path names a directory too
