@@ -52,18 +52,14 @@ def _libc_madvise():  # type: ignore[no-untyped-def]
 _MADVISE = _libc_madvise()
 
 
-def _give_back(storage: torch.UntypedStorage) -> int:
-    """Return the whole pages inside ``storage`` to the host (contents then read as zeros);
-    the bytes given back."""
-    if _MADVISE is None:
-        return 0
+def _give_back(storage: torch.UntypedStorage) -> None:
+    """Return the whole pages inside ``storage`` to the host (contents then read as zeros)."""
     page = mmap.PAGESIZE
     start = storage.data_ptr()
     first = -(-start // page) * page
     last = (start + storage.nbytes()) // page * page
-    if last <= first or _MADVISE(first, last - first, _MADV_DONTNEED) != 0:
-        return 0
-    return last - first
+    if _MADVISE is not None and last > first:
+        _MADVISE(first, last - first, _MADV_DONTNEED)
 
 
 @dataclass
@@ -96,8 +92,6 @@ class ReferenceRegion(MemoryRegion):
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
         self._released = False
-        #: bytes the last :meth:`release` returned to the host kernel (whole pages only)
-        self.given_back = 0
 
     @contextlib.contextmanager
     def allocating(self, keep: bool) -> Iterator[None]:
@@ -129,14 +123,12 @@ class ReferenceRegion(MemoryRegion):
     def release(self) -> None:
         if self._released:
             return
-        given = 0
         for key, entry, storage in self._live():
             if entry.keep:
                 entry.saved = storage.clone()
             poison_storage(storage, entry.dtype)  # the edges madvise cannot drop
-            given += _give_back(storage)
+            _give_back(storage)
             RELEASED_STORAGES[key] = entry.storage
-        self.given_back = given
         self._released = True
 
     def restore(self) -> None:

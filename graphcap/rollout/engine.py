@@ -33,7 +33,7 @@ from graphcap.rollout.plan.inputs import Call, check_generator, check_prompts, c
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.plan.signature import attention_implementation
 from graphcap.rollout.prefill import without_checkpointing
-from graphcap.rollout.results import RolloutResult
+from graphcap.rollout.results import RolloutResult, SleepReport
 from graphcap.rollout.sampling import call_key, generator_kept, keyed_rows
 from graphcap.rollout.settings.call import normalise_request
 from graphcap.rollout.settings.rollout_config import RolloutConfig
@@ -88,6 +88,8 @@ class RolloutEngine:
         self._closed = False
         #: sleep() dropped the buffers and graphs (no memory region) and no generate has run
         self._dropped = False
+        #: what the latest ``sleep`` that held something gave back
+        self.last_sleep: SleepReport | None = None
 
     def generate(
         self,
@@ -191,9 +193,10 @@ class RolloutEngine:
             raise ValueError(f"sleep level must be 1 or 2 (vLLM's levels), got {level!r}")
         with self._lock:
             self._check_open()
-            held = self._holder.sleep()
-            kept = self._holder.asleep
-            self._dropped = self._dropped or (held and not kept)
+            report = self._holder.sleep()
+            if report is not None:
+                self.last_sleep = report
+                self._dropped = self._dropped or not report.kept_graphs
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """End a ``sleep`` explicitly (vLLM's name and signature); safe to call at any time.

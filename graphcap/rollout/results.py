@@ -92,6 +92,34 @@ class RolloutStats:
         return self.fused_projections
 
 
+@dataclass(frozen=True)
+class SleepReport:
+    """What one ``RolloutEngine.sleep()`` gave back.
+
+    ``kept_graphs``: the memory was released in place (the graphs replay after the wake)
+    rather than freed with the graphs. ``held_bytes``: what the engine held before (its memory
+    region, or the K/V cache where it has none). ``free_before`` / ``free_after``: the
+    backend's own free-memory report around the release (``Backend.free_memory``; ``None``
+    where the device does not say), so ``given_back`` is what the device saw return.
+    ``still_held_bytes``: memory the engine keeps through the sleep (storage of moved weights
+    its graphs read, outside its region). ``seconds``: the release's time.
+    """
+
+    kept_graphs: bool
+    held_bytes: int
+    free_before: int | None
+    free_after: int | None
+    still_held_bytes: int
+    seconds: float
+
+    @property
+    def given_back(self) -> int | None:
+        """Bytes the device reported free after the release and not before."""
+        if self.free_before is None or self.free_after is None:
+            return None
+        return self.free_after - self.free_before
+
+
 @dataclass
 class RolloutResult:
     """Prompt + response per row, in generate()'s row order (samples of a prompt adjacent).

@@ -32,6 +32,7 @@ from graphcap.rollout.holder.weights import HeldWeights, WeightsMode
 from graphcap.rollout.plan.fusion import ProjectionFusion
 from graphcap.rollout.plan.regions import compiled_bookkeeping, compiled_regions, one_row_products
 from graphcap.rollout.plan.signature import GraphSignature, attention_implementation
+from graphcap.rollout.results import SleepReport
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.settings.sampling_params import SamplingParams
 from graphcap.rollout.step import DecodeStep
@@ -139,24 +140,43 @@ class GraphHolder:
     @property
     def asleep(self) -> bool:
         """Whether the held memory is released (:meth:`sleep`) and not mapped again yet."""
-        return self._held is not None and self._held.region is not None and (
-            self._held.region.released
+        return (
+            self._held is not None
+            and self._held.region is not None
+            and (self._held.region.released)
         )
 
-    def sleep(self) -> bool:
+    def sleep(self) -> SleepReport | None:
         """Give the held memory back to the device: released in place where it lives in a
         region (the graphs stay and replay after :meth:`wake`), else dropped with the graphs.
-        Whether anything was held."""
+        What it gave back, or ``None`` when nothing was held (or it was asleep already)."""
         held = self._held
-        if held is None or held.region is None:
+        if held is None:
+            self.weights.clear()  # storage adopted for graphs that are gone
+            return None
+        if held.region is not None and held.region.released:
+            return None
+        start = time.perf_counter()
+        self.backend.synchronize()  # no queued replay may still use the memory
+        before = self.backend.free_memory()
+        if held.region is None:
+            size = held.step.cache.nbytes()
             self.weights.clear()
-            return self.drop()
-        if not held.region.released:
-            self.backend.synchronize()  # no queued replay may still use the memory
+            self.drop()
+        else:
+            size = self.region_bytes()
             held.region.release()
             self.weights.release()
             self.backend.empty_cache()
-        return True
+        self.backend.synchronize()
+        return SleepReport(
+            kept_graphs=held.region is not None,
+            held_bytes=size,
+            free_before=before,
+            free_after=self.backend.free_memory(),
+            still_held_bytes=self.weights.adopted_bytes(),
+            seconds=time.perf_counter() - start,
+        )
 
     def wake(self) -> float | None:
         """Map released memory again (its K/V buffers zeroed, as freshly allocated ones are);
