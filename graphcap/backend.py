@@ -452,10 +452,14 @@ class MemoryRegion:
         a release."""
         raise NotImplementedError
 
+    def capturing(self) -> contextlib.AbstractContextManager[None]:
+        """The context a capture runs in, so what it allocates lives in this region (contents
+        not kept). Default: :meth:`allocating` without keeping."""
+        return self.allocating(keep=False)
+
     def graph_pool(self) -> Any | None:
-        """The pool handle captures pass to ``capture_to_graph`` so the graphs' memory lives in
-        this region (contents not kept); ``None`` where captures inside :meth:`allocating`
-        already land here."""
+        """The pool handle captures pass to ``capture_to_graph`` with :meth:`capturing`;
+        ``None``: the backend's own pool handle."""
         return None
 
     @property

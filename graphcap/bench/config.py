@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from graphcap.backend import Backend
+from graphcap.bench.iteration import BETWEEN
 from graphcap.bench.models import parse_bandwidth
 from graphcap.bench.modes import MODES, default_modes, parse_modes
 from graphcap.preset_models import DTYPES, PRESETS, default_dtype_name
@@ -57,6 +58,10 @@ class BenchConfig:
     top_k: int = option("a round's top-k (0: off)", 0, type=int, ge=0)
     top_p: float = option("a round's top-p (1: off)", 1.0, type=float)
     draws: str | None = option("RolloutConfig.draws, where graphcap has the field")
+    between: str = option("rl-round: before each steady round, nothing, sleep-train (the "
+        "engine sleeps, a training step runs) or move (weights in new storage)", "nothing",
+        choices=BETWEEN)  # fmt: skip
+    train_rows: int = option("rl-round: the training step's rows", 32, type=int, ge=1)
     modes: list[str] | None = option(f"some of {', '.join(MODES)}", type=parse_modes)
     continuous_slots: int | None = option("graphcap-continuous's slots", type=int, ge=1)
     # One thread on the CPU: more do not speed up a tiny model and add noise on a busy machine.
@@ -111,9 +116,13 @@ def resolve(config: BenchConfig, backend: Backend) -> BenchConfig:
     c = replace(config, **defaults)
     c.dtype = c.dtype or default_dtype_name(c.model, backend.device.type)
     c.modes = parse_modes(",".join(c.modes or default_modes(backend, c.workload)))
+    if not rounds and c.between != "nothing":
+        raise ValueError("--between is an rl-round option (--workload rl-round)")
     if rounds:
         if c.isolate:
             raise ValueError("--isolate measures the step workload, not rl-round")
+        if c.between != "nothing" and c.repeats < 1:
+            raise ValueError("--between acts before steady rounds: --repeats must be >= 1")
         c.batch_sizes, c.compile_batch_sizes = [c.prompts * c.samples], None
         c.continuous_slots = c.continuous_slots or max(1, c.batch_sizes[0] // 2)
         if len(c.prompt_widths) != 2 or c.prompt_widths[0] > c.prompt_widths[1]:

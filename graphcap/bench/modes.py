@@ -159,9 +159,12 @@ class Mode:
         return None
 
     @contextmanager
-    def session(self, work: Workload) -> Iterator[Callable[[], CallOutput]]:
-        """The mode opened on ``work``: yields the call to time, releases everything after."""
-        compiles, path, close = self.compiles(work.backend), self.expected_path, None
+    def session(
+        self, work: Workload
+    ) -> Iterator[tuple[Callable[[], CallOutput], RolloutEngine | None]]:
+        """The mode opened on ``work``: yields the call to time and the engine serving it
+        (``None`` for transformers' generate), releases everything after."""
+        compiles, path, close, engine = self.compiles(work.backend), self.expected_path, None, None
         if compiles:  # a cold start in this process: earlier compilations must not help it
             torch.compiler.reset()
         if work.sampling:  # every mode's first call draws from the same generator state
@@ -178,10 +181,11 @@ class Mode:
                 config = self.config(**settings)
                 installed = drop_in.accelerate_generate(work.model, config)
                 call, close = functools.partial(_drop_in_call, work, installed), installed.restore
+                engine = installed.engine
             else:
                 engine = RolloutEngine(work.model, self.config(**settings))
                 call, close = functools.partial(_engine_call, work, engine, path), engine.shutdown
-            yield call
+            yield call, engine
         finally:
             if close is not None:
                 close()  # the drop-in's restore shuts its engine down

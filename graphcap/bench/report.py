@@ -143,6 +143,28 @@ ROUND_COLUMNS |= {"%limit": _round("limit_fraction", ".0f", 100)}
 ROUND_COLUMNS |= {k: COLUMNS[k] for k in ("capt", "x hf-eager")}
 
 
+def _iteration(cell: Callable[[dict[str, Any]], str]) -> Callable[[ModeResult], str]:
+    return lambda r: cell(r.round["iteration"]) if r.round and "iteration" in r.round else "n/a"
+
+
+#: Columns of a round after a pause (``--between``): graphs the steady rounds captured (new
+#: sizes of the live-row ladder included), the wake's median milliseconds, the training step's
+#: median seconds, the least share of what the engine held that its sleep gave back (the
+#: device's own report), and the rollout's share of an iteration.
+ITERATION_COLUMNS = {
+    "new graphs": _iteration(lambda i: str(sum(i["captured"]))),
+    "wake ms": _iteration(lambda i: _num(_median(i["wake_s"]), ".1f", 1e3)),
+    "train s": _iteration(lambda i: _num(_median(i["train_s"]), ".2f")),
+    "given back": _iteration(lambda i: _num(i["given_back_share"], ".0f", 100, "%")),
+    "rollout%": _iteration(lambda i: _num(i["rollout_share"], ".0f", 100)),
+}
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 2] if known else None
+
+
 def render_table(
     columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = ""
 ) -> list[str]:
@@ -165,6 +187,8 @@ def format_table(report: BenchReport) -> str:
     cfg, model, backend = report.config, report.model, report.backend
     where = "a fresh process per mode and batch size" if cfg.get("isolate") else "one process"
     columns = ROUND_COLUMNS if cfg.get("workload") == "rl-round" else COLUMNS
+    if cfg.get("between", "nothing") != "nothing":
+        columns = columns | ITERATION_COLUMNS
     lines = [
         f"graphcap bench: {cfg['model']} ({model['architecture']}, "
         f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
@@ -194,6 +218,12 @@ def _header(report: BenchReport) -> list[str]:
             f"tokens: agreement with {report.reference_mode} at the same batch size",
         ]
     hf = cfg["repeats"] if cfg["hf_repeats"] is None else cfg["hf_repeats"] or "the first"
+    between = {
+        "nothing": "steady rounds back to back",
+        "sleep-train": f"before each steady round the engine slept and a training step ran on "
+        f"{cfg.get('train_rows')} of the round's rows (forward, backward, SGD in place)",
+        "move": "before each steady round every parameter moved to new storage",
+    }[cfg.get("between", "nothing")]
     return [
         f"rl-round: {cfg['prompts']} prompts of {cfg['prompt_widths'][0]}-"
         f"{cfg['prompt_widths'][1]} tokens (left-padded) x {cfg['samples']} samples, up to "
@@ -203,7 +233,7 @@ def _header(report: BenchReport) -> list[str]:
         f"{cfg['continuous_slots']}; useful: tokens up to EOS; ended%: row-steps of ended rows",
         f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds (hf "
         f"modes: {hf}); limit: the round's physical limit at {bandwidth} and "
-        f"{_num(report.peak_flops, '.3g', suffix=' FLOP/s')}",
+        f"{_num(report.peak_flops, '.3g', suffix=' FLOP/s')}; {between}",
     ]
 
 

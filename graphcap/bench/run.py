@@ -25,9 +25,10 @@ import transformers
 import graphcap
 from graphcap import preset_models
 from graphcap.backend import Backend
-from graphcap.bench import models, modes
+from graphcap.bench import iteration, models, modes
 from graphcap.bench import report as rep
 from graphcap.bench.config import BenchConfig, resolve
+from graphcap.bench.iteration import pause
 from graphcap.bench.modes import MODES, CallOutput, Workload, compile_counts, spread, timed_call
 from graphcap.bench.report import BenchReport, ModeResult
 
@@ -205,7 +206,7 @@ def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple
         return out
 
     try:
-        with mode.session(work) as call:
+        with mode.session(work) as (call, engine):
             compiled_before = compile_counts()[2]
             first = timed("first")
             graphs1, _, compiled = compile_counts()
@@ -213,7 +214,11 @@ def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple
             for i in range(0 if hf else config.warmup):
                 timed(f"warmup {i + 1}")
             repeats = config.hf_repeats if hf else config.repeats
-            calls = [timed(f"steady {i + 1}") for i in range(repeats)] or [first]
+            calls, pauses, last = [], [], first
+            for i in range(repeats):
+                pauses.append(pause(config.between, work, engine, last, config.train_rows))
+                calls.append(last := timed(f"steady {i + 1}"))
+            calls = calls or [first]
     except Exception as exc:  # one broken mode must not lose the others' figures
         r.status, r.reason = rep.ERROR, f"{type(exc).__name__}: {exc}"
         say(f"  error: {r.reason}\n{traceback.format_exc()}")
@@ -246,6 +251,8 @@ def _run_mode(name: str, work: Workload, config: BenchConfig, say: Say) -> tuple
         r.reason += "baseline (its steady time includes compilation); not used for ratios"
     if work.sampling:
         fill_round(r, work, [first, *calls])
+        if config.between != "nothing" and pauses:
+            r.round["iteration"] = iteration.summary(pauses, first, calls, r.steady_s)
     return r, (first, calls[-1])
 
 

@@ -14,9 +14,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from graphcap.backend import Availability, GraphBackend
+from graphcap.backend import Availability, GraphBackend, MemoryRegion
 from graphcap_cuda.attention import DEFAULT_ATTENTION
 from graphcap_cuda.kernels import launch
+from graphcap_cuda.memory import SleepableRegion, memory_saver
 
 #: Whether compiled regions move a gated MLP's activation and residual adds into the one-row
 #: product (graphcap_cuda.kernels.epilogues; benchmarks turn it off).
@@ -89,6 +90,15 @@ class CUDABackend(GraphBackend):
     def compiled_capture_context(self) -> contextlib.AbstractContextManager[None]:
         """Compiled captures' products on :data:`CAPTURE_BLAS` (cuBLASLt)."""
         return blas_library(CAPTURE_BLAS)
+
+    def memory_region(self) -> MemoryRegion | None:
+        """A region on torch_memory_saver (graphcap_cuda.memory) where it is installed and
+        torch's expandable segments are off (it maps its own segments); else ``None``, and a
+        sleep frees the engine's memory and its graphs."""
+        if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            return None
+        saver = memory_saver()
+        return None if saver is None else SleepableRegion(saver)
 
     def one_row_product(self) -> Callable[..., torch.Tensor] | None:
         """graphcap_cuda.kernels.gemv's one-row kernel where Triton is installed."""

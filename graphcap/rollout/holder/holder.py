@@ -237,7 +237,7 @@ class GraphHolder:
         region, pool, memory = self._held.region, None, contextlib.nullcontext
         if region is not None:  # the graphs' memory sleeps with the rest
             pool = region.graph_pool()
-            memory = functools.partial(region.allocating, keep=False)
+            memory = region.capturing
         elif key is not None:  # a set of graphs shares one pool
             pool = self._held.pool = self._held.pool or self.backend.graph_pool_handle()
         cache, warmup_s = None, 0.0
