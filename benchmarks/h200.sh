@@ -11,6 +11,12 @@
 #                    slots) paths, first round and 2 steady rounds each
 #   round-llama-8b   the same for llama-8b (up to 512 new tokens)
 #   round            both of the above (two commands' worth of time)
+#   iteration-llama-1b  the round as a trainer lives it (graphcap bench --between): the drop-in
+#                    and the static path, 3 rounds each back to back, after a sleep and a
+#                    training step, and after every parameter moved (not in the default list)
+#   iteration-llama-8b  the same for llama-8b (up to 512 new tokens)
+#   sleep-checks     the device tests of sleeps that keep the graphs and the conformance
+#                    suite's memory-region checks (not in the default list)
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
 #                    new tokens, --repeats 2 --warmup 1, each mode and batch size in its own
 #                    process): graphcap-graph (the default configuration) and
@@ -106,6 +112,11 @@ if [[ ! -x $ENV/bin/python ]]; then
 fi
 "$ENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e . -e ./backends/cuda ||
     exit 1
+# the CUDA plugin's optional sleep extra (torch_memory_saver), where its wheel was carried in
+# .whl/ (the machine has no network)
+for wheel in .whl/torch_memory_saver-*.whl; do
+    [[ -f $wheel ]] && "$ENV/bin/python" -m pip install -q --no-deps "$wheel"
+done
 py=$ENV/bin/python
 # the tree's commit: GRAPHCAP_COMMIT, else git's HEAD, marked "-modified" where tracked files
 # differ from it (a copy of a working tree can carry an older HEAD than its files)
@@ -183,6 +194,28 @@ part_round_llama_8b() {
     cold_caches
     bench round-llama-8b 150 --workload rl-round --model llama-8b --new-tokens 512 \
         --repeats 2 --hf-repeats 0 --compile-cache "$COMPILE_CACHE"
+}
+# iteration MODEL NEW LONGEST: the round as a trainer lives it, for the drop-in and the engine's
+# static path: steady rounds back to back, then each round after a sleep and a training step,
+# then each after every parameter moved (graphcap bench --between).
+iteration() {
+    cold_caches
+    local between
+    for between in nothing sleep-train move; do
+        bench "iteration-$1-$between" "$3" --workload rl-round --model "$1" --new-tokens "$2" \
+            --repeats 3 --modes graphcap-drop-in,graphcap-graph --between "$between" \
+            --compile-cache "$COMPILE_CACHE"
+    done
+}
+part_iteration_llama_1b() { iteration llama-1b 1024 60; }
+part_iteration_llama_8b() { iteration llama-8b 512 90; }
+# sleep-checks: the device tests of sleeps that keep the graphs and the conformance suite's
+# memory-region checks
+part_sleep_checks() {
+    run sleep-device-tests 240 "$py" -m pytest -q -s tests/test_device_sleep.py \
+        tests/test_device_rollout.py -k sleep
+    run sleep-conformance 120 "$py" -m graphcap.testing -q -k "region or capabilities" \
+        --graphcap-json "$OUT/sleep-conformance.json"
 }
 part_steps_llama_8b() { steps llama-8b 100; }
 part_steps_llama_1b() { steps llama-1b 60; }
@@ -389,7 +422,8 @@ for part in "${PARTS[@]}"; do
     round-llama-1b | round-llama-8b | steps-llama-8b | steps-llama-1b | default-step | first-call | first-call-triage | \
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
-        default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed)
+        default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
+        iteration-llama-1b | iteration-llama-8b | sleep-checks)
         parts=("${part//-/_}")
         ;;
     *)

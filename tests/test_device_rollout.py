@@ -392,12 +392,19 @@ def test_recapture_peak_stays_below_two_generations_of_state(backend):
 
 
 def test_sleep_returns_the_cache_and_graph_memory_every_cycle(backend):
-    """sleep() frees the cache, buffers and graph memory (not the weights), the next call
-    recaptures with the same tokens, and sleep / generate cycles do not grow the bytes held."""
+    """A sleep that does not keep the graphs (``sleep_keeps_graphs=False``, or a backend
+    without memory regions) frees the cache, buffers and graph memory (not the weights), the
+    next call recaptures with the same tokens, and sleep / generate cycles do not grow the
+    bytes held (tests/test_device_sleep.py: sleeps that keep the graphs)."""
     from graphcap.rollout.engine import WOKE
 
     model = on_device(tiny_model("llama", fresh=True), backend)
-    config = RolloutConfig(enable_graph_capture=True, backend=backend, length_buckets=(8192,))
+    config = RolloutConfig(
+        enable_graph_capture=True,
+        backend=backend,
+        length_buckets=(8192,),
+        sleep_keeps_graphs=False,
+    )
     engine = RolloutEngine(model, config)
     ids, mask = (t.to(backend.device) for t in prompts(8))
     params = {"max_new_tokens": NEW, **NO_EOS}

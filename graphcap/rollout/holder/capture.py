@@ -92,12 +92,13 @@ def capture_step(
     mutable: list[torch.Tensor],
     generator: torch.Generator | None,
     pool: object | None = None,
+    memory: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> object:
     """Warm up ``step``, capture it into a new graph and return the graph; what a failure
     raised propagates. ``mutable``: the tensors ``step`` writes; ``generator``: the one it
-    draws from, if any (see :func:`timed_capture`)."""
+    draws from, if any; ``memory``: where the capture allocates (see :func:`timed_capture`)."""
     try:
-        return timed_capture(backend, _BareStep(step, mutable, generator), pool)[0]
+        return timed_capture(backend, _BareStep(step, mutable, generator), pool, memory)[0]
     except CaptureFailed as failed:
         cause = failed.__cause__
         raise cause from cause.__cause__
