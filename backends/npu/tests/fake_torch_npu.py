@@ -90,11 +90,13 @@ class FakeStream:
 
 
 class FakeGraphDispatchMode(TorchDispatchMode):
-    """torch_npu's ``_GraphDispatchMode``: ``torch.npu.graph`` pushes it (with
-    ``auto_dispatch_capture``) before ``capture_begin`` and pops it after ``capture_end``
-    returns. Ops pass through; the infer-attention kernel asks whether it is active outside a
-    capture, where torch_npu's handler would open a task group on a stream that is not
-    capturing."""
+    """torch_npu's ``_GraphDispatchMode`` (an ``NPUGraph``'s ``graph_dispatch_mode``):
+    ``torch.npu.graph`` pushes it (with ``auto_dispatch_capture``) before ``capture_begin`` and
+    pops it after ``capture_end`` returns; a caller may also enter it around single calls. Ops
+    pass through; the kernels its handlers cover ask whether it is active: during its graph's
+    capture they leave a dispatch record (with a wait for the next update), outside a capture
+    the infer-attention kernel fails, as torch_npu's handler would open a task group on a
+    stream that is not capturing."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -140,8 +142,11 @@ class FakeNPUGraph:
         self.fail_at_capture_end: str | None = None
         #: set by ``torch.npu.graph`` (as torch_npu does): whether update() may be called
         self.auto_dispatch_capture = False
-        #: the capture-time ``actual_seq_lengths_kv`` of each recorded infer-attention call
-        self.dispatch_records: list[list[int]] = []
+        #: one per call recorded under the dispatch mode, in capture order: the capture-time
+        #: ``actual_seq_lengths_kv`` of an infer-attention call, ``None`` for a v3 call
+        self.dispatch_records: list[list[int] | None] = []
+        #: whether an update came after the last replay (each record waits for one)
+        self.updated_since_replay = False
         #: what update() was given, in order
         self.updates: list[list[dict[str, Any]]] = []
         self._lengths: torch.Tensor | None = None  # the records' lengths, read by replays
@@ -185,18 +190,26 @@ class FakeNPUGraph:
         capture.__exit__(None, None, None)  # raises what the recording refused
         assert self._lengths is not None
         for index, lengths in enumerate(self.dispatch_records):  # what a replay reads unupdated
-            self._lengths[index, : len(lengths)] = torch.tensor(lengths)
+            if lengths is not None:
+                self._lengths[index, : len(lengths)] = torch.tensor(lengths)
         if self.fail_at_capture_end:
             raise RuntimeError(self.fail_at_capture_end)
 
-    def record_lengths(self, lengths: list[int]) -> torch.Tensor:
-        """During an ``auto_dispatch_capture`` capture: a dispatch record of one infer-attention
-        call; returns the lengths its replays read (written at capture end and by update())."""
-        if len(self.dispatch_records) == _MAX_RECORDS or len(lengths) > _MAX_ROWS:
+    def recording(self) -> bool:
+        """Whether a call now is captured under this graph's dispatch mode (gets a record)."""
+        return self._capture is not None and self.graph_dispatch_mode in (
+            _get_current_dispatch_mode_stack()
+        )
+
+    def record_lengths(self, lengths: list[int] | None) -> torch.Tensor:
+        """While :meth:`recording`: a dispatch record of one call (``None``: a v3 call, which has
+        no lengths); returns the lengths its replays read (written at capture end and by
+        update())."""
+        if len(self.dispatch_records) == _MAX_RECORDS or len(lengths or ()) > _MAX_ROWS:
             raise NotImplementedError("the double holds 64 records of up to 1024 rows")
         assert self._lengths is not None
-        self.dispatch_records.append(list(lengths))
-        return self._lengths[len(self.dispatch_records) - 1, : len(lengths)]
+        self.dispatch_records.append(None if lengths is None else list(lengths))
+        return self._lengths[len(self.dispatch_records) - 1, : len(lengths or ())]
 
     def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
         """torch_npu's NPUGraph.update: new host arguments for the recorded calls.
@@ -226,14 +239,24 @@ class FakeNPUGraph:
             )
         self.updates.append(cpu_update_input)
         assert self._lengths is not None
+        self.updated_since_replay = True
         for index, captured in enumerate(records):
             entry = cpu_update_input[0 if len(cpu_update_input) == 1 else index]
-            if "actual_seq_lengths_kv" not in entry:
+            if captured is None or "actual_seq_lengths_kv" not in entry:
                 continue
             lengths = _host_lengths(entry["actual_seq_lengths_kv"], len(captured))
             self._lengths[index, : len(captured)] = torch.tensor(lengths)
 
     def replay(self) -> None:
+        """Each dispatch record's captured wait needs an update since the last replay: without
+        one, torch_npu's replay waits forever on an event nothing records (the double fails)."""
+        if self.dispatch_records and not self.updated_since_replay:
+            raise RuntimeError(
+                f"replay of a graph with {len(self.dispatch_records)} dispatch records and no "
+                "NPUGraph.update since its last replay: each record's ExternalEvent wait never "
+                "returns (the device hangs)"
+            )
+        self.updated_since_replay = False
         self.replays += 1
         if _NAMESPACE is not None:
             self._replayed_at = _NAMESPACE.synchronizations
@@ -259,6 +282,8 @@ class FakeNPUNamespace(types.SimpleNamespace):
         self.memory_calls: list[tuple[str, Any]] = []
         #: device synchronisations so far (what orders an update after earlier replays)
         self.synchronizations = 0
+        #: whether the CANN toolkit is 9.1.0 or later (torch_npu's v3 graph handler applies)
+        self.cann_9_1 = True
         self.NPUGraph = FakeNPUGraph
         self.graph = self._make_graph_class()
 
@@ -408,6 +433,9 @@ def npu_fusion_attention_v3(
     )
     if input_layout == "TND":
         raise AssertionError("TND takes host-side sequence lengths: never used under a graph")
+    graph = _NAMESPACE.capturing_graph if _NAMESPACE is not None else None
+    if graph is not None and graph.recording() and _NAMESPACE.cann_9_1 and input_layout != "BNSD":
+        graph.record_lengths(None)  # torch_npu's v3 handler: every layout but BNSD, CANN >= 9.1
     if pse is not None or padding_mask is not None or sparse_mode != 0 or keep_prob != 1.0:
         raise NotImplementedError("the double models defaultMask without pse or dropout")
     q, k, v = _from_layout(query, key, value, head_num, None, input_layout)
@@ -485,7 +513,9 @@ def npu_fused_infer_attention_score(
     batch, q_len = query.shape[0], query.shape[2] if input_layout == "BNSD" else query.shape[1]
     lengths = None
     if actual_seq_lengths_kv is not None:
-        lengths = _host_lengths(actual_seq_lengths_kv, batch)
+        lengths = _host_lengths(actual_seq_lengths_kv, batch)  # recorded with its lengths
+    elif (graph := _NAMESPACE and _NAMESPACE.capturing_graph) and graph.recording():
+        graph.record_lengths(None)  # torch_npu records every call
     if block_table is not None:
         if lengths is None:
             raise RuntimeError("page attention needs actual_seq_lengths_kv")
@@ -546,7 +576,7 @@ def _lengths_tensor(lengths: list[int]) -> torch.Tensor:
     graph = _NAMESPACE.capturing_graph if _NAMESPACE is not None else None
     if graph is None:
         return torch.tensor(lengths)
-    if graph.auto_dispatch_capture:
+    if graph.recording():
         return graph.record_lengths(lengths)
     return torch.cat([torch.full((1,), value, dtype=torch.int64) for value in lengths])
 
