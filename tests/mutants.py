@@ -783,10 +783,24 @@ PLANTS = (
     ),
     Plant(
         "NPU explicit generator never registered with the graph",
-        "backends/npu/graphcap_npu/backend.py",
-        "        graph.register_generator_state(generator)\n",
-        "        pass\n",
+        "backends/npu/graphcap_npu/generators.py",
+        "    graph.register_generator_state(generator)\n",
+        "    pass\n",
         (NPU_RULES + "::test_sampling_from_an_explicit_generator_is_captured",),
+    ),
+    Plant(
+        "NPU registers generators where torch_npu made it a deprecated no-op",
+        "backends/npu/graphcap_npu/generators.py",
+        "    if per_capture_state():\n        return\n    graph.register_generator_state",
+        "    graph.register_generator_state",
+        (NPU_RULES + "::test_sampling_from_an_explicit_generator_is_captured",),
+    ),
+    Plant(
+        "NPU failed capture leaves the generators in capture mode (torch_npu 2.11)",
+        "backends/npu/graphcap_npu/backend.py",
+        "                generators.recover(self.device_module, graph, self.device)\n",
+        "                pass\n",
+        (NPU_RULES + "::test_after_a_failed_sampled_capture_every_generator_draws",),
     ),
     Plant(
         "NPU capture placeholders need every row's whole table",

@@ -20,7 +20,7 @@ import torch
 
 from graphcap.backend import Availability, GraphBackend, MaskForm
 from graphcap.errors import BackendSelectionError, GraphCaptureError
-from graphcap_npu import graph_updates
+from graphcap_npu import generators, graph_updates
 from graphcap_npu.attention import BLOCKS, IMPLEMENTATIONS
 from graphcap_npu.probe import (
     INSTALL_HINT,
@@ -171,12 +171,31 @@ class NPUBackend(GraphBackend):
                 f"with {TASK_QUEUE_VAR}=1 (or 0) to capture, or run eagerly"
             )
         capture = super().capture_to_graph(graph, pool, stream, capture_error_mode)
-        return _recording(graph, capture)
+        return self._recovering(graph, _recording(graph, capture))
+
+    @contextlib.contextmanager
+    def _recovering(
+        self, graph: Any, capture: contextlib.AbstractContextManager[None]
+    ) -> Iterator[None]:
+        """``capture``; when it fails, the generators it knew are made usable again
+        (:func:`graphcap_npu.generators.recover`), before the error goes on."""
+        try:
+            with capture:
+                yield
+        except Exception as exc:
+            if generators.per_capture_state():
+                raise
+            try:
+                generators.recover(self.device_module, graph, self.device)
+            except GraphCaptureError as restart:
+                raise restart from exc
+            raise
 
     def register_generator(self, graph: Any, generator: torch.Generator) -> None:
-        # NPUGraph registers only the default generator itself; a draw from any other inside
-        # the capture raises ("... NPU generator not in capture mode").
-        graph.register_generator_state(generator)
+        # Before torch_npu 2.12.0.post3 NPUGraph knows only the default generator itself; a
+        # draw from any other inside the capture raises ("... NPU generator not in capture
+        # mode"). From it, registering is a deprecated no-op (graphcap_npu.generators).
+        generators.register(graph, generator)
 
     def update_graph_kv_lengths(self, graph: Any, lengths: list[int]) -> None:
         """One update for every page-attention call recorded in ``graph`` (torch_npu broadcasts

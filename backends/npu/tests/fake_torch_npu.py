@@ -52,12 +52,13 @@ import importlib.machinery
 import math
 import os
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from graphcap_npu.probe import torch_npu_installed
+from graphcap_npu.probe import release, torch_npu_installed
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -102,23 +103,32 @@ class FakeGraphDispatchMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _GeneratorCheck(TorchDispatchMode):
-    """NPUGraph's generator rule during capture: a draw from a generator the graph does not
-    know (the default one is always registered) raises, as torch_npu's NPU generator does."""
+class GeneratorRules(TorchDispatchMode):
+    """torch_npu's generator rules, for every draw while the double is installed (a mode at the
+    bottom of the stack, so it also sees what a capture records and what a replay re-issues).
 
-    def __init__(self, registered: list[torch.Generator]) -> None:
+    Before 2.12.0.post3: inside a capture, a draw from a generator the capturing graph does not
+    know (the default one, those registered) raises; outside one, a draw from a generator still
+    flagged by a capture that failed raises. From 2.12.0.post3 captures keep per-capture state:
+    neither rule applies."""
+
+    def __init__(self, namespace: FakeNPUNamespace) -> None:
         super().__init__()
-        self.registered = registered
+        self.namespace = namespace
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Generator) and not any(
-                _same_generator(value, known)
-                for known in (torch.default_generator, *self.registered)
-            ):
+        if torch.Tag.nondeterministic_seeded in func.tags and not self.namespace.per_capture:
+            given = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Generator)]
+            generator = given[0] if given else torch.default_generator
+            flagged = any(_same_generator(generator, g) for g in self.namespace.flagged)
+            if self.namespace.is_current_stream_capturing() and not flagged:
                 raise RuntimeError(
                     "Attempt to increase offset for a NPU generator not in capture mode."
+                )
+            if not self.namespace.is_current_stream_capturing() and flagged:
+                raise RuntimeError(
+                    "Offset increment outside graph capture encountered unexpectedly."
                 )
         return func(*args, **kwargs)
 
@@ -140,6 +150,8 @@ class FakeNPUGraph:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.replays = 0
         self.fail_at_capture_end: str | None = None
+        #: an ACL failure at capture begin (after torch_npu flagged the generators)
+        self.fail_at_capture_begin: str | None = None
         #: set by ``torch.npu.graph`` (as torch_npu does): whether update() may be called
         self.auto_dispatch_capture = False
         #: one per call recorded under the dispatch mode, in capture order: the capture-time
@@ -156,13 +168,21 @@ class FakeNPUGraph:
         self.graph_dispatch_mode = FakeGraphDispatchMode()
         #: generators registered with register_generator_state (the default one needs none)
         self.generators: list[torch.Generator] = []
-        self._generator_check: _GeneratorCheck | None = None
         #: the synchronisation count at the last replay (see update())
         self._replayed_at: int | None = None
 
     def register_generator_state(self, generator: torch.Generator) -> None:
         if self._capture is not None:
             raise RuntimeError("register a generator before the capture begins")
+        if _NAMESPACE is not None and _NAMESPACE.per_capture:
+            warnings.warn(
+                "NPUGraph.register_generator_state() is deprecated, and will be removed in a "
+                "future torch_npu release. It is now a no-op and can be safely removed from "
+                "your code.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         self.generators.append(generator)
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
@@ -172,21 +192,21 @@ class FakeNPUGraph:
                 "Do not support TASK_QUEUE_ENABLE = 2 during NPU graph capture, please export "
                 "TASK_QUEUE_ENABLE=1/0."
             )
+        if _NAMESPACE is not None and not _NAMESPACE.per_capture:
+            # before ACL begins: a failure from here on leaves these flagged
+            _NAMESPACE.flagged = [torch.default_generator, *self.generators]
+        if self.fail_at_capture_begin:
+            raise RuntimeError(self.fail_at_capture_begin)
         self.dispatch_records = []
         # allocated before recording starts, so replays read what update() writes there
         self._lengths = torch.zeros(_MAX_RECORDS, _MAX_ROWS, dtype=torch.int64)
         self._capture = self._recording.capture()
         self._capture.__enter__()
-        self._generator_check = _GeneratorCheck(self.generators)
-        self._generator_check.__enter__()
 
     def capture_end(self) -> None:
         self.events.append(("capture_end", {}))
         capture, self._capture = self._capture, None
         assert capture is not None, "capture_end without capture_begin"
-        check, self._generator_check = self._generator_check, None
-        assert check is not None
-        check.__exit__(None, None, None)
         capture.__exit__(None, None, None)  # raises what the recording refused
         assert self._lengths is not None
         for index, lengths in enumerate(self.dispatch_records):  # what a replay reads unupdated
@@ -194,6 +214,8 @@ class FakeNPUGraph:
                 self._lengths[index, : len(lengths)] = torch.tensor(lengths)
         if self.fail_at_capture_end:
             raise RuntimeError(self.fail_at_capture_end)
+        if _NAMESPACE is not None:
+            _NAMESPACE.flagged = []  # after ACL ended the capture, as torch_npu does
 
     def recording(self) -> bool:
         """Whether a call now is captured under this graph's dispatch mode (gets a record)."""
@@ -284,8 +306,20 @@ class FakeNPUNamespace(types.SimpleNamespace):
         self.synchronizations = 0
         #: whether the CANN toolkit is 9.1.0 or later (torch_npu's v3 graph handler applies)
         self.cann_9_1 = True
+        #: the generators in capture mode (before 2.12.0.post3: set at capture begin, cleared
+        #: only by a capture that ended)
+        self.flagged: list[torch.Generator] = []
+        #: the ``torch_npu`` module this namespace belongs to (its version decides rules)
+        self.module: types.ModuleType | None = None
+        self.generator_rules = GeneratorRules(self)
         self.NPUGraph = FakeNPUGraph
         self.graph = self._make_graph_class()
+
+    @property
+    def per_capture(self) -> bool:
+        """Whether the double's version keeps generator state per capture (2.12.0.post3 on)."""
+        found = release(str(getattr(self.module, "__version__", "")))
+        return found is not None and found >= (2, 12, 0, 3)
 
     # ---- streams and device --------------------------------------------------------------
     def Stream(self) -> FakeStream:
@@ -748,6 +782,7 @@ def make_module(device_count: int = 1) -> tuple[types.ModuleType, FakeNPUNamespa
     module.__version__ = "2.14.0.fake"
     global _NAMESPACE
     namespace = _NAMESPACE = FakeNPUNamespace(device_count)
+    namespace.module = module
     module.npu = namespace
     module.npu_fusion_attention_v3 = npu_fusion_attention_v3
     module.npu_fused_infer_attention_score = npu_fused_infer_attention_score
