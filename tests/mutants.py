@@ -720,6 +720,16 @@ PLANTS = (
         (KV_BLOCKS + "::test_auto_follows_the_backend_and_block_aware_attention_reads_pools",),
     ),
     Plant(
+        "block pools grow only for the rows' own blocks, not the idle rows' share of the sum",
+        "graphcap/rollout/cache/blocks.py",
+        "        spare = max(columns.count(None) - _RESERVED, 0)",
+        "        spare = 0",
+        (
+            KV_BLOCKS
+            + "::test_the_pool_holds_the_blocks_every_rows_length_spans_idle_rows_one_each",
+        ),
+    ),
+    Plant(
         "block pools keep doubling past every row's whole table",
         "graphcap/rollout/cache/blocks.py",
         "self.batch_size * self.table.shape[1] + _RESERVED)\n",
