@@ -30,17 +30,24 @@ It is strict where the real API is, so tests against it can fail:
   longest row's blocks. ``actual_seq_lengths`` (queries) is refused: graphcap never passes it.
 * ``NPUGraph.update(cpu_update_input=[{...}])`` sets the ``actual_seq_lengths_kv`` the next
   replays of its recorded ``npu_fused_infer_attention_score`` calls read: one dict for every call
-  or one per call in capture order; refused unless the capture ran with
-  ``auto_dispatch_capture=True``. Without an update a replay reads the lengths given at capture;
+  or one per call in capture order; refused unless the graph is marked updatable
+  (``auto_dispatch_capture``). Without an update a replay reads the lengths given at capture;
   a capture without ``auto_dispatch_capture`` freezes them for good. torch_npu issues an update
   on a stream of its own that waits for nothing, so an update after a replay with no device
   synchronisation between them (it could overtake that replay) is refused.
 * ``torch.npu.graph`` pushes the graph's dispatch mode (with ``auto_dispatch_capture``) before
   ``capture_begin`` and pops it only after ``capture_end`` returns, as torch_npu does: a failed
-  capture leaves it on, and an infer-attention call outside a capture under it fails.
-* ``capture_begin`` refuses ``TASK_QUEUE_ENABLE=2``; a draw inside a capture from a generator
-  other than the default one fails unless ``register_generator_state`` registered it first.
-  Page attention refuses K/V of more than int32-range elements each.
+  capture leaves it on, and an infer-attention call outside a capture under it fails. A call
+  captured under it (every infer-attention call; v3 outside BNSD while ``cann_9_1``) gets a
+  dispatch record, and a replay of a graph holding records with no update since its last
+  replay fails (torch_npu's replay would wait forever for the update's event).
+* ``capture_begin`` refuses ``TASK_QUEUE_ENABLE=2``. Generators follow the double's version
+  (:class:`GeneratorRules`): before 2.12.0.post3 a draw inside a capture from a generator other
+  than the default one fails unless ``register_generator_state`` registered it first, and a
+  capture failing at its begin or end leaves the graph's generators flagged, so every later
+  draw from them outside a capture fails until a capture with them succeeds; from
+  2.12.0.post3 neither, and ``register_generator_state`` warns. Page attention refuses K/V of
+  more than int32-range elements each.
 
 Everything is plain torch on the CPU, with no host reads, so it can run inside a CPU graph.
 """
