@@ -512,8 +512,7 @@ class GraphBackend(Backend):
     graph_class: ClassVar[str] = "Graph"
     #: Appended to a failed capture's error: the usual causes on this device.
     capture_hint: ClassVar[str] = ""
-    #: Further keyword arguments of the library's ``graph(...)`` this device's captures need
-    #: (the NPU backend's ``auto_dispatch_capture``, which makes a graph updatable).
+    #: Further keyword arguments of the library's ``graph(...)`` this device's captures need.
     graph_options: ClassVar[dict[str, Any]] = {}
 
     def graph_library(self) -> Any:

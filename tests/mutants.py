@@ -720,6 +720,16 @@ PLANTS = (
         (KV_BLOCKS + "::test_auto_follows_the_backend_and_block_aware_attention_reads_pools",),
     ),
     Plant(
+        "block pools grow only for the rows' own blocks, not the idle rows' share of the sum",
+        "graphcap/rollout/cache/blocks.py",
+        "        spare = max(columns.count(None) - _RESERVED, 0)",
+        "        spare = 0",
+        (
+            KV_BLOCKS
+            + "::test_the_pool_holds_the_blocks_every_rows_length_spans_idle_rows_one_each",
+        ),
+    ),
+    Plant(
         "block pools keep doubling past every row's whole table",
         "graphcap/rollout/cache/blocks.py",
         "self.batch_size * self.table.shape[1] + _RESERVED)\n",
@@ -727,13 +737,31 @@ PLANTS = (
         (KV_BLOCKS + "::test_growth_stops_at_every_rows_whole_table",),
     ),
     Plant(
-        "NPU graphs captured without auto_dispatch_capture (not updatable)",
-        "backends/npu/graphcap_npu/backend.py",
-        '    graph_options: ClassVar[dict[str, Any]] = {"auto_dispatch_capture": True}\n',
-        "    graph_options: ClassVar[dict[str, Any]] = {}\n",
+        "NPU page attention not recorded for update (its lengths frozen at the placeholders)",
+        "backends/npu/graphcap_npu/attention.py",
+        "    with graph_updates.updatable():  # the one call each replay's update re-issues\n",
+        "    with torch.no_grad():\n",
         (
             NPU_ENGINE
             + "::test_paged_static_graph_reads_the_table_with_lengths_set_before_each_replay",
+        ),
+    ),
+    Plant(
+        "NPU captures whole steps with auto_dispatch_capture (replays wait for no update)",
+        "backends/npu/graphcap_npu/backend.py",
+        "    graph_kv_lengths_on_host: ClassVar[bool] = True\n",
+        "    graph_kv_lengths_on_host: ClassVar[bool] = True\n"
+        '    graph_options: ClassVar[dict[str, Any]] = {"auto_dispatch_capture": True}\n',
+        (NPU_ENGINE + "::test_static_graph_through_the_plugin_attention_equals_eager_sdpa",),
+    ),
+    Plant(
+        "NPU replays a graph waiting for an update without one",
+        "backends/npu/graphcap_npu/backend.py",
+        "        graph_updates.check_replay(graph)\n",
+        "",
+        (
+            "backends/npu/tests/test_npu_backend.py"
+            + "::test_kv_lengths_reach_the_recorded_kernel_through_graph_update",
         ),
     ),
     Plant(
@@ -765,10 +793,24 @@ PLANTS = (
     ),
     Plant(
         "NPU explicit generator never registered with the graph",
-        "backends/npu/graphcap_npu/backend.py",
-        "        graph.register_generator_state(generator)\n",
-        "        pass\n",
+        "backends/npu/graphcap_npu/generators.py",
+        "    graph.register_generator_state(generator)\n",
+        "    pass\n",
         (NPU_RULES + "::test_sampling_from_an_explicit_generator_is_captured",),
+    ),
+    Plant(
+        "NPU registers generators where torch_npu made it a deprecated no-op",
+        "backends/npu/graphcap_npu/generators.py",
+        "    if per_capture_state():\n        return\n    graph.register_generator_state",
+        "    graph.register_generator_state",
+        (NPU_RULES + "::test_sampling_from_an_explicit_generator_is_captured",),
+    ),
+    Plant(
+        "NPU failed capture leaves the generators in capture mode (torch_npu 2.11)",
+        "backends/npu/graphcap_npu/backend.py",
+        "                generators.recover(self.device_module, graph, self.device)\n",
+        "                pass\n",
+        (NPU_RULES + "::test_after_a_failed_sampled_capture_every_generator_draws",),
     ),
     Plant(
         "NPU capture placeholders need every row's whole table",
@@ -786,13 +828,6 @@ PLANTS = (
         "    check_pool_size(key)\n",
         "",
         (NPU_RULES + "::test_pools_beyond_int32_range_are_refused_with_the_way_out",),
-    ),
-    Plant(
-        "NPU failed capture leaves torch_npu's dispatch mode on",
-        "backends/npu/graphcap_npu/backend.py",
-        "            mode.__exit__(None, None, None)\n",
-        "            pass\n",
-        (NPU_RULES + "::test_eager_fallback_after_a_failed_capture_equals_eager",),
     ),
     Plant(
         "NPU graph updates not ordered after the replays before them",

@@ -189,6 +189,20 @@ def test_growth_stops_at_every_rows_whole_table():
     assert cache.nbytes() < 1.1 * static
 
 
+def test_the_pool_holds_the_blocks_every_rows_length_spans_idle_rows_one_each():
+    """Page attention refuses a pool smaller than the blocks the rows' lengths span (an idle
+    row, at length 1 on the shared sink block, one). Two live rows of eight take the free list
+    to its end; the pool grows before the six idle rows' blocks would be missing from it."""
+    cache = _cache(batch=8, max_len=32, block=2)
+    live = [0, 1]
+    for column in range(32):
+        columns = [column if row in live else None for row in range(8)]
+        cache.assign(columns, ahead=0)
+        spanned = sum(1 if c is None else c // 2 + 1 for c in columns)
+        assert cache.num_blocks >= spanned, (column, cache.num_blocks, spanned)
+    assert cache.growths >= 1
+
+
 def test_bad_block_sizes_are_refused():
     for bad in (0, -4, "blocks", 2.5, True):
         with pytest.raises((ValueError, TypeError), match="kv_block_size"):

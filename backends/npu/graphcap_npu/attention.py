@@ -49,6 +49,7 @@ from typing import Any, Literal
 import torch
 
 from graphcap import kv_blocks
+from graphcap_npu import graph_updates
 
 Kernel = Literal["fusion_v3", "infer_score", "paged"]
 Layout = Literal["BSH", "BNSD"]
@@ -213,20 +214,22 @@ def _attend_paged(
         lengths = [PLACEHOLDER_LENGTH] * batch
     else:
         lengths = view.lengths.tolist()  # a host read: eager steps only
-    out, _ = module_npu.npu_fused_infer_attention_score(
-        query.contiguous(),
-        key,
-        value,
-        atten_mask=masked_out,
-        actual_seq_lengths_kv=lengths,
-        block_table=view.table,
-        block_size=view.block_size,
-        num_heads=q_heads,
-        num_key_value_heads=key.shape[1],
-        input_layout="BNSD",
-        scale=scaling if scaling is not None else 1.0 / math.sqrt(head_dim),
-        inner_precise=0,  # a decode row always attends to the column it has just written
-    )
+    query = query.contiguous()
+    with graph_updates.updatable():  # the one call each replay's update re-issues
+        out, _ = module_npu.npu_fused_infer_attention_score(
+            query,
+            key,
+            value,
+            atten_mask=masked_out,
+            actual_seq_lengths_kv=lengths,
+            block_table=view.table,
+            block_size=view.block_size,
+            num_heads=q_heads,
+            num_key_value_heads=key.shape[1],
+            input_layout="BNSD",
+            scale=scaling if scaling is not None else 1.0 / math.sqrt(head_dim),
+            inner_precise=0,  # a decode row always attends to the column it has just written
+        )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from graphcap.backend import Availability, GraphBackend, MaskForm
 from graphcap.errors import BackendSelectionError, GraphCaptureError
+from graphcap_npu import generators, graph_updates
 from graphcap_npu.attention import BLOCKS, IMPLEMENTATIONS
 from graphcap_npu.probe import (
     INSTALL_HINT,
@@ -122,10 +122,11 @@ class NPUBackend(GraphBackend):
     # Blocks of 128 columns: the page-attention block size torch_npu recommends (fp16/bf16 take
     # any multiple of 16).
     kv_block_size: ClassVar[int | None] = 128
-    # npu_fused_infer_attention_score takes actual_seq_lengths_kv as host ints; a capture with
-    # auto_dispatch_capture records the call so NPUGraph.update can set them before a replay.
+    # npu_fused_infer_attention_score takes actual_seq_lengths_kv as host ints; page attention's
+    # call is captured under the graph's dispatch mode (graph_updates), so NPUGraph.update can
+    # set them before a replay. No capture runs whole under it (auto_dispatch_capture stays
+    # off): every other call torch_npu records would wait at each replay for an update.
     graph_kv_lengths_on_host: ClassVar[bool] = True
-    graph_options: ClassVar[dict[str, Any]] = {"auto_dispatch_capture": True}
 
     def __init__(self, index: int | None = None, attention: str | None = None) -> None:
         """``attention``: the graphcap_npu implementation captured decode steps run (one of
@@ -161,32 +162,61 @@ class NPUBackend(GraphBackend):
         stream: Any | None = None,
         capture_error_mode: str | None = None,
     ) -> contextlib.AbstractContextManager[None]:
-        """The base capture, refused up front under ``TASK_QUEUE_ENABLE=2`` (NPUGraph's
-        ``capture_begin`` refuses it), and leaving torch_npu's graph dispatch mode as it found
-        it when the capture fails (:func:`_without_stale_dispatch_mode`)."""
+        """The base capture (``auto_dispatch_capture`` off), refused up front under
+        ``TASK_QUEUE_ENABLE=2`` (NPUGraph's ``capture_begin`` refuses it); page attention's
+        calls inside record themselves for update (:mod:`graphcap_npu.graph_updates`)."""
         if os.environ.get(TASK_QUEUE_VAR, "").strip() == "2":
             raise GraphCaptureError(
                 f"{TASK_QUEUE_VAR}=2 makes every torch_npu graph capture fail; start the process "
                 f"with {TASK_QUEUE_VAR}=1 (or 0) to capture, or run eagerly"
             )
         capture = super().capture_to_graph(graph, pool, stream, capture_error_mode)
-        return _without_stale_dispatch_mode(graph, capture)
+        return self._recovering(graph, _recording(graph, capture))
+
+    @contextlib.contextmanager
+    def _recovering(
+        self, graph: Any, capture: contextlib.AbstractContextManager[None]
+    ) -> Iterator[None]:
+        """``capture``; when it fails, the generators it knew are made usable again
+        (:func:`graphcap_npu.generators.recover`), before the error goes on."""
+        try:
+            with capture:
+                yield
+        except Exception as exc:
+            if generators.per_capture_state():
+                raise
+            try:
+                generators.recover(self.device_module, graph, self.device)
+            except GraphCaptureError as restart:
+                raise restart from exc
+            raise
 
     def register_generator(self, graph: Any, generator: torch.Generator) -> None:
-        # NPUGraph registers only the default generator itself; a draw from any other inside
-        # the capture raises ("... NPU generator not in capture mode").
-        graph.register_generator_state(generator)
+        # Before torch_npu 2.12.0.post3 NPUGraph knows only the default generator itself; a
+        # draw from any other inside the capture raises ("... NPU generator not in capture
+        # mode"). From it, registering is a deprecated no-op (graphcap_npu.generators).
+        generators.register(graph, generator)
 
     def update_graph_kv_lengths(self, graph: Any, lengths: list[int]) -> None:
-        """One update for every recorded infer-attention call (torch_npu broadcasts a one-item
-        list over the graph's dispatch records; a graph without any takes it as a no-op).
+        """One update for every page-attention call recorded in ``graph`` (torch_npu broadcasts
+        a one-item list over the graph's dispatch records); nothing for a graph without any
+        (a step page attention did not serve: fp32, off the block table), which waits for no
+        update.
 
         torch_npu runs the update on a stream of its own, which nothing orders after the replay
         queued before it: an update could rewrite the lengths that replay still has to read.
         So the device finishes its queued work first, as vllm-ascend does before each of its
         full-graph replays."""
+        if not graph_updates.is_updatable(graph):
+            return
         self.synchronize()
         graph.update(cpu_update_input=[{"actual_seq_lengths_kv": list(lengths)}])
+        graph_updates.updated(graph)
+
+    def replay_graph(self, graph: Any) -> None:
+        """The replay, refused (not hung) when the graph waits for an update nothing issued."""
+        graph_updates.check_replay(graph)
+        graph.replay()
 
     # ---- device plumbing ------------------------------------------------------------------
     @property
@@ -218,18 +248,9 @@ class NPUBackend(GraphBackend):
 
 
 @contextlib.contextmanager
-def _without_stale_dispatch_mode(
-    graph: Any, capture: contextlib.AbstractContextManager[None]
-) -> Iterator[None]:
-    """``capture``, then torch_npu's graph dispatch mode off the stack if the capture left it
-    there: ``torch.npu.graph`` pushes it before ``capture_begin`` and pops it only after
-    ``capture_end`` returns, so a failed capture would leave every later op (the eager
-    fallback's) going through its capture-update handlers."""
-    try:
-        with capture:
-            yield
-    finally:
-        mode = getattr(graph, "graph_dispatch_mode", None)
-        stack = _get_current_dispatch_mode_stack()
-        if mode is not None and stack and stack[-1] is mode:
-            mode.__exit__(None, None, None)
+def _recording(graph: Any, capture: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+    """``capture``, with ``graph`` known to the calls that record themselves for update; it is
+    marked updatable only after torch_npu's ``graph.__exit__`` ran (which pops the dispatch
+    mode of a graph that is marked by then)."""
+    with graph_updates.capturing(graph), capture:
+        yield

@@ -135,14 +135,23 @@ def _died_reason(returncode: int, stderr: str) -> str:
     return f"{reason}; {CANN_HINT}"
 
 
+def release(version: str) -> tuple[int, int, int, int] | None:
+    """torch_npu ``version`` as (major, minor, micro, post): "2.12.0.post3" is (2, 12, 0, 3);
+    ``None`` when it does not start with a release number."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?(?:\.post(\d+))?", version)
+    if match is None:
+        return None
+    major, minor, micro, post = (int(part or 0) for part in match.groups())
+    return major, minor, micro, post
+
+
 def version_problem(version: str) -> str | None:
     """Why torch_npu ``version`` is too old for graphcap-npu, or ``None`` when it will do."""
     floor = ".".join(map(str, MIN_TORCH_NPU))
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if match is None:
+    found = release(version)
+    if found is None:
         return f"torch_npu reports version {version!r}, not one graphcap-npu can compare to {floor}"
-    found = tuple(int(part or 0) for part in match.groups())
-    if found >= MIN_TORCH_NPU:
+    if found[:3] >= MIN_TORCH_NPU:
         return None
     return (
         f"torch_npu {version} is older than {floor}, the oldest graphcap-npu runs on (graphcap "

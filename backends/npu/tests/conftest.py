@@ -11,6 +11,7 @@ import pytest
 import torch
 from graphcap_npu import backend as npu_backend
 from graphcap_npu.probe import ProbeResult
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers.utils import is_torch_npu_available
 
 if not fake_torch_npu.REAL_TORCH_NPU:
@@ -30,10 +31,11 @@ def _fresh_availability() -> Iterator[None]:
 
 
 @pytest.fixture
-def fake_npu(monkeypatch: pytest.MonkeyPatch) -> fake_torch_npu.FakeNPUNamespace:
+def fake_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[fake_torch_npu.FakeNPUNamespace]:
     """``torch_npu`` and ``torch.npu`` replaced by the documented-semantics test double.
 
-    It counts as already imported, so availability asks the double directly, with no probe.
+    It counts as already imported, so availability asks the double directly, with no probe;
+    its generator rules watch every draw while the test runs.
     """
     if fake_torch_npu.REAL_TORCH_NPU:
         pytest.skip("a real torch_npu is installed here; the double would shadow it")
@@ -41,7 +43,13 @@ def fake_npu(monkeypatch: pytest.MonkeyPatch) -> fake_torch_npu.FakeNPUNamespace
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     monkeypatch.setattr(torch, "npu", namespace, raising=False)
     monkeypatch.setattr(npu_backend, "probe_torch_npu", _no_probe_expected)
-    return namespace
+    rules = namespace.generator_rules
+    rules.__enter__()
+    yield namespace
+    stack = _get_current_dispatch_mode_stack()
+    while rules in stack:  # a test may have left modes above it: they go too
+        stack[-1].__exit__(None, None, None)
+        stack = _get_current_dispatch_mode_stack()
 
 
 def _no_probe_expected() -> ProbeResult:

@@ -30,17 +30,24 @@ It is strict where the real API is, so tests against it can fail:
   longest row's blocks. ``actual_seq_lengths`` (queries) is refused: graphcap never passes it.
 * ``NPUGraph.update(cpu_update_input=[{...}])`` sets the ``actual_seq_lengths_kv`` the next
   replays of its recorded ``npu_fused_infer_attention_score`` calls read: one dict for every call
-  or one per call in capture order; refused unless the capture ran with
-  ``auto_dispatch_capture=True``. Without an update a replay reads the lengths given at capture;
+  or one per call in capture order; refused unless the graph is marked updatable
+  (``auto_dispatch_capture``). Without an update a replay reads the lengths given at capture;
   a capture without ``auto_dispatch_capture`` freezes them for good. torch_npu issues an update
   on a stream of its own that waits for nothing, so an update after a replay with no device
   synchronisation between them (it could overtake that replay) is refused.
 * ``torch.npu.graph`` pushes the graph's dispatch mode (with ``auto_dispatch_capture``) before
   ``capture_begin`` and pops it only after ``capture_end`` returns, as torch_npu does: a failed
-  capture leaves it on, and an infer-attention call outside a capture under it fails.
-* ``capture_begin`` refuses ``TASK_QUEUE_ENABLE=2``; a draw inside a capture from a generator
-  other than the default one fails unless ``register_generator_state`` registered it first.
-  Page attention refuses K/V of more than int32-range elements each.
+  capture leaves it on, and an infer-attention call outside a capture under it fails. A call
+  captured under it (every infer-attention call; v3 outside BNSD while ``cann_9_1``) gets a
+  dispatch record, and a replay of a graph holding records with no update since its last
+  replay fails (torch_npu's replay would wait forever for the update's event).
+* ``capture_begin`` refuses ``TASK_QUEUE_ENABLE=2``. Generators follow the double's version
+  (:class:`GeneratorRules`): before 2.12.0.post3 a draw inside a capture from a generator other
+  than the default one fails unless ``register_generator_state`` registered it first, and a
+  capture failing at its begin or end leaves the graph's generators flagged, so every later
+  draw from them outside a capture fails until a capture with them succeeds; from
+  2.12.0.post3 neither, and ``register_generator_state`` warns. Page attention refuses K/V of
+  more than int32-range elements each.
 
 Everything is plain torch on the CPU, with no host reads, so it can run inside a CPU graph.
 """
@@ -52,12 +59,13 @@ import importlib.machinery
 import math
 import os
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from graphcap_npu.probe import torch_npu_installed
+from graphcap_npu.probe import release, torch_npu_installed
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -90,33 +98,44 @@ class FakeStream:
 
 
 class FakeGraphDispatchMode(TorchDispatchMode):
-    """torch_npu's ``_GraphDispatchMode``: ``torch.npu.graph`` pushes it (with
-    ``auto_dispatch_capture``) before ``capture_begin`` and pops it after ``capture_end``
-    returns. Ops pass through; the infer-attention kernel asks whether it is active outside a
-    capture, where torch_npu's handler would open a task group on a stream that is not
-    capturing."""
+    """torch_npu's ``_GraphDispatchMode`` (an ``NPUGraph``'s ``graph_dispatch_mode``):
+    ``torch.npu.graph`` pushes it (with ``auto_dispatch_capture``) before ``capture_begin`` and
+    pops it after ``capture_end`` returns; a caller may also enter it around single calls. Ops
+    pass through; the kernels its handlers cover ask whether it is active: during its graph's
+    capture they leave a dispatch record (with a wait for the next update), outside a capture
+    the infer-attention kernel fails, as torch_npu's handler would open a task group on a
+    stream that is not capturing."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
-class _GeneratorCheck(TorchDispatchMode):
-    """NPUGraph's generator rule during capture: a draw from a generator the graph does not
-    know (the default one is always registered) raises, as torch_npu's NPU generator does."""
+class GeneratorRules(TorchDispatchMode):
+    """torch_npu's generator rules, for every draw while the double is installed (a mode at the
+    bottom of the stack, so it also sees what a capture records and what a replay re-issues).
 
-    def __init__(self, registered: list[torch.Generator]) -> None:
+    Before 2.12.0.post3: inside a capture, a draw from a generator the capturing graph does not
+    know (the default one, those registered) raises; outside one, a draw from a generator still
+    flagged by a capture that failed raises. From 2.12.0.post3 captures keep per-capture state:
+    neither rule applies."""
+
+    def __init__(self, namespace: FakeNPUNamespace) -> None:
         super().__init__()
-        self.registered = registered
+        self.namespace = namespace
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Generator) and not any(
-                _same_generator(value, known)
-                for known in (torch.default_generator, *self.registered)
-            ):
+        if torch.Tag.nondeterministic_seeded in func.tags and not self.namespace.per_capture:
+            given = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Generator)]
+            generator = given[0] if given else torch.default_generator
+            flagged = any(_same_generator(generator, g) for g in self.namespace.flagged)
+            if self.namespace.is_current_stream_capturing() and not flagged:
                 raise RuntimeError(
                     "Attempt to increase offset for a NPU generator not in capture mode."
+                )
+            if not self.namespace.is_current_stream_capturing() and flagged:
+                raise RuntimeError(
+                    "Offset increment outside graph capture encountered unexpectedly."
                 )
         return func(*args, **kwargs)
 
@@ -138,10 +157,15 @@ class FakeNPUGraph:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.replays = 0
         self.fail_at_capture_end: str | None = None
+        #: an ACL failure at capture begin (after torch_npu flagged the generators)
+        self.fail_at_capture_begin: str | None = None
         #: set by ``torch.npu.graph`` (as torch_npu does): whether update() may be called
         self.auto_dispatch_capture = False
-        #: the capture-time ``actual_seq_lengths_kv`` of each recorded infer-attention call
-        self.dispatch_records: list[list[int]] = []
+        #: one per call recorded under the dispatch mode, in capture order: the capture-time
+        #: ``actual_seq_lengths_kv`` of an infer-attention call, ``None`` for a v3 call
+        self.dispatch_records: list[list[int] | None] = []
+        #: whether an update came after the last replay (each record waits for one)
+        self.updated_since_replay = False
         #: what update() was given, in order
         self.updates: list[list[dict[str, Any]]] = []
         self._lengths: torch.Tensor | None = None  # the records' lengths, read by replays
@@ -151,13 +175,21 @@ class FakeNPUGraph:
         self.graph_dispatch_mode = FakeGraphDispatchMode()
         #: generators registered with register_generator_state (the default one needs none)
         self.generators: list[torch.Generator] = []
-        self._generator_check: _GeneratorCheck | None = None
         #: the synchronisation count at the last replay (see update())
         self._replayed_at: int | None = None
 
     def register_generator_state(self, generator: torch.Generator) -> None:
         if self._capture is not None:
             raise RuntimeError("register a generator before the capture begins")
+        if _NAMESPACE is not None and _NAMESPACE.per_capture:
+            warnings.warn(
+                "NPUGraph.register_generator_state() is deprecated, and will be removed in a "
+                "future torch_npu release. It is now a no-op and can be safely removed from "
+                "your code.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         self.generators.append(generator)
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
@@ -167,36 +199,46 @@ class FakeNPUGraph:
                 "Do not support TASK_QUEUE_ENABLE = 2 during NPU graph capture, please export "
                 "TASK_QUEUE_ENABLE=1/0."
             )
+        if _NAMESPACE is not None and not _NAMESPACE.per_capture:
+            # before ACL begins: a failure from here on leaves these flagged
+            _NAMESPACE.flagged = [torch.default_generator, *self.generators]
+        if self.fail_at_capture_begin:
+            raise RuntimeError(self.fail_at_capture_begin)
         self.dispatch_records = []
         # allocated before recording starts, so replays read what update() writes there
         self._lengths = torch.zeros(_MAX_RECORDS, _MAX_ROWS, dtype=torch.int64)
         self._capture = self._recording.capture()
         self._capture.__enter__()
-        self._generator_check = _GeneratorCheck(self.generators)
-        self._generator_check.__enter__()
 
     def capture_end(self) -> None:
         self.events.append(("capture_end", {}))
         capture, self._capture = self._capture, None
         assert capture is not None, "capture_end without capture_begin"
-        check, self._generator_check = self._generator_check, None
-        assert check is not None
-        check.__exit__(None, None, None)
         capture.__exit__(None, None, None)  # raises what the recording refused
         assert self._lengths is not None
         for index, lengths in enumerate(self.dispatch_records):  # what a replay reads unupdated
-            self._lengths[index, : len(lengths)] = torch.tensor(lengths)
+            if lengths is not None:
+                self._lengths[index, : len(lengths)] = torch.tensor(lengths)
         if self.fail_at_capture_end:
             raise RuntimeError(self.fail_at_capture_end)
+        if _NAMESPACE is not None:
+            _NAMESPACE.flagged = []  # after ACL ended the capture, as torch_npu does
 
-    def record_lengths(self, lengths: list[int]) -> torch.Tensor:
-        """During an ``auto_dispatch_capture`` capture: a dispatch record of one infer-attention
-        call; returns the lengths its replays read (written at capture end and by update())."""
-        if len(self.dispatch_records) == _MAX_RECORDS or len(lengths) > _MAX_ROWS:
+    def recording(self) -> bool:
+        """Whether a call now is captured under this graph's dispatch mode (gets a record)."""
+        return self._capture is not None and self.graph_dispatch_mode in (
+            _get_current_dispatch_mode_stack()
+        )
+
+    def record_lengths(self, lengths: list[int] | None) -> torch.Tensor:
+        """While :meth:`recording`: a dispatch record of one call (``None``: a v3 call, which has
+        no lengths); returns the lengths its replays read (written at capture end and by
+        update())."""
+        if len(self.dispatch_records) == _MAX_RECORDS or len(lengths or ()) > _MAX_ROWS:
             raise NotImplementedError("the double holds 64 records of up to 1024 rows")
         assert self._lengths is not None
-        self.dispatch_records.append(list(lengths))
-        return self._lengths[len(self.dispatch_records) - 1, : len(lengths)]
+        self.dispatch_records.append(None if lengths is None else list(lengths))
+        return self._lengths[len(self.dispatch_records) - 1, : len(lengths or ())]
 
     def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
         """torch_npu's NPUGraph.update: new host arguments for the recorded calls.
@@ -226,14 +268,24 @@ class FakeNPUGraph:
             )
         self.updates.append(cpu_update_input)
         assert self._lengths is not None
+        self.updated_since_replay = True
         for index, captured in enumerate(records):
             entry = cpu_update_input[0 if len(cpu_update_input) == 1 else index]
-            if "actual_seq_lengths_kv" not in entry:
+            if captured is None or "actual_seq_lengths_kv" not in entry:
                 continue
             lengths = _host_lengths(entry["actual_seq_lengths_kv"], len(captured))
             self._lengths[index, : len(captured)] = torch.tensor(lengths)
 
     def replay(self) -> None:
+        """Each dispatch record's captured wait needs an update since the last replay: without
+        one, torch_npu's replay waits forever on an event nothing records (the double fails)."""
+        if self.dispatch_records and not self.updated_since_replay:
+            raise RuntimeError(
+                f"replay of a graph with {len(self.dispatch_records)} dispatch records and no "
+                "NPUGraph.update since its last replay: each record's ExternalEvent wait never "
+                "returns (the device hangs)"
+            )
+        self.updated_since_replay = False
         self.replays += 1
         if _NAMESPACE is not None:
             self._replayed_at = _NAMESPACE.synchronizations
@@ -259,8 +311,22 @@ class FakeNPUNamespace(types.SimpleNamespace):
         self.memory_calls: list[tuple[str, Any]] = []
         #: device synchronisations so far (what orders an update after earlier replays)
         self.synchronizations = 0
+        #: whether the CANN toolkit is 9.1.0 or later (torch_npu's v3 graph handler applies)
+        self.cann_9_1 = True
+        #: the generators in capture mode (before 2.12.0.post3: set at capture begin, cleared
+        #: only by a capture that ended)
+        self.flagged: list[torch.Generator] = []
+        #: the ``torch_npu`` module this namespace belongs to (its version decides rules)
+        self.module: types.ModuleType | None = None
+        self.generator_rules = GeneratorRules(self)
         self.NPUGraph = FakeNPUGraph
         self.graph = self._make_graph_class()
+
+    @property
+    def per_capture(self) -> bool:
+        """Whether the double's version keeps generator state per capture (2.12.0.post3 on)."""
+        found = release(str(getattr(self.module, "__version__", "")))
+        return found is not None and found >= (2, 12, 0, 3)
 
     # ---- streams and device --------------------------------------------------------------
     def Stream(self) -> FakeStream:
@@ -408,6 +474,9 @@ def npu_fusion_attention_v3(
     )
     if input_layout == "TND":
         raise AssertionError("TND takes host-side sequence lengths: never used under a graph")
+    graph = _NAMESPACE.capturing_graph if _NAMESPACE is not None else None
+    if graph is not None and graph.recording() and _NAMESPACE.cann_9_1 and input_layout != "BNSD":
+        graph.record_lengths(None)  # torch_npu's v3 handler: every layout but BNSD, CANN >= 9.1
     if pse is not None or padding_mask is not None or sparse_mode != 0 or keep_prob != 1.0:
         raise NotImplementedError("the double models defaultMask without pse or dropout")
     q, k, v = _from_layout(query, key, value, head_num, None, input_layout)
@@ -485,7 +554,9 @@ def npu_fused_infer_attention_score(
     batch, q_len = query.shape[0], query.shape[2] if input_layout == "BNSD" else query.shape[1]
     lengths = None
     if actual_seq_lengths_kv is not None:
-        lengths = _host_lengths(actual_seq_lengths_kv, batch)
+        lengths = _host_lengths(actual_seq_lengths_kv, batch)  # recorded with its lengths
+    elif (graph := _NAMESPACE and _NAMESPACE.capturing_graph) and graph.recording():
+        graph.record_lengths(None)  # torch_npu records every call
     if block_table is not None:
         if lengths is None:
             raise RuntimeError("page attention needs actual_seq_lengths_kv")
@@ -546,7 +617,7 @@ def _lengths_tensor(lengths: list[int]) -> torch.Tensor:
     graph = _NAMESPACE.capturing_graph if _NAMESPACE is not None else None
     if graph is None:
         return torch.tensor(lengths)
-    if graph.auto_dispatch_capture:
+    if graph.recording():
         return graph.record_lengths(lengths)
     return torch.cat([torch.full((1,), value, dtype=torch.int64) for value in lengths])
 
@@ -718,6 +789,7 @@ def make_module(device_count: int = 1) -> tuple[types.ModuleType, FakeNPUNamespa
     module.__version__ = "2.14.0.fake"
     global _NAMESPACE
     namespace = _NAMESPACE = FakeNPUNamespace(device_count)
+    namespace.module = module
     module.npu = namespace
     module.npu_fusion_attention_v3 = npu_fusion_attention_v3
     module.npu_fused_infer_attention_score = npu_fused_infer_attention_score

@@ -9,7 +9,16 @@ import fake_torch_npu
 import pytest
 import torch
 from fake_torch_npu import without_real_torch_npu
-from graphcap_npu import ATTENTION_VAR, BLOCKS, FA3_BNSD, FA3_BSH, FIAS_BNSD, NPUBackend, plugin
+from graphcap_npu import (
+    ATTENTION_VAR,
+    BLOCKS,
+    FA3_BNSD,
+    FA3_BSH,
+    FIAS_BNSD,
+    NPUBackend,
+    graph_updates,
+    plugin,
+)
 from graphcap_npu import backend as npu_backend
 from graphcap_npu.attention import FORWARDS
 from graphcap_npu.probe import ProbeResult
@@ -198,7 +207,9 @@ def test_capture_passes_keywords_in_torch_npu_order(fake_npu) -> None:
     assert call["pool"] == ("pool", "handle")
     assert call["stream"] is side
     assert call["capture_error_mode"] == "relaxed"
-    assert call["auto_dispatch_capture"] is True  # what makes NPUGraph.update() legal
+    # no capture runs whole under the dispatch mode: each call it records waits for an update
+    # at every replay (graph_updates)
+    assert call["auto_dispatch_capture"] is False
     assert graph.events == [
         ("capture_begin", {"pool": ("pool", "handle"), "mode": "relaxed"}),
         ("capture_end", {}),
@@ -247,8 +258,9 @@ def test_graphcap_errors_inside_capture_pass_through(fake_npu) -> None:
 
 
 def test_kv_lengths_reach_the_recorded_kernel_through_graph_update(fake_npu) -> None:
-    """Captured with auto_dispatch_capture, the graph's recorded infer-attention call reads the
-    lengths update_graph_kv_lengths gives before each replay (one dict broadcast to it)."""
+    """A call recorded for update (``graph_updates.updatable``, as page attention's is) reads
+    the lengths update_graph_kv_lengths gives before each replay (one dict broadcast to it);
+    the graph is updatable only because of it, and a replay without an update is refused."""
     backend = NPUBackend()
     graph = backend.create_graph()
     q = torch.randn(2, 2, 1, 16, dtype=torch.bfloat16)
@@ -261,18 +273,30 @@ def test_kv_lengths_reach_the_recorded_kernel_through_graph_update(fake_npu) -> 
         )[0]
 
     with backend.capture_to_graph(graph, stream=backend.new_stream()):
-        out["y"] = attend([8, 8])  # placeholders, as the paged attention records them
-    assert graph.dispatch_records == [[8, 8]]
+        attend([8, 8])  # not recorded: captured as a plain operator, frozen
+        with graph_updates.updatable():
+            out["y"] = attend([8, 8])  # placeholders, as the paged attention records them
+    assert graph.dispatch_records == [[8, 8]] and graph.auto_dispatch_capture
+    with pytest.raises(RuntimeError, match="update_graph_kv_lengths before every replay"):
+        backend.replay_graph(graph)
     for lengths in ([3, 8], [1, 5]):
         backend.update_graph_kv_lengths(graph, lengths)
         backend.replay_graph(graph)
         torch.testing.assert_close(out["y"], attend(lengths), rtol=0, atol=0)
     assert graph.updates[-1] == [{"actual_seq_lengths_kv": [1, 5]}]
-    plain = fake_npu.NPUGraph()
-    with fake_npu.graph(plain, stream=backend.new_stream()):
+    with pytest.raises(RuntimeError, match="update_graph_kv_lengths before every replay"):
+        backend.replay_graph(graph)
+    plain = backend.create_graph()
+    with backend.capture_to_graph(plain, stream=backend.new_stream()):
         attend([8, 8])
+    assert plain.dispatch_records == [] and not plain.auto_dispatch_capture
+    backend.replay_graph(plain)
+    backend.replay_graph(plain)  # nothing waits: no update needed
+    synchronized = fake_npu.synchronizations
+    backend.update_graph_kv_lengths(plain, [3, 8])  # nothing recorded: no update, no wait
+    assert plain.updates == [] and fake_npu.synchronizations == synchronized
     with pytest.raises(RuntimeError, match="auto_dispatch_capture=True"):
-        backend.update_graph_kv_lengths(plain, [3, 8])
+        plain.update(cpu_update_input=[{"actual_seq_lengths_kv": [3, 8]}])
 
 
 def test_replay_replays(fake_npu) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import warnings
 from typing import ClassVar
 
 import fake_torch_npu
@@ -62,8 +63,18 @@ def _updates(fake_npu) -> list[list[int]]:
     return [update[0]["actual_seq_lengths_kv"] for update in graph.updates]
 
 
-# ---- 1. explicit generators -------------------------------------------------------------------
+# ---- 1. explicit generators, by torch_npu release ---------------------------------------------
+OLD_RNG, PER_CAPTURE_RNG = "2.11.0", "2.12.0.post3"
+
+
+def _version(version: str) -> None:
+    sys.modules["torch_npu"].__version__ = version
+
+
 def test_the_double_refuses_a_draw_from_an_unregistered_generator(fake_npu) -> None:
+    """Before 2.12.0.post3 a graph knows the default generator and the registered ones; from
+    it every generator is known at its first draw, and registering warns (a deprecated no-op)."""
+    _version(OLD_RNG)
     probs = torch.full((2, 8), 0.125)
     generator = torch.Generator().manual_seed(3)
     graph = fake_npu.NPUGraph()
@@ -77,25 +88,125 @@ def test_the_double_refuses_a_draw_from_an_unregistered_generator(fake_npu) -> N
     with fake_npu.graph(graph, stream=fake_npu.Stream()):
         torch.multinomial(probs, 1, generator=generator)
         torch.multinomial(probs, 1)  # the default generator is always registered
+    _version(PER_CAPTURE_RNG)
+    graph = fake_npu.NPUGraph()
+    with pytest.warns(UserWarning, match="deprecated"):
+        graph.register_generator_state(generator)
+    with fake_npu.graph(graph, stream=fake_npu.Stream()):
+        torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(4))
 
 
-def test_sampling_from_an_explicit_generator_is_captured(fake_npu) -> None:
-    """The engine registers the caller's generator with the graph: the sampled graph path runs
-    (no fallback) and draws what the eager loop draws from the same seed."""
+@pytest.mark.parametrize("version", [OLD_RNG, "2.12.0.post2", PER_CAPTURE_RNG, "2.14.0"])
+def test_sampling_from_an_explicit_generator_is_captured(fake_npu, version: str) -> None:
+    """The engine registers the caller's generator with the graph where the release needs it
+    (and only there: from 2.12.0.post3 it would warn at every capture): the sampled graph path
+    runs (no fallback) and draws what the eager loop draws from the same seed."""
+    _version(version)
     model = models.build("llama", torch.device("cpu"))
     ids, mask = models.prompts(5, torch.device("cpu"), width=6)
     params = SamplingParams(do_sample=True, max_new_tokens=8, eos_token_id=[])
     config = RolloutConfig(backend=HostNPUBackend(), enable_graph_capture=True)
-    graph = RolloutEngine(model, config).generate(
-        ids, mask, params, generator=torch.Generator().manual_seed(7)
-    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*register_generator_state.*deprecated")
+        graph = RolloutEngine(model, config).generate(
+            ids, mask, params, generator=torch.Generator().manual_seed(7)
+        )
     assert graph.stats.path == "static_graph", graph.stats.fallback_reason
     (call,) = fake_npu.graph_calls
-    assert len(call["graph"].generators) == 1
+    assert len(call["graph"].generators) == (version in (OLD_RNG, "2.12.0.post2"))
     eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(
         ids, mask, params, generator=torch.Generator().manual_seed(7)
     )
     assert torch.equal(graph.sequences, eager.sequences)
+
+
+def _failing_graphs(fake_npu, count: int, where: str = "end") -> None:
+    """The next ``count`` captures fail at their begin or end (ACL errors); later ones work
+    (counted at capture begin: the engine makes graphs it never captures)."""
+    left = [count]
+
+    class Failing(fake_torch_npu.FakeNPUGraph):
+        def capture_begin(self, *args, **kwargs) -> None:
+            if left[0] > 0:
+                left[0] -= 1
+                setattr(self, f"fail_at_capture_{where}", "error 507899: capture failed")
+            super().capture_begin(*args, **kwargs)
+
+    fake_npu.NPUGraph = Failing
+
+
+@pytest.mark.parametrize("where", ["begin", "end"])
+def test_the_double_leaves_generators_in_capture_mode_after_a_failed_capture(
+    fake_npu, where: str
+) -> None:
+    """torch_npu before 2.12.0.post3: capture_begin flags the graph's generators before ACL
+    begins, capture_end clears them only after ACL ended; so after a capture failing at either,
+    every draw from them raises, until a capture with them succeeds."""
+    _version(OLD_RNG)
+    _failing_graphs(fake_npu, 1, where)
+    generator = torch.Generator().manual_seed(1)
+    graph = fake_npu.NPUGraph()
+    graph.register_generator_state(generator)
+    with (
+        pytest.raises(RuntimeError, match="507899"),
+        fake_npu.graph(graph, stream=fake_npu.Stream()),
+    ):
+        pass
+    for draw in (lambda: torch.rand(2), lambda: torch.rand(2, generator=generator)):
+        with pytest.raises(RuntimeError, match="Offset increment outside graph capture"):
+            draw()
+    torch.rand(2, generator=torch.Generator())  # a generator the graph did not know
+    clearing = fake_npu.NPUGraph()
+    clearing.register_generator_state(generator)
+    with fake_npu.graph(clearing, stream=fake_npu.Stream()):
+        pass
+    torch.rand(2), torch.rand(2, generator=generator)
+    _version(PER_CAPTURE_RNG)
+    _failing_graphs(fake_npu, 1, where)
+    with (
+        pytest.raises(RuntimeError, match="507899"),
+        fake_npu.graph(fake_npu.NPUGraph(), stream=fake_npu.Stream()),
+    ):
+        pass
+    torch.rand(2)
+
+
+@pytest.mark.parametrize("version", [OLD_RNG, PER_CAPTURE_RNG])
+def test_after_a_failed_sampled_capture_every_generator_draws(fake_npu, version: str) -> None:
+    """The capture of a sampled call fails (at capture end): the call finishes eagerly with
+    eager's tokens, the caller's generator and the default one draw again, and the next sampled
+    call captures (on 2.11 the backend ran one trivial capture with the same generators)."""
+    _version(version)
+    _failing_graphs(fake_npu, 1)
+    model = models.build("llama", torch.device("cpu"))
+    ids, mask = models.prompts(3, torch.device("cpu"), width=6)
+    params = SamplingParams(do_sample=True, max_new_tokens=5, eos_token_id=[])
+    config = RolloutConfig(backend=HostNPUBackend(), enable_graph_capture=True)
+    generator = torch.Generator().manual_seed(11)
+    with pytest.warns(match="507899"):
+        result = RolloutEngine(model, config).generate(ids, mask, params, generator=generator)
+    assert result.stats.path == "eager" and "507899" in result.stats.fallback_reason
+    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(
+        ids, mask, params, generator=torch.Generator().manual_seed(11)
+    )
+    assert torch.equal(result.sequences, eager.sequences)
+    torch.rand(2), torch.rand(2, generator=generator)
+    again = RolloutEngine(model, config).generate(ids, mask, params, generator=generator)
+    assert again.stats.path == "static_graph", again.stats.fallback_reason
+
+
+def test_when_the_clearing_capture_fails_too_the_error_says_restart(fake_npu) -> None:
+    _version(OLD_RNG)
+    _failing_graphs(fake_npu, 2)
+    backend = HostNPUBackend()
+    with (
+        pytest.raises(GraphCaptureError, match="Restart the process") as failed,
+        backend.capture_to_graph(backend.create_graph()),
+    ):
+        pass
+    assert "507899" in str(failed.value.__cause__)
+    with pytest.raises(RuntimeError, match="Offset increment outside graph capture"):
+        torch.rand(2)
 
 
 def test_conformance_decode_step_with_an_explicit_generator_passes(fake_npu) -> None:
@@ -175,12 +286,14 @@ def _graph_modes() -> list[object]:
 
 
 def test_failed_capture_leaves_no_graph_dispatch_mode(fake_npu) -> None:
+    """No capture runs whole under the dispatch mode, so a failed one cannot leave it on."""
     backend = NPUBackend()
     graph = backend.create_graph()
     graph.fail_at_capture_end = "error 507899: capture failed"
+    during = []
     with pytest.raises(GraphCaptureError, match="507899"), backend.capture_to_graph(graph):
-        assert _graph_modes() == [graph.graph_dispatch_mode]
-    assert _graph_modes() == []
+        during += _graph_modes()
+    assert during == [] and _graph_modes() == []
     assert backend.current_stream() is fake_npu.default
 
 
@@ -224,6 +337,31 @@ def test_eager_fallback_after_a_failed_capture_equals_eager(fake_npu) -> None:
 
 
 # ---- 5. update and replay ordering ------------------------------------------------------------
+def test_the_double_hangs_a_replay_that_nothing_updated(fake_npu) -> None:
+    """torch_npu records, under the dispatch mode, every infer-attention call and v3 outside
+    BNSD on CANN 9.1 or later; each record's replay waits for an update since the last one."""
+    q = torch.randn(1, 2, 1, 16, dtype=torch.bfloat16)
+    bsh = q.view(1, 1, 32)
+    graph = fake_npu.NPUGraph()
+    with fake_npu.graph(graph, stream=fake_npu.Stream(), auto_dispatch_capture=True):
+        fake_torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="BNSD")
+        fake_torch_npu.npu_fusion_attention_v3(q, q, q, 2, "BNSD")  # BNSD: no record
+        fake_torch_npu.npu_fusion_attention_v3(bsh, bsh, bsh, 2, "BSH")
+    assert graph.dispatch_records == [None, None]  # no lengths: neither call passed any
+    with pytest.raises(RuntimeError, match="device hangs"):
+        graph.replay()
+    graph.update(cpu_update_input=[{}])
+    graph.replay()
+    with pytest.raises(RuntimeError, match="device hangs"):
+        graph.replay()
+    fake_npu.cann_9_1 = False  # before CANN 9.1 torch_npu's v3 handler stands aside
+    graph = fake_npu.NPUGraph()
+    with fake_npu.graph(graph, stream=fake_npu.Stream(), auto_dispatch_capture=True):
+        fake_torch_npu.npu_fusion_attention_v3(bsh, bsh, bsh, 2, "BSH")
+    assert graph.dispatch_records == []
+    graph.replay()
+
+
 def test_the_double_refuses_an_update_that_may_overtake_a_replay(fake_npu) -> None:
     graph = fake_npu.NPUGraph()
     with fake_npu.graph(graph, stream=fake_npu.Stream(), auto_dispatch_capture=True):

@@ -169,7 +169,13 @@ class BlockKVCache(PreallocatedCache):
         from the free list, zeroed first (stale K/V must not poison a masked column: a NaN
         enters ``q @ k`` before the mask is added); when it runs dry the pools grow, after
         ``before_growth`` (which drops the graphs reading the old pools). Returns the number of
-        blocks handed out. Between replays only."""
+        blocks handed out. Between replays only.
+
+        The pools also grow early enough that they hold the blocks the rows' lengths span, an
+        idle row (length 1, on the shared sink block) counting one: a paged kernel may size its
+        work by that sum and refuse a pool smaller than it (Ascend's page attention does). Rows
+        hold the blocks their lengths span, so that is: free blocks plus the two reserved ones at
+        least the idle rows."""
         size, per_row = self.block_size, self.table.shape[1]
         wanted: list[tuple[int, int]] = []  # (row, table entry)
         for row, column in enumerate(columns):
@@ -177,12 +183,13 @@ class BlockKVCache(PreallocatedCache):
                 continue
             last = min((column + ahead) // size, per_row - 1)
             wanted += [(row, entry) for entry in range(len(self.owned[row]), last + 1)]
-        if not wanted:
-            return 0
-        if len(wanted) > len(self.free):
+        spare = max(columns.count(None) - _RESERVED, 0)  # blocks idle rows count beyond these
+        if len(wanted) + spare > len(self.free):
             if before_growth is not None:
                 before_growth()
-            self._grow(len(wanted) - len(self.free))
+            self._grow(len(wanted) + spare - len(self.free))
+        if not wanted:
+            return 0
         ids = [self.free.pop() for _ in wanted]
         for (row, _), block in zip(wanted, ids, strict=True):
             self.owned[row].append(block)
