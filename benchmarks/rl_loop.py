@@ -100,7 +100,7 @@ def run_rl_loop(
     results = [RLLoopResult(n, work.batch_size, optimizer) for n in names]
     addresses, previous = [(p.data_ptr(), p.shape) for p in model.parameters()], None
     with contextlib.ExitStack() as stack:
-        calls = [stack.enter_context(MODES[n].session(work)) for n in names]
+        calls = [stack.enter_context(MODES[n].session(work))[0] for n in names]
         for it in range(iterations):
             runs = []
             for call in calls:

@@ -408,7 +408,7 @@ def test_the_graph_mode_is_the_default_config_and_compiles_where_that_pays(
     assert not uncompiled.compiles(compiling) and not MODES["graphcap-eager"].compiles(compiling)
     assert "graphcap-graph-uncompiled" in default_modes(compiling)
     assert "graphcap-graph-uncompiled" not in default_modes(backend)
-    with uncompiled.session(tiny(backend=compiling)) as call:
+    with uncompiled.session(tiny(backend=compiling)) as (call, _engine):
         out = call()
     assert out.stats.path == "static_graph" and not out.stats.compiled
 

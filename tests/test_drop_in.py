@@ -341,7 +341,9 @@ def test_a_call_too_large_for_the_device_frees_the_engines_buffers_for_generate(
         backend.free = 0
         with pytest.warns(GenerateFallbackWarning, match="would allocate.*freed for generate"):
             handed = model.generate(ids, attention_mask=mask, max_new_tokens=6)
-        assert accelerated.engine.cache is None and accelerated.stats.served == 1
+        # released (a region keeps the addresses) or freed: the device has it back either way
+        engine = accelerated.engine
+        assert (engine.sleeping or engine.cache is None) and accelerated.stats.served == 1
         backend.free = 2**40
         again = model.generate(ids, attention_mask=mask, max_new_tokens=6)
         assert accelerated.stats.served == 2
