@@ -41,6 +41,10 @@ NORM_FORMS = (
 )
 
 KV_BLOCKS = "tests/test_kv_blocks.py"
+ALLOCATOR_SWEEP = (
+    "tests/test_rollout_faults.py"
+    "::test_an_interrupt_at_any_statement_of_the_block_allocator_leaves_it_consistent"
+)
 DROP_IN_COPIES = (
     "tests/test_drop_in.py::"
     "test_a_deep_copy_generates_with_its_own_weights_and_its_restore_leaves_the_original"
@@ -708,8 +712,8 @@ PLANTS = (
     Plant(
         "freed blocks are handed out again unzeroed",
         "graphcap/rollout/cache/blocks.py",
-        "            layer.keys[picked] = 0\n            layer.values[picked] = 0\n",
-        "            pass\n",
+        "                layer.keys[picked] = 0\n                layer.values[picked] = 0\n",
+        "                pass\n",
         (KV_BLOCKS + "::test_freed_blocks_are_handed_out_again_zeroed",),
     ),
     Plant(
@@ -878,12 +882,53 @@ PLANTS = (
     Plant(
         "a failed block-pool growth leaves layers of two sizes",
         "graphcap/rollout/cache/blocks.py",
-        "setattr(layer, name, getattr(layer, name)[:old])",
-        "pass",
+        "if getattr(layer, name).shape[0] != old:",
+        "if False:",
         (
             "tests/test_rollout_faults.py"
             "::test_a_failed_block_pool_growth_is_undone_and_the_next_call_grows_again",
         ),
+    ),
+    Plant(
+        "a failed block-pool growth keeps views of the grown pools",
+        "graphcap/rollout/cache/blocks.py",
+        "setattr(layer, name, getattr(layer, name)[:old].clone())",
+        "setattr(layer, name, getattr(layer, name)[:old])",
+        (
+            "tests/test_rollout_faults.py"
+            "::test_a_failed_block_pool_growth_is_undone_and_the_next_call_grows_again",
+        ),
+    ),
+    Plant(
+        "an interrupted block-allocator step keeps its device writes",
+        "graphcap/rollout/cache/blocks.py",
+        "                tensor[rows] = saved\n",
+        "                pass\n",
+        (ALLOCATOR_SWEEP,),
+    ),
+    Plant(
+        "the allocator frees a row's blocks before the row lets them go",
+        "graphcap/rollout/cache/blocks.py",
+        "        self._commit(replace(self.book, free=tuple(free), owned=tuple(owned)), "
+        "*self._idle(rows))",
+        "        self.book = replace(self.book, free=tuple(free))\n"
+        "        self._commit(replace(self.book, owned=tuple(owned)), *self._idle(rows))",
+        (ALLOCATOR_SWEEP,),
+    ),
+    Plant(
+        "the allocator takes blocks off the free list before handing them out",
+        "graphcap/rollout/cache/blocks.py",
+        "        device = self.table.device\n        picked =",
+        "        self.book = replace(book, free=book.free[:-count])\n"
+        "        device = self.table.device\n        picked =",
+        (ALLOCATOR_SWEEP,),
+    ),
+    Plant(
+        "a block view is set before its try (an interrupt leaves it set)",
+        "graphcap/kv_blocks.py",
+        "    outer = _CURRENT.get()\n    try:\n        _CURRENT.set(view)\n",
+        "    outer = _CURRENT.get()\n    _CURRENT.set(view)\n    try:\n",
+        ("tests/test_rollout_faults.py::test_an_interrupt_never_leaves_a_block_view_set",),
     ),
     Plant(
         "a compile-cache header that is JSON but not an object is used",
