@@ -41,6 +41,10 @@ NORM_FORMS = (
 )
 
 KV_BLOCKS = "tests/test_kv_blocks.py"
+RECORDS_PER_CALL = (
+    "tests/test_rollout_scores.py"
+    "::test_a_call_without_records_after_one_with_them_runs_as_if_none_ever_did"
+)
 ALLOCATOR_SWEEP = (
     "tests/test_rollout_faults.py"
     "::test_an_interrupt_at_any_statement_of_the_block_allocator_leaves_it_consistent"
@@ -929,6 +933,31 @@ PLANTS = (
         "    outer = _CURRENT.get()\n    try:\n        _CURRENT.set(view)\n",
         "    outer = _CURRENT.get()\n    _CURRENT.set(view)\n    try:\n",
         ("tests/test_rollout_faults.py::test_an_interrupt_never_leaves_a_block_view_set",),
+    ),
+    Plant(
+        "a call's records widen the sampler for every later call",
+        "graphcap/rollout/sampling.py",
+        "            record_scores=any(p.output_scores for p in rows),",
+        "            record_scores=self.record_scores or any(p.output_scores for p in rows),",
+        (RECORDS_PER_CALL,),
+    ),
+    Plant(
+        "both records allocated when one was asked for",
+        "graphcap/rollout/step/step.py",
+        "        if logits:\n",
+        "        if logits or scores:\n",
+        (RECORDS_PER_CALL,),
+    ),
+    Plant(
+        "the memory check forgets the records a call asks for",
+        "graphcap/rollout/plan/inputs.py",
+        "shards, block_size, len(records)",
+        "shards, block_size, 0",
+        (
+            "tests/test_rollout_inputs.py"
+            "::test_the_records_a_call_asks_for_count_in_the_request_limit",
+            "tests/test_drop_in.py::test_a_call_whose_records_do_not_fit_goes_to_generate",
+        ),
     ),
     Plant(
         "a compile-cache header that is JSON but not an object is used",

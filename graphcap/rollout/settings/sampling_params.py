@@ -48,7 +48,8 @@ class SamplingParams:
     (pad falls back to the first EOS id, as generate does). ``output_scores`` /
     ``output_logits``: the result also holds every step's processed scores / raw logits, as
     ``generate(output_scores=True)`` / ``output_logits=True`` return them (float32,
-    ``(rows, max_new_tokens, vocab)``: recorded inside the step, so they cost that memory).
+    ``(rows, max_new_tokens, vocab)``: recorded inside the step, so they cost that memory,
+    counted in the request's memory check; only the record asked for is kept, for this call).
     ``stop_sequences``: token-id sequences that end a row when its generated tokens end with
     one (matched on the device; the tokenisation of a stop string, see :meth:`from_vllm`);
     ``include_stop_str_in_output`` keeps the matched tokens in the response (vLLM's name).
