@@ -960,6 +960,16 @@ PLANTS = (
         ),
     ),
     Plant(
+        "a nested RolloutEngine.generate waits on the engine's lock (deadlock)",
+        "graphcap/rollout/engine.py",
+        "        if self._caller == threading.get_ident():",
+        "        if False:",
+        (
+            "tests/test_rollout_faults.py"
+            "::test_a_generate_nested_in_a_forward_hook_is_refused_and_never_hangs",
+        ),
+    ),
+    Plant(
         "a compile-cache header that is JSON but not an object is used",
         "graphcap/rollout/holder/compile_cache.py",
         "    if not isinstance(meta, dict):",

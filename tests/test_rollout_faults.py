@@ -12,6 +12,7 @@ import contextvars
 import functools
 import inspect
 import sys
+import threading
 
 import pytest
 import torch
@@ -358,3 +359,33 @@ def test_an_interrupt_never_leaves_a_block_view_set():
         if interrupt.seen <= at:
             break
     assert at > 3
+
+
+def test_a_generate_nested_in_a_forward_hook_is_refused_and_never_hangs():
+    """A forward hook calling ``engine.generate`` on the engine already running waited for
+    the engine's lock, held by its own thread, forever. It is refused with a clear error;
+    the outer call and later calls run as usual."""
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2, width=5)
+    e = RolloutEngine(model, RolloutConfig(enable_graph_capture=True))
+    refused: list[BaseException | None] = []
+
+    def hook(module, args, output):
+        if not refused:  # once, from the outer call's first forward
+            refused.append(None)
+            try:
+                e.generate(ids, mask, SAMPLING)
+            except RuntimeError as exc:
+                refused[0] = exc
+
+    handle = model.register_forward_hook(hook)
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(e.generate(ids, mask, SAMPLING)))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "a nested generate() deadlocked"
+    assert "inside its own generate()" in str(refused[0])
+    handle.remove()
+    assert torch.equal(done[0].sequences, expected("static")[0])
+    assert torch.equal(e.generate(ids, mask, SAMPLING).sequences, expected("static")[0])

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,7 +60,8 @@ class RolloutEngine:
     """Rollouts from ``model`` on ``config.backend``; keeps a captured step across calls.
 
     One call at a time: concurrent ``generate`` calls on one engine are serialised (they share
-    the held buffers and graph).
+    the held buffers and graph); a call from inside a call on the same thread (a forward hook
+    that generates) is refused, since it would wait for itself.
     """
 
     def __init__(self, model: PreTrainedModel, config: RolloutConfig | None = None):
@@ -77,6 +78,7 @@ class RolloutEngine:
         rollout = ROLLOUTS[Path.asked(self.config)]
         self._rollout = rollout(model, self.config, self._holder)
         self._lock = threading.Lock()
+        self._caller: int | None = None  # the thread inside a call (see :meth:`_one_call`)
         self._closed = False
         self._sleeping = False  # sleep() freed the buffers and no generate has run since
 
@@ -102,7 +104,7 @@ class RolloutEngine:
             if sampling is not None:
                 raise TypeError("give sampling or sampling_params (vLLM's name), not both")
             sampling = sampling_params
-        with self._lock:
+        with self._one_call():
             self._check_open()
             start = time.perf_counter()
             request = normalise_request(self.model, sampling, overrides)
@@ -164,7 +166,7 @@ class RolloutEngine:
         """
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2 (vLLM's levels), got {level!r}")
-        with self._lock:
+        with self._one_call():
             self._check_open()
             freed = self._holder.drop()
             self._sleeping = self._sleeping or freed
@@ -180,8 +182,26 @@ class RolloutEngine:
         unknown = sorted(set(tags or ()) - set(WAKE_TAGS))
         if isinstance(tags, str) or unknown:
             raise ValueError(f"wake_up tags must be a list of {list(WAKE_TAGS)}, got {tags!r}")
-        with self._lock:
+        with self._one_call():
             self._check_open()
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Hold the engine's lock for one call. A call made from inside one on the same thread
+        (a forward hook or a callback that generates) would wait for itself forever: refused."""
+        if self._caller == threading.get_ident():
+            raise RuntimeError(
+                "RolloutEngine called from inside its own generate() on the same thread (a "
+                "forward hook or callback that generates?): it would wait for itself. Generate "
+                "after the call returns, or with another engine (accelerate_generate's drop-in "
+                "hands such a nested call to transformers' generate)"
+            )
+        with self._lock:
+            self._caller = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._caller = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -189,7 +209,7 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         """Release the graphs, their pool and the buffers; the engine cannot be used afterwards."""
-        with self._lock:
+        with self._one_call():
             self._holder.drop()
             self._closed = True
 
