@@ -243,7 +243,9 @@ class RowSettings:
         rows: torch.Tensor | None = None,
     ) -> None:
         """Set rows ``rows`` (all when ``None``) to ``params`` / sample indices (host -> device
-        copies, outside any graph). Greedy rows get neutral warpers, as generate ignores them."""
+        copies, outside any graph). Greedy rows get neutral warpers, as generate ignores them;
+        top-k is clamped to the vocabulary, as generate clamps it (``top_k=2**63`` keeps all)."""
+        vocab = self.token_mix.shape[0]
         values = {
             "sample": [p.do_sample for p in params],
             "seeded": [p.do_sample and p.seed is not None for p in params],
@@ -252,7 +254,7 @@ class RowSettings:
                 for p, j in zip(params, samples, strict=True)
             ],
             "temperature": [p.temperature if p.do_sample else 1.0 for p in params],
-            "top_k": [p.effective_top_k for p in params],
+            "top_k": [min(p.effective_top_k, vocab) for p in params],
             "top_p_floor": [1.0 - p.top_p if p.do_sample else 0.0 for p in params],
             "min_p": [p.min_p if p.do_sample else 0.0 for p in params],
             "penalty": [p.repetition_penalty for p in params],

@@ -115,6 +115,14 @@ class SamplingParams:
                 f"SamplingParams() got vLLM's {vllm_only}: the constructor takes graphcap's "
                 "names; use SamplingParams.from_vllm(...) for vLLM's keywords"
             )
+        # only here is it known that both were given (the field may be given at its default)
+        given = [k for k in kwargs if k in VLLM_ALIASES and kwargs[k] is not None]
+        both = [k for k in given if VLLM_ALIASES[k] in kwargs]  # replace() passes None aliases
+        if both:
+            name = VLLM_ALIASES[both[0]]
+            raise ValueError(
+                f"both {name!r} and its vLLM alias {both[0]!r} were given; set only one"
+            )
         return super().__new__(cls)
 
     def __post_init__(
@@ -252,10 +260,11 @@ class SamplingParams:
         counterpart (:data:`VLLM_UNSUPPORTED`) are dropped where they ask for nothing and
         refused otherwise. Other names as the constructor."""
         kwargs.setdefault("per_request_seed", True)
-        temperature = float(kwargs.pop("temperature", 1.0))
+        temperature = kwargs.pop("temperature", 1.0)
+        greedy = _is_zero(temperature)  # any other value is the constructor's to check
         top_k = kwargs.pop("top_k", None)
-        kwargs.setdefault("do_sample", temperature > 0)
-        kwargs["temperature"] = temperature if temperature > 0 else 1.0
+        kwargs.setdefault("do_sample", not greedy)
+        kwargs["temperature"] = 1.0 if greedy else temperature
         kwargs["top_k"] = None if top_k in (None, -1, 0) else top_k
         if kwargs.pop("ignore_eos", False):
             kwargs["eos_token_id"] = []  # stop ids and stop sequences still end rows
@@ -326,6 +335,17 @@ class SamplingParams:
                 "is used as pad like generate does) or model.generation_config.pad_token_id"
             )
         return replace(params, pad_token_id=int(pad))
+
+
+def _is_zero(value: Any) -> bool:
+    """Whether ``value`` is a number equal to 0 (vLLM's greedy temperature); text and bools
+    are not numbers here, as the constructor's type check says."""
+    if isinstance(value, (str, bool)):
+        return False
+    try:
+        return float(value) == 0.0
+    except (TypeError, ValueError):
+        return False
 
 
 def _stop_sequences(value: Any) -> tuple[tuple[int, ...], ...]:
