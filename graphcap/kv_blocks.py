@@ -63,12 +63,14 @@ def current() -> BlockView | None:
 
 @contextlib.contextmanager
 def reading_blocks(view: BlockView) -> Iterator[None]:
-    """Within the block, block-aware attention functions read ``view`` (set by the engine)."""
-    token = _CURRENT.set(view)
+    """Within the block, block-aware attention functions read ``view`` (set by the engine).
+    Set inside the ``try``, so no interrupt can leave it set after the block."""
+    outer = _CURRENT.get()
     try:
+        _CURRENT.set(view)
         yield
     finally:
-        _CURRENT.reset(token)
+        _CURRENT.set(outer)
 
 
 F = TypeVar("F", bound=Callable[..., object])

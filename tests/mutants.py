@@ -41,6 +41,14 @@ NORM_FORMS = (
 )
 
 KV_BLOCKS = "tests/test_kv_blocks.py"
+RECORDS_PER_CALL = (
+    "tests/test_rollout_scores.py"
+    "::test_a_call_without_records_after_one_with_them_runs_as_if_none_ever_did"
+)
+ALLOCATOR_SWEEP = (
+    "tests/test_rollout_faults.py"
+    "::test_an_interrupt_at_any_statement_of_the_block_allocator_leaves_it_consistent"
+)
 DROP_IN_COPIES = (
     "tests/test_drop_in.py::"
     "test_a_deep_copy_generates_with_its_own_weights_and_its_restore_leaves_the_original"
@@ -708,8 +716,8 @@ PLANTS = (
     Plant(
         "freed blocks are handed out again unzeroed",
         "graphcap/rollout/cache/blocks.py",
-        "            layer.keys[picked] = 0\n            layer.values[picked] = 0\n",
-        "            pass\n",
+        "                layer.keys[picked] = 0\n                layer.values[picked] = 0\n",
+        "                pass\n",
         (KV_BLOCKS + "::test_freed_blocks_are_handed_out_again_zeroed",),
     ),
     Plant(
@@ -913,11 +921,87 @@ PLANTS = (
     Plant(
         "a failed block-pool growth leaves layers of two sizes",
         "graphcap/rollout/cache/blocks.py",
-        "setattr(layer, name, getattr(layer, name)[:old])",
-        "pass",
+        "if getattr(layer, name).shape[0] != old:",
+        "if False:",
         (
             "tests/test_rollout_faults.py"
             "::test_a_failed_block_pool_growth_is_undone_and_the_next_call_grows_again",
+        ),
+    ),
+    Plant(
+        "a failed block-pool growth keeps views of the grown pools",
+        "graphcap/rollout/cache/blocks.py",
+        "setattr(layer, name, getattr(layer, name)[:old].clone())",
+        "setattr(layer, name, getattr(layer, name)[:old])",
+        (
+            "tests/test_rollout_faults.py"
+            "::test_a_failed_block_pool_growth_is_undone_and_the_next_call_grows_again",
+        ),
+    ),
+    Plant(
+        "an interrupted block-allocator step keeps its device writes",
+        "graphcap/rollout/cache/blocks.py",
+        "                tensor[rows] = saved\n",
+        "                pass\n",
+        (ALLOCATOR_SWEEP,),
+    ),
+    Plant(
+        "the allocator frees a row's blocks before the row lets them go",
+        "graphcap/rollout/cache/blocks.py",
+        "        self._commit(replace(self.book, free=tuple(free), owned=tuple(owned)), "
+        "*self._idle(rows))",
+        "        self.book = replace(self.book, free=tuple(free))\n"
+        "        self._commit(replace(self.book, owned=tuple(owned)), *self._idle(rows))",
+        (ALLOCATOR_SWEEP,),
+    ),
+    Plant(
+        "the allocator takes blocks off the free list before handing them out",
+        "graphcap/rollout/cache/blocks.py",
+        "        device = self.table.device\n        picked =",
+        "        self.book = replace(book, free=book.free[:-count])\n"
+        "        device = self.table.device\n        picked =",
+        (ALLOCATOR_SWEEP,),
+    ),
+    Plant(
+        "a block view is set before its try (an interrupt leaves it set)",
+        "graphcap/kv_blocks.py",
+        "    outer = _CURRENT.get()\n    try:\n        _CURRENT.set(view)\n",
+        "    outer = _CURRENT.get()\n    _CURRENT.set(view)\n    try:\n",
+        ("tests/test_rollout_faults.py::test_an_interrupt_never_leaves_a_block_view_set",),
+    ),
+    Plant(
+        "a call's records widen the sampler for every later call",
+        "graphcap/rollout/sampling.py",
+        "            record_scores=any(p.output_scores for p in rows),",
+        "            record_scores=self.record_scores or any(p.output_scores for p in rows),",
+        (RECORDS_PER_CALL,),
+    ),
+    Plant(
+        "both records allocated when one was asked for",
+        "graphcap/rollout/step/step.py",
+        "        if logits:\n",
+        "        if logits or scores:\n",
+        (RECORDS_PER_CALL,),
+    ),
+    Plant(
+        "the memory check forgets the records a call asks for",
+        "graphcap/rollout/plan/inputs.py",
+        "shards, block_size, len(records)",
+        "shards, block_size, 0",
+        (
+            "tests/test_rollout_inputs.py"
+            "::test_the_records_a_call_asks_for_count_in_the_request_limit",
+            "tests/test_drop_in.py::test_a_call_whose_records_do_not_fit_goes_to_generate",
+        ),
+    ),
+    Plant(
+        "a nested RolloutEngine.generate waits on the engine's lock (deadlock)",
+        "graphcap/rollout/engine.py",
+        "        if self._caller == threading.get_ident():",
+        "        if False:",
+        (
+            "tests/test_rollout_faults.py"
+            "::test_a_generate_nested_in_a_forward_hook_is_refused_and_never_hangs",
         ),
     ),
     Plant(

@@ -352,6 +352,41 @@ def test_a_call_too_large_for_the_device_frees_the_engines_buffers_for_generate(
     assert torch.equal(handed, served) and torch.equal(again, served)
 
 
+def test_a_call_whose_records_do_not_fit_goes_to_generate():
+    """``output_scores`` records ``batch x length x vocabulary`` float32 inside the step: at a
+    vocabulary of 32,768 they take 16 MiB of memory the rest of the call fits in. Such a call
+    was not counted and ran out of memory; now it is refused and generate serves it (the
+    same call with room for its records is served)."""
+    model = tiny_model("llama", vocab_size=32768)
+    ids, mask = prompts(2)
+    backend = ScriptedMemory(free=16 * 2**20)
+    accelerated = accelerate_generate(model, replace(drop_in_default_config(), backend=backend))
+
+    def call():
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+
+    try:
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=6)
+        assert accelerated.stats.served == 1
+        with pytest.warns(GenerateFallbackWarning, match="output_scores.*freed for generate"):
+            handed = call()
+        assert accelerated.stats.served == 1
+        backend.free = 2**40
+        served = call()
+        assert accelerated.stats.served == 2
+    finally:
+        restore_generate(model)
+    assert torch.equal(handed.sequences, plain) and torch.equal(served.sequences, plain)
+    for ours, theirs in zip(served.scores, handed.scores, strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
 def test_a_fallback_warns_once_per_reason():
     model = tiny_model("llama")
     ids, mask = prompts(2)

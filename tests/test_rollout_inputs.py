@@ -175,6 +175,31 @@ def test_request_that_cannot_fit_is_refused_with_its_size():
     _engine(model, max_request_bytes=need).generate(ids, mask, SamplingParams(max_new_tokens=10))
 
 
+def test_the_records_a_call_asks_for_count_in_the_request_limit():
+    """``output_scores`` / ``output_logits`` each keep ``batch x total x vocab`` float32: 24
+    times the limit at a vocabulary of 4,096, uncounted, ran out of memory instead of raising
+    RequestTooLargeError. Each record asked for counts, and only those."""
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    block = CPUBackend().capabilities.kv_block_size
+    dtype = scan_model(model).dtype
+    plain, scores, both = (
+        request_bytes(model, dtype, 3, 16, 3, 6, block_size=block, records=n) for n in (0, 1, 2)
+    )
+    assert scores - plain == both - scores == 3 * 16 * vocab_size(model) * 4
+    sampling = SamplingParams(max_new_tokens=10)
+    engine = _engine(model, max_request_bytes=scores - 1, length_buckets=None)
+    assert engine.generate(ids, mask, sampling).scores is None  # fits without records
+    for asked in ({"output_scores": True}, {"output_logits": True}):
+        name = next(iter(asked))
+        with pytest.raises(RequestTooLargeError, match=f"{name} recording.*leave {name} off"):
+            engine.generate(ids, mask, sampling, **asked)
+    engine = _engine(model, max_request_bytes=scores, length_buckets=None)
+    assert engine.generate(ids, mask, sampling, output_logits=True).logits is not None
+    with pytest.raises(RequestTooLargeError, match="output_scores and output_logits"):
+        engine.generate(ids, mask, sampling, output_scores=True, output_logits=True)
+
+
 @pytest.mark.parametrize("layout", [None, "auto"], ids=["static-cache", "block-table"])
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize("slots", [None, 2], ids=["static", "continuous"])

@@ -6,6 +6,7 @@ shared with the device test (``test_device_sampling.py``) take the backend as an
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from rollout_models import prompts, teacher_forced_logits, tiny_model
@@ -277,6 +278,44 @@ def test_vllm_aliases_map_one_to_one_and_the_rest_are_refused_by_name():
     assert SamplingParams(temperature=0).temperature == 0  # greedy ignores it, as generate
 
 
+@pytest.mark.parametrize(
+    ("temperature", "error", "match"),
+    [
+        (-1.0, ValueError, "temperature must be >= 0 and finite, got -1.0"),
+        (float("nan"), ValueError, "temperature must be >= 0 and finite, got nan"),
+        ("0.5", TypeError, r"SamplingParams\.temperature must be a float, got '0\.5'"),
+        (None, TypeError, r"SamplingParams\.temperature must be a float, got None"),
+    ],
+)
+def test_vllm_temperatures_vllm_refuses_are_refused_with_the_field_named(temperature, error, match):
+    """vLLM raises for a negative temperature; graphcap made -1 and NaN greedy without a word,
+    took the string "0.5" the constructor refuses, and said nothing of the field for None."""
+    with pytest.raises(error, match=match):
+        SamplingParams.from_vllm(temperature=temperature)
+
+
+def test_vllm_temperatures_as_numbers_keep_their_meaning():
+    for zero in (0, 0.0, torch.tensor(0.0), np.float32(0.0)):
+        assert not SamplingParams.from_vllm(temperature=zero).do_sample  # vLLM's greedy
+    for value in (0.5, 1, torch.tensor(0.5), np.float64(0.5)):
+        params = SamplingParams.from_vllm(temperature=value)
+        assert params.do_sample and params.temperature == float(value)
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token_as_generate_does():
+    """generate clamps top_k to the vocabulary; graphcap wrote 2**63 into an int64 tensor and
+    failed with torch's "Overflow when unpacking long long"."""
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    engine = engine_on(model)
+    tokens = {}
+    for top_k in (2**63, 10**30, model.config.vocab_size):
+        params = SamplingParams(max_new_tokens=6, do_sample=True, top_k=top_k, seed=5)
+        tokens[top_k] = engine.generate(ids, mask, params).sequences
+    assert torch.equal(tokens[2**63], tokens[model.config.vocab_size])
+    assert torch.equal(tokens[10**30], tokens[model.config.vocab_size])
+
+
 def test_the_constructor_takes_vllms_aliases_for_one_release_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match=r"from_vllm"):
         aliased = SamplingParams(do_sample=True, n=3, max_tokens=5, min_tokens=2, logprobs=0)
@@ -289,8 +328,11 @@ def test_the_constructor_takes_vllms_aliases_for_one_release_with_a_deprecation_
     )
     with pytest.warns(DeprecationWarning):
         assert SamplingParams(logprobs=2).top_logprobs == 2
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="set only one"):
-        SamplingParams(n=2, num_return_sequences=2)
+    for given in (2, 1):  # a field given at its default conflicts too (it returned 2 samples)
+        with pytest.raises(ValueError, match="'num_return_sequences' and its vLLM alias 'n'"):
+            SamplingParams(n=2, num_return_sequences=given)
+    with pytest.raises(ValueError, match="'max_new_tokens' and its vLLM alias 'max_tokens'"):
+        SamplingParams(max_new_tokens=16, max_tokens=8)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="do_sample=True"):
         SamplingParams(n=2)  # still greedy unless do_sample says otherwise
     for name, value in (("best_of", 1), ("stop", None), ("logit_bias", {})):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_models import PAD, prompts, run, tiny_model
+from rollout_models import PAD, make_engine, prompts, run, tiny_model
 from transformers import GenerationConfig
 
 from graphcap.rollout import SamplingParams
@@ -66,3 +66,34 @@ def test_the_continuous_path_refuses_scores():
     engine = make_engine(tiny_model("llama"), continuous_batch_size=2)
     with pytest.raises(ValueError, match="continuous"):
         engine.generate(*prompts(3), SamplingParams(max_new_tokens=NEW, output_scores=True))
+
+
+#: ids that end rows at many different steps with the tiny models' random weights (the ladder's)
+STOPS = [3, 5, 9, 17, 33, 40, 60, 77, 90, 101]
+
+
+def test_a_call_without_records_after_one_with_them_runs_as_if_none_ever_did():
+    """The sampler's shape only grew: after one call with ``output_scores``, every later call
+    of the engine (the drop-in's included) kept writing records and ran off the live-row
+    ladder. Now the records are the call's own: only the one asked for is allocated, and the
+    next call without records holds none, takes the ladder and equals a fresh engine's call."""
+    model = tiny_model("llama")
+    ids, mask = prompts(8, seed=8)
+    plain = SamplingParams(max_new_tokens=20, eos_token_id=STOPS)
+    fresh = make_engine(model, eos_check_interval=2).generate(ids, mask, plain)
+    assert len(fresh.stats.batch_steps) > 1  # on the ladder
+    engine = make_engine(model, eos_check_interval=2)
+    recorded = engine.generate(ids, mask, plain, output_scores=True)
+    assert recorded.scores is not None and recorded.logits is None
+    assert engine.step.state.logits is None  # only the record asked for
+    assert recorded.stats.batch_steps == {}  # calls that record stay off the ladder
+    again = engine.generate(ids, mask, plain)
+    assert engine.step.state.scores is None and engine.step.state.logits is None
+    assert again.scores is None and again.stats.batch_steps == fresh.stats.batch_steps
+    assert torch.equal(again.sequences, fresh.sequences)
+    logits = engine.generate(ids, mask, plain, output_logits=True)
+    assert logits.logits is not None and engine.step.state.scores is None
+    both = make_engine(model, eos_check_interval=2).generate(
+        ids, mask, plain, output_scores=True, output_logits=True
+    )
+    assert torch.equal(logits.logits, both.logits) and torch.equal(recorded.scores, both.scores)

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,7 +61,8 @@ class RolloutEngine:
     """Rollouts from ``model`` on ``config.backend``; keeps a captured step across calls.
 
     One call at a time: concurrent ``generate`` calls on one engine are serialised (they share
-    the held buffers and graph).
+    the held buffers and graph); a call from inside a call on the same thread (a forward hook
+    that generates) is refused, since it would wait for itself.
     """
 
     def __init__(self, model: PreTrainedModel, config: RolloutConfig | None = None):
@@ -85,6 +86,7 @@ class RolloutEngine:
         rollout = ROLLOUTS[Path.asked(self.config)]
         self._rollout = rollout(model, self.config, self._holder)
         self._lock = threading.Lock()
+        self._caller: int | None = None  # the thread inside a call (see :meth:`_one_call`)
         self._closed = False
         #: sleep() dropped the buffers and graphs (no memory region) and no generate has run
         self._dropped = False
@@ -113,7 +115,7 @@ class RolloutEngine:
             if sampling is not None:
                 raise TypeError("give sampling or sampling_params (vLLM's name), not both")
             sampling = sampling_params
-        with self._lock, contextlib.ExitStack() as stack:
+        with self._one_call(), contextlib.ExitStack() as stack:
             self._check_open()
             start = time.perf_counter()
             wake_s = self._holder.wake()
@@ -191,7 +193,7 @@ class RolloutEngine:
         """
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2 (vLLM's levels), got {level!r}")
-        with self._lock:
+        with self._one_call():
             self._check_open()
             report = self._holder.sleep()
             if report is not None:
@@ -210,7 +212,7 @@ class RolloutEngine:
         unknown = sorted(set(tags or ()) - set(WAKE_TAGS))
         if isinstance(tags, str) or unknown:
             raise ValueError(f"wake_up tags must be a list of {list(WAKE_TAGS)}, got {tags!r}")
-        with self._lock:
+        with self._one_call():
             self._check_open()
             if tags is None or "kv_cache" in tags:
                 self._holder.wake()
@@ -227,13 +229,31 @@ class RolloutEngine:
         region or nothing is held."""
         return self._holder.region_bytes()
 
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Hold the engine's lock for one call. A call made from inside one on the same thread
+        (a forward hook or a callback that generates) would wait for itself forever: refused."""
+        if self._caller == threading.get_ident():
+            raise RuntimeError(
+                "RolloutEngine called from inside its own generate() on the same thread (a "
+                "forward hook or callback that generates?): it would wait for itself. Generate "
+                "after the call returns, or with another engine (accelerate_generate's drop-in "
+                "hands such a nested call to transformers' generate)"
+            )
+        with self._lock:
+            self._caller = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._caller = None
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this RolloutEngine was shut down; create a new one")
 
     def shutdown(self) -> None:
         """Release the graphs, their pool and the buffers; the engine cannot be used afterwards."""
-        with self._lock:
+        with self._one_call():
             self._holder.drop()
             self._holder.weights.clear()
             self._closed = True

@@ -40,7 +40,8 @@ GOLDEN32 = 0x9E3779B9
 
 @dataclass(frozen=True)
 class SamplerShape:
-    """What the sampler adds to the graph signature: facts that only ever grow per engine.
+    """What the sampler adds to the graph signature: facts that only ever grow per engine (the
+    records excepted).
 
     ``samples``: the step contains the sampling branch; a greedy-only engine never pays for
     it, and the first call with a sampled row captures once more (from then on every call,
@@ -53,10 +54,12 @@ class SamplerShape:
     before ``min_new_tokens`` (some row had one; likewise); ``output_penalty``: vLLM's
     presence and frequency penalties (likewise); ``top_logprobs``: how many alternatives per
     token the step records (the most any call asked for; a call asking fewer reads the first
-    ones). ``records``: the step records every step's scores and logits (some call asked for
-    them). ``stops``: (sequences, longest) of the stop-sequence table the step matches
-    against, (0, 0) = none; a call's own list is written into it, so only a longer or larger
-    list recaptures.
+    ones). ``record_scores`` / ``record_logits``: the step records every step's scores /
+    logits; unlike the other facts these are the call's own, never grown (a call that asks for
+    no records writes none and may take the ladder, whatever an earlier call asked).
+    ``stops``: (sequences, longest) of the stop-sequence table the step matches against,
+    (0, 0) = none; a call's own list is written into it, so only a longer or larger list
+    recaptures.
     """
 
     samples: bool = False
@@ -66,10 +69,16 @@ class SamplerShape:
     logprobs: bool = False
     penalty: bool = False
     min_new: bool = False
-    records: bool = False
+    record_scores: bool = False
+    record_logits: bool = False
     stops: tuple[int, int] = (0, 0)
     output_penalty: bool = False
     top_logprobs: int = 0
+
+    @property
+    def records(self) -> bool:
+        """Whether the step records every step's scores or logits (``(B, L, V)`` float32)."""
+        return self.record_scores or self.record_logits
 
     def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
         """The shape that serves both what this one served and every row of ``rows``."""
@@ -82,7 +91,8 @@ class SamplerShape:
             logprobs=self.logprobs or any(p.return_logprobs for p in rows),
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
             min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
-            records=self.records or any(p.output_scores or p.output_logits for p in rows),
+            record_scores=any(p.output_scores for p in rows),
+            record_logits=any(p.output_logits for p in rows),
             top_logprobs=max([self.top_logprobs, *(p.top_logprobs for p in rows)]),
             output_penalty=self.output_penalty
             or any(p.presence_penalty or p.frequency_penalty for p in rows),
@@ -233,7 +243,9 @@ class RowSettings:
         rows: torch.Tensor | None = None,
     ) -> None:
         """Set rows ``rows`` (all when ``None``) to ``params`` / sample indices (host -> device
-        copies, outside any graph). Greedy rows get neutral warpers, as generate ignores them."""
+        copies, outside any graph). Greedy rows get neutral warpers, as generate ignores them;
+        top-k is clamped to the vocabulary, as generate clamps it (``top_k=2**63`` keeps all)."""
+        vocab = self.token_mix.shape[0]
         values = {
             "sample": [p.do_sample for p in params],
             "seeded": [p.do_sample and p.seed is not None for p in params],
@@ -242,7 +254,7 @@ class RowSettings:
                 for p, j in zip(params, samples, strict=True)
             ],
             "temperature": [p.temperature if p.do_sample else 1.0 for p in params],
-            "top_k": [p.effective_top_k for p in params],
+            "top_k": [min(p.effective_top_k, vocab) for p in params],
             "top_p_floor": [1.0 - p.top_p if p.do_sample else 0.0 for p in params],
             "min_p": [p.min_p if p.do_sample else 0.0 for p in params],
             "penalty": [p.repetition_penalty for p in params],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -36,6 +37,23 @@ from graphcap.rollout.cache.cache import (
 #: The block idle rows write and read (one for every idle row; its contents are never used).
 SINK_BLOCK = 1
 _RESERVED = 2  # the null block and the sink block
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """The allocator's host side: ``free`` block ids (the last is handed out first), the
+    blocks each row holds (``owned``, in table order), the pools' growths so far and the most
+    blocks held at once since the last reset. Replaced whole, by one assignment, so an
+    exception (an interrupt included) never leaves half of it changed."""
+
+    free: tuple[int, ...]
+    owned: tuple[tuple[int, ...], ...]
+    growths: int = 0
+    peak_held: int = 0
+
+    @property
+    def held(self) -> int:
+        return sum(len(blocks) for blocks in self.owned)
 
 
 def reads_blocks(attention: str) -> bool:
@@ -133,13 +151,8 @@ class BlockKVCache(PreallocatedCache):
         self.lengths = torch.ones(batch_size, dtype=torch.int32, device=device)
         self.view = kv_blocks.BlockView(self.table, self.lengths, block_size)
         blocks = max(num_blocks or 0, _RESERVED + batch_size)
-        #: host side: free block ids and the blocks each row holds, in table order
-        self.free: list[int] = list(range(_RESERVED, blocks))
-        self.owned: list[list[int]] = [[] for _ in range(batch_size)]
-        #: how many times the pools grew (each growth replaces the pool tensors)
-        self.growths = 0
-        #: the most blocks rows held at once since the caller last reset it
-        self.peak_held = 0
+        #: the host side (see :class:`Holdings`); only :meth:`_commit` and :meth:`_grow` set it
+        self.book = Holdings(tuple(range(_RESERVED, blocks)), ((),) * batch_size)
         super().__init__(layers=[BlockKVLayer(s, self, blocks) for s in specs])
 
     @property
@@ -148,8 +161,28 @@ class BlockKVCache(PreallocatedCache):
         return int(self.layers[0].keys.shape[0])
 
     @property
+    def free(self) -> tuple[int, ...]:
+        """Free block ids (the last is handed out first)."""
+        return self.book.free
+
+    @property
+    def owned(self) -> tuple[tuple[int, ...], ...]:
+        """The blocks each row holds, in table order."""
+        return self.book.owned
+
+    @property
+    def growths(self) -> int:
+        """How many times the pools grew (each growth replaces the pool tensors)."""
+        return self.book.growths
+
+    @property
+    def peak_held(self) -> int:
+        """The most blocks rows held at once since the last :meth:`reset`."""
+        return self.book.peak_held
+
+    @property
     def blocks_held(self) -> int:
-        return sum(len(blocks) for blocks in self.owned)
+        return self.book.held
 
     def reading(self, attention: str) -> contextlib.AbstractContextManager[None]:
         """Within the block a forward with attention ``attention`` reads this table's view when
@@ -169,7 +202,7 @@ class BlockKVCache(PreallocatedCache):
         from the free list, zeroed first (stale K/V must not poison a masked column: a NaN
         enters ``q @ k`` before the mask is added); when it runs dry the pools grow, after
         ``before_growth`` (which drops the graphs reading the old pools). Returns the number of
-        blocks handed out. Between replays only.
+        blocks handed out. Between replays only; all or nothing (:meth:`_commit`).
 
         The pools also grow early enough that they hold the blocks the rows' lengths span, an
         idle row (length 1, on the shared sink block) counting one: a paged kernel may size its
@@ -190,19 +223,44 @@ class BlockKVCache(PreallocatedCache):
             self._grow(len(wanted) + spare - len(self.free))
         if not wanted:
             return 0
-        ids = [self.free.pop() for _ in wanted]
+        book, count = self.book, len(wanted)
+        ids = book.free[: -count - 1 : -1]  # the last free first
+        owned = list(book.owned)
         for (row, _), block in zip(wanted, ids, strict=True):
-            self.owned[row].append(block)
-        self.peak_held = max(self.peak_held, self.blocks_held)
+            owned[row] += (block,)
+        held = book.held + count
+        taken = replace(
+            book, free=book.free[:-count], owned=tuple(owned), peak_held=max(book.peak_held, held)
+        )
         device = self.table.device
         picked = torch.tensor(ids, dtype=torch.long).to(device)
-        for layer in self.layers:
-            layer.keys[picked] = 0
-            layer.values[picked] = 0
         rows = torch.tensor([r for r, _ in wanted], dtype=torch.long).to(device)
         entries = torch.tensor([e for _, e in wanted], dtype=torch.long).to(device)
-        self.table[rows, entries] = picked.to(torch.int32)
-        return len(ids)
+
+        def write() -> None:
+            for layer in self.layers:
+                layer.keys[picked] = 0
+                layer.values[picked] = 0
+            self.table[rows, entries] = picked.to(torch.int32)
+
+        self._commit(taken, rows, write)
+        return count
+
+    def _commit(self, book: Holdings, rows: torch.Tensor, write: Callable[[], None]) -> None:
+        """Run ``write`` (the device side of a step: writes to ``rows`` of the table, lengths
+        and write positions, and to free blocks), then take ``book`` as the host side, in one
+        assignment. Whatever raises before that (an interrupt included) puts those rows back,
+        so the device and host sides change together or not at all (free blocks' contents
+        are never read)."""
+        tensors = (self.table, self.lengths, self.write_pos)
+        before = [tensor[rows] for tensor in tensors]  # an index tensor: copies
+        try:
+            write()
+            self.book = book
+        except BaseException:
+            for tensor, saved in zip(tensors, before, strict=True):
+                tensor[rows] = saved
+            raise
 
     def _grow(self, missing: int) -> None:
         """New, larger pools (old blocks copied over): at least ``missing`` more free blocks.
@@ -210,55 +268,72 @@ class BlockKVCache(PreallocatedCache):
         row length in whole blocks, plus the two reserved ones), which no call can need more
         than.
 
-        All or nothing: when an allocation fails (or the process is interrupted) part-way, the
-        pools grown so far go back to ``old`` blocks (a view of their first blocks, which hold
-        the old contents), so every layer keeps one size and the next call grows again."""
+        All or nothing: when an allocation fails (or the process is interrupted) part-way, each
+        pool grown so far is replaced by a copy of its first ``old`` blocks (which hold the old
+        contents; the memory its old pool freed is what the copy takes), and the grown one is
+        freed, so every layer keeps one size, holds what ``nbytes`` says, and the next call
+        grows again."""
         old = self.num_blocks
         new = min(max(2 * old, old + missing), self.batch_size * self.table.shape[1] + _RESERVED)
         with self.memory():
             self._grow_pools(old, new)
-        self.free += range(old, new)
-        self.growths += 1
 
     def _grow_pools(self, old: int, new: int) -> None:
-        """:meth:`_grow`'s allocation: every layer's pools at ``new`` blocks, or none."""
+        """:meth:`_grow`'s allocation (in the cache's :attr:`memory`): every layer's pools at
+        ``new`` blocks and the new blocks free, or none of it."""
+        pools = [(layer, name) for layer in self.layers for name in ("keys", "values")]
         try:
-            for layer in self.layers:
-                for name in ("keys", "values"):
-                    pool = getattr(layer, name)
-                    grown = pool.new_zeros((new, *pool.shape[1:]))
-                    grown[:old].copy_(pool)
-                    setattr(layer, name, grown)  # the old pool goes before the next is made
-                    del pool, grown
+            for layer, name in pools:
+                pool = getattr(layer, name)
+                grown = pool.new_zeros((new, *pool.shape[1:]))
+                grown[:old].copy_(pool)
+                setattr(layer, name, grown)  # the old pool goes before the next is made
+                del pool, grown
+            book = self.book
+            self.book = replace(
+                book, free=book.free + tuple(range(old, new)), growths=book.growths + 1
+            )
         except BaseException:
-            for layer in self.layers:
-                for name in ("keys", "values"):
-                    setattr(layer, name, getattr(layer, name)[:old])
+            for layer, name in pools:
+                if getattr(layer, name).shape[0] != old:
+                    setattr(layer, name, getattr(layer, name)[:old].clone())
             raise
 
     def free_rows(self, rows: Sequence[int]) -> None:
         """Return rows' blocks to the free list; the rows then point at the sink block, write
-        at column 0 and read one column (idle slots)."""
-        for row in rows:
-            self.free += reversed(self.owned[row])  # last freed, first reused
-            self.owned[row] = []
+        at column 0 and read one column (idle slots). All or nothing (:meth:`_commit`)."""
+        rows = list(rows)
         if not rows:
             return
+        free, owned = list(self.book.free), list(self.book.owned)
+        for row in rows:
+            free += reversed(owned[row])  # last freed, first reused
+            owned[row] = ()
+        self._commit(replace(self.book, free=tuple(free), owned=tuple(owned)), *self._idle(rows))
+
+    def _idle(self, rows: Sequence[int]) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``rows`` as an index, and the device writes that make them idle: the sink block
+        only, write position 0, one column read."""
         index = torch.tensor(list(rows), dtype=torch.long).to(self.table.device)
-        self.table[index] = kv_blocks.NULL_BLOCK
-        self.table[index, 0] = SINK_BLOCK
-        self.lengths[index] = 1
-        self.write_pos[index] = 0
+
+        def write() -> None:
+            self.table[index] = kv_blocks.NULL_BLOCK
+            self.table[index, 0] = SINK_BLOCK
+            self.lengths[index] = 1
+            self.write_pos[index] = 0
+
+        return index, write
 
     def set_lengths(self, furthest: torch.Tensor) -> None:
         """``lengths`` = ``furthest + 1`` (device): the columns each row's kernel must read."""
         self.lengths.copy_(furthest + 1)
 
     def reset(self) -> None:
-        """Every row idle, every block free (block contents are zeroed as they are reused)."""
-        self.free_rows(range(self.batch_size))
-        self.free.sort(reverse=True)
-        self.peak_held = 0
+        """Every row idle, every block free (block contents are zeroed as they are reused):
+        the host side built afresh, whatever it held."""
+        free = tuple(range(self.num_blocks - 1, _RESERVED - 1, -1))
+        fresh = Holdings(free, ((),) * self.batch_size, growths=self.growths)
+        self._commit(fresh, *self._idle(range(self.batch_size)))
 
     def prefill_writer(self, rows: torch.Tensor | None, width: int) -> PrefillWriter:
         """Through the table, looked up once for every layer (the rows' blocks are assigned
@@ -294,10 +369,15 @@ class BlockKVCache(PreallocatedCache):
         blocks each holds (no K/V moves: the table says where a row's blocks are). Between
         replays."""
         index, swapped = torch.cat([dst, src]), torch.cat([src, dst])
-        for tensor in (self.table, self.lengths, self.write_pos):
-            tensor[index] = tensor[swapped]
+        owned = list(self.owned)
         for a, b in zip(dst.tolist(), src.tolist(), strict=True):
-            self.owned[a], self.owned[b] = self.owned[b], self.owned[a]
+            owned[a], owned[b] = owned[b], owned[a]
+
+        def write() -> None:
+            for tensor in (self.table, self.lengths, self.write_pos):
+                tensor[index] = tensor[swapped]
+
+        self._commit(replace(self.book, owned=tuple(owned)), index, write)
 
     def nbytes(self) -> int:
         tensors = [t for layer in self.layers for t in (layer.keys, layer.values)]

@@ -291,18 +291,20 @@ def request_bytes(
     width: int,
     shards: int = 1,
     block_size: int | None = None,
+    records: int = 0,
 ) -> int:
     """What a call whose rows run to ``total`` allocates at least: the KV cache (``batch x
     total`` columns; on a block table of ``block_size``, its pools rounded to whole blocks) and
-    the prefill's (``prompt_rows x width``), the decode buffers and the per-step scores. K/V
-    heads are divided over ``shards`` tensor-parallel ranks."""
+    the prefill's (``prompt_rows x width``), the decode buffers, the per-step scores and the
+    ``records`` (``output_scores`` / ``output_logits``: ``batch x total x vocab`` float32 each)
+    the call keeps. K/V heads are divided over ``shards`` tensor-parallel ranks."""
     itemsize = dtype.itemsize
     kv_per_token = kv_bytes_per_token(model, itemsize, shards)
     columns = batch * total if block_size is None else full_pool_columns(batch, total, block_size)
     cache = (columns + prompt_rows * width) * kv_per_token
     # sequences (long), response and valid (bool), logprobs (float32), one mask row
     buffers = batch * total * (8 + 1 + 1 + 4 + itemsize)
-    scores = 3 * batch * vocab_size(model) * 4
+    scores = (3 + records * total) * batch * vocab_size(model) * 4
     return cache + buffers + scores
 
 
@@ -334,20 +336,27 @@ def check_request(
     # length; which the plan decides, so the estimate stays a lower bound
     path = Path.PER_POSITION_GRAPH if config.per_position_graphs else Path.STATIC_GRAPH
     block_size = kv_layout(config, backend, path)
-    need = request_bytes(model, scan.dtype, decode_batch, total, rows, width, shards, block_size)
+    asked = {"output_scores": settings.output_scores, "output_logits": settings.output_logits}
+    records = [name for name, on in asked.items() if on]
+    need = request_bytes(
+        model, scan.dtype, decode_batch, total, rows, width, shards, block_size, len(records)
+    )
     source = " = RolloutConfig.continuous_batch_size" if slots is not None else ""
     limits = [(config.max_request_bytes, "RolloutConfig.max_request_bytes")]
     available = backend.memory_available()
     held_note = f" (with {held / 2**30:.2f} GiB the engine holds)" if held else ""
     if available is not None:
         limits.append((available + held, f"available on {backend.device}{held_note}"))
-    blocks = "" if block_size is None else f", K/V in whole blocks of {block_size} columns"
-    fewer = "" if block_size is None else " or RolloutConfig.kv_block_size"
+    notes = "" if block_size is None else f", K/V in whole blocks of {block_size} columns"
+    remedies = "" if block_size is None else " or RolloutConfig.kv_block_size"
+    if records:
+        notes += f", {' and '.join(records)} recording batch x total length x vocabulary"
+        remedies += f", or leave {' / '.join(records)} off"
     for limit, what in limits:
         if limit is not None and need > limit:
             raise RequestTooLargeError(
                 f"this request would allocate at least {need / 2**30:.2f} GiB (batch "
                 f"{decode_batch}{source} x total length {total}: prompt width {width} + "
-                f"max_new_tokens {settings.max_new_tokens}{blocks}) but {limit / 2**30:.2f} GiB "
-                f"is {what}; lower max_new_tokens or the batch{fewer}"
+                f"max_new_tokens {settings.max_new_tokens}{notes}) but {limit / 2**30:.2f} GiB "
+                f"is {what}; lower max_new_tokens or the batch{remedies}"
             )

@@ -48,7 +48,8 @@ class SamplingParams:
     (pad falls back to the first EOS id, as generate does). ``output_scores`` /
     ``output_logits``: the result also holds every step's processed scores / raw logits, as
     ``generate(output_scores=True)`` / ``output_logits=True`` return them (float32,
-    ``(rows, max_new_tokens, vocab)``: recorded inside the step, so they cost that memory).
+    ``(rows, max_new_tokens, vocab)``: recorded inside the step, so they cost that memory,
+    counted in the request's memory check; only the record asked for is kept, for this call).
     ``stop_sequences``: token-id sequences that end a row when its generated tokens end with
     one (matched on the device; the tokenisation of a stop string, see :meth:`from_vllm`);
     ``include_stop_str_in_output`` keeps the matched tokens in the response (vLLM's name).
@@ -113,6 +114,14 @@ class SamplingParams:
             raise TypeError(
                 f"SamplingParams() got vLLM's {vllm_only}: the constructor takes graphcap's "
                 "names; use SamplingParams.from_vllm(...) for vLLM's keywords"
+            )
+        # only here is it known that both were given (the field may be given at its default)
+        given = [k for k in kwargs if k in VLLM_ALIASES and kwargs[k] is not None]
+        both = [k for k in given if VLLM_ALIASES[k] in kwargs]  # replace() passes None aliases
+        if both:
+            name = VLLM_ALIASES[both[0]]
+            raise ValueError(
+                f"both {name!r} and its vLLM alias {both[0]!r} were given; set only one"
             )
         return super().__new__(cls)
 
@@ -251,10 +260,11 @@ class SamplingParams:
         counterpart (:data:`VLLM_UNSUPPORTED`) are dropped where they ask for nothing and
         refused otherwise. Other names as the constructor."""
         kwargs.setdefault("per_request_seed", True)
-        temperature = float(kwargs.pop("temperature", 1.0))
+        temperature = kwargs.pop("temperature", 1.0)
+        greedy = _is_zero(temperature)  # any other value is the constructor's to check
         top_k = kwargs.pop("top_k", None)
-        kwargs.setdefault("do_sample", temperature > 0)
-        kwargs["temperature"] = temperature if temperature > 0 else 1.0
+        kwargs.setdefault("do_sample", not greedy)
+        kwargs["temperature"] = 1.0 if greedy else temperature
         kwargs["top_k"] = None if top_k in (None, -1, 0) else top_k
         if kwargs.pop("ignore_eos", False):
             kwargs["eos_token_id"] = []  # stop ids and stop sequences still end rows
@@ -325,6 +335,17 @@ class SamplingParams:
                 "is used as pad like generate does) or model.generation_config.pad_token_id"
             )
         return replace(params, pad_token_id=int(pad))
+
+
+def _is_zero(value: Any) -> bool:
+    """Whether ``value`` is a number equal to 0 (vLLM's greedy temperature); text and bools
+    are not numbers here, as the constructor's type check says."""
+    if isinstance(value, (str, bool)):
+        return False
+    try:
+        return float(value) == 0.0
+    except (TypeError, ValueError):
+        return False
 
 
 def _stop_sequences(value: Any) -> tuple[tuple[int, ...], ...]:

@@ -135,12 +135,14 @@ class DecodeState:
         narrowed = {name: getattr(self, name)[:rows] for name in self._row_fields()}
         return replace(self, **narrowed, rows=self.rows.leading(rows))
 
-    def record(self) -> None:
-        """Allocate the scores and logits records (once; a ``(B, L, V)`` float32 pair)."""
-        if self.scores is None:
-            shape = (*self.sequences.shape, self.stop_vocab.shape[0])
-            device = self.sequences.device
+    def record(self, scores: bool, logits: bool) -> None:
+        """Allocate the records asked for (once per step shape): the scores and / or the
+        logits, each ``(B, L, V)`` float32."""
+        shape = (*self.sequences.shape, self.stop_vocab.shape[0])
+        device = self.sequences.device
+        if scores:
             self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+        if logits:
             self.logits = torch.zeros(shape, dtype=torch.float32, device=device)
 
     def alternatives(self, count: int) -> None:
@@ -304,7 +306,7 @@ class DecodeStep:
         eos, pad = settings.eos_ids, settings.pad_token_id
         state = cls.allocate_state(batch, total, vocab_size, eos, pad, device)
         if sig.sampler.records:
-            state.record()
+            state.record(sig.sampler.record_scores, sig.sampler.record_logits)
         if sig.sampler.top_logprobs:
             state.alternatives(sig.sampler.top_logprobs)
         if sig.sampler.stops != (0, 0):
@@ -373,15 +375,15 @@ class DecodeStep:
                 at = column[:, :, None].expand(-1, 1, values.shape[-1])
                 s.top_values.scatter_(1, at, values[:, None].masked_fill(idle, 0.0))
                 s.top_ids.scatter_(1, at, ids[:, None].masked_fill(idle, 0))
-        if self.sampler.records:
+        if self.sampler.record_scores:
             # what generate returns as scores: processed, warped where the row samples
             warped = (
                 warp(scores, s.rows, self.sampler.truncates) if self.sampler.samples else scores
             )
             processed = torch.where(s.rows.sample[:, None], warped, scores)
-            at = s.generated.view(1)
-            s.scores.index_copy_(1, at, processed[:, None])
-            s.logits.index_copy_(1, at, logits.float()[:, None])
+            s.scores.index_copy_(1, s.generated.view(1), processed[:, None])
+        if self.sampler.record_logits:
+            s.logits.index_copy_(1, s.generated.view(1), logits.float()[:, None])
         if s.stop_table is not None:
             s.match_stops(column)
         s.finished.logical_or_(s.stop_vocab[token])
