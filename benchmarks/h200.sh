@@ -212,6 +212,7 @@ part_iteration_llama_8b() { iteration llama-8b 512 90; }
 # sleep-checks: the device tests of sleeps that keep the graphs and the conformance suite's
 # memory-region checks
 part_sleep_checks() {
+    run sleep-check 120 "$py" benchmarks/sleep_check.py
     run sleep-device-tests 240 "$py" -m pytest -q -s tests/test_device_sleep.py \
         tests/test_device_rollout.py -k sleep
     run sleep-conformance 120 "$py" -m graphcap.testing -q -k "region or capabilities" \

@@ -452,10 +452,11 @@ class MemoryRegion:
         a release."""
         raise NotImplementedError
 
-    def capturing(self) -> contextlib.AbstractContextManager[None]:
-        """The context a capture runs in, so what it allocates lives in this region (contents
-        not kept). Default: :meth:`allocating` without keeping."""
-        return self.allocating(keep=False)
+    def capturing(self, keep: bool = False) -> contextlib.AbstractContextManager[None]:
+        """The context a capture runs in, so what it allocates lives in this region; ``keep``:
+        its contents survive a release too (a graph's own memory needs that only where a replay
+        reads what an earlier one left there). Default: :meth:`allocating`."""
+        return self.allocating(keep=keep)
 
     def graph_pool(self) -> Any | None:
         """The pool handle captures pass to ``capture_to_graph`` with :meth:`capturing`;

@@ -13,7 +13,7 @@ import pytest
 import torch
 from rollout_models import prompts, tiny_model
 from test_device_rollout import backend  # noqa: F401 - the module's fixture
-from test_training_loop import move_storage, train_step
+from test_training_loop import move_storage, same_values, train_step
 
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams, accelerate_generate
 
@@ -50,7 +50,7 @@ def test_a_training_loop_captures_once_on_the_device(backend, path):  # noqa: F8
         assert report.kept_graphs and engine.sleeping
         given.append(report.given_back)
         train_step(model, first.sequences)
-        train_step(twin, first.sequences)
+        same_values(twin, model)
         if i == 3:
             move_storage(model, new_values=False)
         again = engine.generate(ids, mask, SAMPLED)

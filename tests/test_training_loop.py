@@ -67,6 +67,16 @@ def move_storage(model: torch.nn.Module, new_values: bool) -> None:
                 module._buffers[name] = b.clone()
 
 
+def same_values(twin: torch.nn.Module, model: torch.nn.Module) -> None:
+    """``twin``'s parameters and buffers take ``model``'s values, in place (a device's backward
+    is not bitwise reproducible between two models: its atomics add in any order)."""
+    with torch.no_grad():
+        for mine, theirs in zip(
+            twin.state_dict().values(), model.state_dict().values(), strict=True
+        ):
+            mine.copy_(theirs)
+
+
 def nudge_in_place(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for p in model.parameters():

@@ -12,14 +12,22 @@ pluggable-allocator pools (its ``"torch"`` hook mode: no ``LD_PRELOAD``):
 * the graphs' private pool, a ``MemPool`` on the same allocator used by captures only, under a
   third tag: a block the allocator hands to a graph must never go to an ordinary tensor.
 
+torch_memory_saver's in-process allocator refuses (it aborts the process) to free memory
+outside one of its regions, so no pool of a region is ever let go: a closed region's memory is
+released, its pools kept (:data:`_POOLS`, torch_memory_saver's own per-tag pools likewise).
+
 It is an optional dependency (``pip install ./backends/cuda[sleep]``); without it the backend
 offers no region and engines free their memory at a sleep and capture again after it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import gc
 import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,18 +38,48 @@ from graphcap.backend import MemoryRegion
 _REGIONS = itertools.count()
 
 
+def _release(saver: Any, tags: tuple[str, ...], state: dict[str, bool]) -> None:
+    """Unmap the physical memory of every allocation of ``tags`` (addresses stay reserved),
+    unless ``state`` says it is released already (torch_memory_saver aborts on a second pause)."""
+    if state["released"]:
+        return
+    torch.cuda.synchronize()
+    for tag in tags:
+        saver.pause(tag)
+    state["released"] = True
+
+
+#: Every graph pool a region made, kept for the life of the process: torch's allocator frees
+#: a pool's segments once nothing holds it, and torch_memory_saver's allocator aborts the
+#: process on a free outside one of its regions (the caller's own ``empty_cache``, or the
+#: pool's end when its region is collected). A region's memory is released instead.
+_POOLS: list[torch.cuda.MemPool] = []
+
+
+@functools.cache
 def memory_saver() -> Any | None:
     """torch_memory_saver's process-wide saver in its in-process (``"torch"``) hook mode, or
-    ``None`` where the library is not installed or cannot load here."""
+    ``None`` where the library is not installed. Its mode is set once, before the saver's first
+    use; a saver its user configured before keeps that user's mode."""
     try:
         import torch_memory_saver
     except ImportError:
         return None
     saver = torch_memory_saver.torch_memory_saver
-    # initialised earlier (by graphcap or by its user): its mode is kept
-    with contextlib.suppress(AssertionError):
+    with contextlib.suppress(AssertionError, AttributeError):  # configured already
         saver.hook_mode = "torch"
     return saver
+
+
+@atexit.register
+def _forget_pools() -> None:
+    """At exit, the graph pools go while frees are allowed (inside a region of the saver),
+    not in the interpreter's teardown, where torch_memory_saver would abort on them."""
+    saver = memory_saver() if _POOLS else None
+    if saver is not None:
+        with saver.region(tag="graphcap-exit"):
+            _POOLS.clear()
+            gc.collect()
 
 
 def _graph_pool_allocator() -> Any:
@@ -60,25 +98,31 @@ class SleepableRegion(MemoryRegion):
         self._tags = {True: f"graphcap-{n}-kept", False: f"graphcap-{n}-kv"}
         self._graph_tag = f"graphcap-{n}-graphs"
         self._graph_pool: torch.cuda.MemPool | None = None
-        self._released = False
+        self._state = {"released": False}
         self._bytes = 0
+        #: a region collected without close() gives its memory back all the same
+        self._finalizer = weakref.finalize(self, _release, saver, self._all_tags(), self._state)
+
+    def _all_tags(self) -> tuple[str, ...]:
+        return (self._graph_tag, *self._tags.values())
 
     @contextlib.contextmanager
     def allocating(self, keep: bool) -> Iterator[None]:
-        if self._released:
+        if self.released:
             raise RuntimeError("allocation in a released memory region; restore() it first")
         with self._counted(), self._saver.region(tag=self._tags[keep], enable_cpu_backup=keep):
             yield
 
     @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
+    def capturing(self, keep: bool = False) -> Iterator[None]:
         """Captures run here: their allocations go to the graph pool's tag."""
-        with self._counted(), self._saver.region(tag=self._graph_tag):
+        with self._counted(), self._saver.region(tag=self._graph_tag, enable_cpu_backup=keep):
             yield
 
     def graph_pool(self) -> Any:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.MemPool(allocator=_graph_pool_allocator())
+            _POOLS.append(self._graph_pool)
         return self._graph_pool.id
 
     @contextlib.contextmanager
@@ -93,27 +137,25 @@ class SleepableRegion(MemoryRegion):
 
     @property
     def released(self) -> bool:
-        return self._released
+        return self._state["released"]
 
     def release(self) -> None:
-        if self._released:
-            return
-        torch.cuda.synchronize()
-        for tag in (self._graph_tag, *self._tags.values()):
-            self._saver.pause(tag)
-        self._released = True
+        _release(self._saver, self._all_tags(), self._state)
 
     def restore(self) -> None:
-        if not self._released:
+        if not self.released:
             return
         for tag in (*self._tags.values(), self._graph_tag):
             self._saver.resume(tag)
         torch.cuda.synchronize()
-        self._released = False
+        self._state["released"] = False
 
     def nbytes(self) -> int:
         return self._bytes
 
     def close(self) -> None:
-        self.restore()
-        self._graph_pool = None
+        """The region's memory goes back to the device for good: its tags stay released (its
+        tensors and graphs are gone, nothing reads them again) and its pools stay alive, so no
+        free ever reaches torch_memory_saver's allocator (see :data:`_POOLS`)."""
+        self.release()
+        self._finalizer.detach()
