@@ -234,3 +234,45 @@ def test_sleep_gives_the_memory_back_to_the_host():
     assert before - asleep > 0.5 * held
     engine.wake_up()
     assert not engine.sleeping and resident_bytes() - asleep > 0.5 * held
+
+
+def held_tensors(value: object, path: str = "step", depth: int = 4) -> dict[str, torch.Tensor]:
+    """Every tensor reachable from ``value``'s attributes (``depth`` levels), by path."""
+    if isinstance(value, torch.Tensor):
+        return {path: value}
+    if depth == 0 or isinstance(value, (torch.nn.Module, str, bytes, int, float)):
+        return {}
+    if isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif hasattr(value, "__dict__"):
+        items = vars(value).items()
+    else:
+        return {}
+    found = {}
+    for key, item in items:
+        found.update(held_tensors(item, f"{path}.{key}", depth - 1))
+    return found
+
+
+@pytest.mark.parametrize("layout", [{}, {"kv_block_size": None}], ids=["blocks", "static-cache"])
+def test_a_sleep_keeps_every_buffer_but_the_kv_pools(layout):
+    """What the graphs read besides the K/V pools (positions, tables, index tensors of the
+    cache's writes, masks, row settings) comes back from a sleep as it was: a compiled step
+    reads the cache's index tensors, which an uncompiled one does not."""
+    model = tiny_model("llama", fresh=True)
+    config = RolloutConfig(enable_graph_capture=True, backend=CPUBackend(), **layout)
+    engine = RolloutEngine(model, config)
+    ids, mask = prompts(ROWS)
+    engine.generate(ids, mask, SAMPLED)
+    pools = {id(t) for layer in engine.cache.layers for t in (layer.keys, layer.values)}
+    before = {
+        path: t.clone() for path, t in held_tensors(engine.step).items() if id(t) not in pools
+    }
+    assert any(path.endswith(".rows") or path.endswith(".table") for path in before)
+    engine.sleep()
+    engine.wake_up()
+    after = held_tensors(engine.step)
+    changed = [path for path, t in before.items() if not torch.equal(after[path], t)]
+    assert not changed, f"lost at a sleep: {changed}"

@@ -71,18 +71,21 @@ class _Entry:
 
 
 class _Tracker(TorchDispatchMode):
-    """Adds the storage of every tensor an operation creates to the region."""
+    """Adds the storage of every tensor an operation creates to the region, with the ``keep``
+    of the innermost :meth:`ReferenceRegion.allocating` block (as a device's allocator routes
+    an allocation to the innermost pool)."""
 
-    def __init__(self, region: ReferenceRegion, keep: bool) -> None:
+    def __init__(self, region: ReferenceRegion) -> None:
         super().__init__()
-        self.region, self.keep = region, keep
+        self.region = region
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         result = func(*args, **(kwargs or {}))
         inputs = {storage_key(t) for t in tensors_in((args, kwargs))}
+        keep = self.region.scopes[-1]
         for tensor in tensors_in(result):
             if tensor.layout == torch.strided and storage_key(tensor) not in inputs:
-                self.region.adopt(tensor, self.keep)
+                self.region.adopt(tensor, keep)
         return result
 
 
@@ -92,13 +95,20 @@ class ReferenceRegion(MemoryRegion):
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
         self._released = False
+        #: the ``keep`` of each :meth:`allocating` block open, innermost last
+        self.scopes: list[bool] = []
 
     @contextlib.contextmanager
     def allocating(self, keep: bool) -> Iterator[None]:
         if self._released:
             raise RuntimeError("allocation in a released memory region; restore() it first")
-        with _Tracker(self, keep):
-            yield
+        tracking = contextlib.nullcontext() if self.scopes else _Tracker(self)
+        self.scopes.append(keep)
+        try:
+            with tracking:
+                yield
+        finally:
+            self.scopes.pop()
 
     def adopt(self, tensor: torch.Tensor, keep: bool) -> None:
         """Make ``tensor``'s storage part of the region (the first owner's ``keep`` wins)."""

@@ -27,6 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from graphcap import kv_blocks
 from graphcap.rollout.cache.cache import (
+    KVMemory,
     LayerSpec,
     PreallocatedCache,
     PreallocatedLayer,
@@ -87,7 +88,7 @@ class BlockKVLayer(PreallocatedLayer):
     cache's shared table."""
 
     def __init__(self, spec: LayerSpec, cache: BlockKVCache, num_blocks: int):
-        super().__init__(spec, num_blocks, cache.block_size, put_columns)
+        super().__init__(spec, num_blocks, cache.block_size, put_columns, cache.memory)
         self.cache = cache
 
     def update(
@@ -135,13 +136,14 @@ class BlockKVCache(PreallocatedCache):
         max_len: int,
         block_size: int,
         num_blocks: int | None = None,
+        memory: KVMemory = contextlib.nullcontext,
     ):
         if not specs:
             raise ValueError("a cache needs at least one layer spec")
         if max_len % block_size:
             raise ValueError(f"max_len {max_len} is not a whole number of {block_size}-blocks")
         device = specs[0].device
-        self.block_size, self.max_len = block_size, max_len
+        self.block_size, self.max_len, self.memory = block_size, max_len, memory
         self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.table = torch.full(
             (batch_size, max_len // block_size), kv_blocks.NULL_BLOCK, dtype=torch.int32,

@@ -47,6 +47,11 @@ class LayerSpec:
         )
 
 
+#: Where K/V buffers are allocated: a context manager factory (an engine's memory region, whose
+#: K/V contents need not survive a sleep: a call writes every column it reads).
+KVMemory = Callable[[], contextlib.AbstractContextManager[None]]
+
+
 class PreallocatedLayer(CacheLayerMixin):
     """K/V buffers ``(leading, H, columns, D)`` allocated up front (never lazily, never inside a
     capture) and written through an index by ``put`` (:func:`put_columns`'s arguments; the
@@ -56,18 +61,26 @@ class PreallocatedLayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, spec: LayerSpec, leading: int, columns: int, put: Callable[..., None]):
+    def __init__(
+        self,
+        spec: LayerSpec,
+        leading: int,
+        columns: int,
+        put: Callable[..., None],
+        memory: KVMemory = contextlib.nullcontext,
+    ):
         super().__init__()
-        self.keys = torch.zeros(
-            (leading, spec.num_heads, columns, spec.k_head_dim),
-            dtype=spec.k_dtype,
-            device=spec.device,
-        )
-        self.values = torch.zeros(
-            (leading, spec.num_heads, columns, spec.v_head_dim),
-            dtype=spec.v_dtype,
-            device=spec.device,
-        )
+        with memory():  # the K/V buffers alone: the indices beside them must survive a sleep
+            self.keys = torch.zeros(
+                (leading, spec.num_heads, columns, spec.k_head_dim),
+                dtype=spec.k_dtype,
+                device=spec.device,
+            )
+            self.values = torch.zeros(
+                (leading, spec.num_heads, columns, spec.v_head_dim),
+                dtype=spec.v_dtype,
+                device=spec.device,
+            )
         #: the head of every written element, for the indexed write
         self.heads = torch.arange(spec.num_heads, device=spec.device).view(1, spec.num_heads, 1)
         self.put = put
@@ -87,8 +100,15 @@ class PreallocatedLayer(CacheLayerMixin):
 class StaticKVLayer(PreallocatedLayer):
     """One layer: ``keys``/``values`` of shape ``(B, H, L, D)`` and a shared write position."""
 
-    def __init__(self, spec: LayerSpec, batch_size: int, max_len: int, write_pos: torch.Tensor):
-        super().__init__(spec, batch_size, max_len, scatter_columns)
+    def __init__(
+        self,
+        spec: LayerSpec,
+        batch_size: int,
+        max_len: int,
+        write_pos: torch.Tensor,
+        memory: KVMemory = contextlib.nullcontext,
+    ):
+        super().__init__(spec, batch_size, max_len, scatter_columns, memory)
         self.max_len = max_len
         self.batch_size = batch_size
         self.write_pos = write_pos
@@ -136,8 +156,8 @@ class PreallocatedCache(Cache):
     write_pos: torch.Tensor
     max_len: int
 
-    #: where new K/V buffers (a block pool's growth) are allocated: an engine's memory region
-    memory: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    #: where K/V buffers are allocated (a block pool's growth too): an engine's memory region
+    memory: KVMemory = contextlib.nullcontext
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in self.layers)
@@ -212,13 +232,19 @@ class PreallocatedCache(Cache):
 class StaticKVCache(PreallocatedCache):
     """A ``transformers.Cache`` of :class:`StaticKVLayer` sharing one ``(B,)`` write position."""
 
-    def __init__(self, specs: Sequence[LayerSpec], batch_size: int, max_len: int):
+    def __init__(
+        self,
+        specs: Sequence[LayerSpec],
+        batch_size: int,
+        max_len: int,
+        memory: KVMemory = contextlib.nullcontext,
+    ):
         if not specs:
             raise ValueError("a cache needs at least one layer spec")
         device = specs[0].device
         self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.max_len = max_len
-        layers = [StaticKVLayer(s, batch_size, max_len, self.write_pos) for s in specs]
+        self.max_len, self.memory = max_len, memory
+        layers = [StaticKVLayer(s, batch_size, max_len, self.write_pos, memory) for s in specs]
         super().__init__(layers=layers)
 
     @staticmethod

@@ -287,19 +287,17 @@ class DecodeStep:
         kv_memory: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> DecodeStep:
         """A step with fresh buffers for ``plan``'s signature, sized from ``specs`` (the K/V
-        shapes the prefill produced); its K/V buffers allocated within ``kv_memory()``, now
-        and when a block pool grows."""
+        shapes the prefill produced); its K/V buffers (those alone) allocated within
+        ``kv_memory()``, now and when a block pool grows."""
         sig = plan.signature
         device, batch, total = sig.device, sig.batch_size, sig.total_len
         cache: StaticKVCache | BlockKVCache
-        with kv_memory():
-            if sig.kv_block_size is None:
-                cache = StaticKVCache(specs, batch, total)
-            else:
-                size = sig.kv_block_size
-                blocks = whole_table_blocks(batch, total, size) if cls.pool_for_bucket else None
-                cache = BlockKVCache(specs, batch, total, size, num_blocks=blocks)
-        cache.memory = kv_memory
+        if sig.kv_block_size is None:
+            cache = StaticKVCache(specs, batch, total, memory=kv_memory)
+        else:
+            size = sig.kv_block_size
+            blocks = whole_table_blocks(batch, total, size) if cls.pool_for_bucket else None
+            cache = BlockKVCache(specs, batch, total, size, num_blocks=blocks, memory=kv_memory)
         masks = MaskBuffers.for_model(
             model.config, batch, total, sig.dtype, device, plan.windows, sig.mask_form
         )
