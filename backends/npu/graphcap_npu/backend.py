@@ -218,6 +218,20 @@ class NPUBackend(GraphBackend):
         graph_updates.check_replay(graph)
         graph.replay()
 
+    def memory_region(self) -> None:
+        """None: no region keeps addresses across a release here, so a sleep frees the
+        engine's buffers and graphs and the next call captures again (``recapture_reason``
+        ``["woke from sleep"]``).
+
+        torch_npu has no such API of its own: unmapping memory while keeping its addresses
+        takes ACL's virtual-memory calls inside an allocator compiled against CANN and
+        plugged in through ``NPUPluggableAllocator``, and graphcap ships no compiled code.
+        The one such allocator on Ascend machines, vllm-ascend's CaMem, is a process-wide
+        singleton whose ``sleep`` releases every allocation in it, and before torch_npu
+        2.13.0 a pool's allocator is not the one that frees its blocks, so graphs' memory
+        cannot live there (docs/npu.md, "Sleep and memory regions")."""
+        return None
+
     # ---- device plumbing ------------------------------------------------------------------
     @property
     def device_module(self) -> Any:

@@ -184,6 +184,8 @@ def test_capabilities(fake_npu) -> None:
     assert caps.graph_attention == BLOCKS
     assert caps.kv_block_size == 128  # torch_npu's recommended page-attention block
     assert caps.graph_kv_lengths_on_host is True
+    # no memory region (docs/npu.md, "Sleep and memory regions"): sleeps free and recapture
+    assert caps.keeps_addresses_on_release is False
 
 
 def test_create_graph_is_a_real_npu_graph(fake_npu) -> None:

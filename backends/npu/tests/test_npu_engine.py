@@ -8,6 +8,7 @@ torch_npu's documented semantics (True = masked out, NaN for an uncorrected empt
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import ClassVar
 
@@ -340,3 +341,84 @@ def test_half_precision_check_fails_when_an_update_is_skipped(fake_npu, monkeypa
     monkeypatch.setattr(backend, "update_graph_kv_lengths", first_only)
     with pytest.raises(RuntimeError, match="update_graph_kv_lengths before every replay"):
         half_precision.check_attention(backend, BLOCKS, torch.bfloat16)
+
+
+def _train_step(model: torch.nn.Module, sequences: torch.Tensor) -> None:
+    """One SGD step of next-token loss on the round's rows (in place, as an optimizer's)."""
+    model.train()
+    logits = model(input_ids=sequences).logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), sequences[:, 1:].reshape(-1)
+    )
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.5)
+            p.grad = None
+    model.eval()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "config"),
+    [
+        (torch.float32, {}),  # v3 over gathered K/V: graphs that wait for no update
+        (torch.bfloat16, {}),  # page attention: each replay of the new graph gets its update
+        (torch.float32, {"continuous_batch_size": 3}),
+    ],
+    ids=["static-fp32", "static-paged", "continuous"],
+)
+def test_a_sleep_frees_and_the_next_round_captures_again(fake_npu, monkeypatch, dtype, config):
+    """No memory region on NPU (docs/npu.md, "Sleep and memory regions"): every sleep of a
+    training loop frees the buffers and graphs and empties torch_npu's cache, and the next
+    round captures new graphs, with "woke from sleep" as the reason; its tokens equal those of
+    an engine on the same backend that never slept, after the same training steps."""
+    from graphcap.rollout.engine import WOKE
+
+    monkeypatch.delenv(ATTENTION_VAR, raising=False)
+    backend = HostNPUBackend()
+    model = _blocks_model() if dtype == torch.bfloat16 else _llama()
+    twin = copy.deepcopy(model)
+    settings = RolloutConfig(backend=backend, enable_graph_capture=True, **config)
+    engine, reference = RolloutEngine(model, settings), RolloutEngine(twin, settings)
+    ids, mask = models.prompts(4, torch.device("cpu"), width=6)
+    params = SamplingParams(max_new_tokens=NEW, eos_token_id=[])
+    first = engine.generate(ids, mask, params)
+    reference.generate(ids, mask, params)
+    path = first.stats.path
+    assert path.endswith("graph") and first.stats.recapture_reason == [], first.stats
+    captures = first.stats.captures
+    for i in range(3):
+        graphs = len(fake_npu.graph_calls)
+        fake_npu.memory_calls.clear()
+        engine.sleep()
+        assert not engine.last_sleep.kept_graphs and engine.cache is None
+        assert ("empty_cache", None) in fake_npu.memory_calls
+        _train_step(model, first.sequences)
+        _train_step(twin, first.sequences)
+        again = engine.generate(ids, mask, params)
+        expected = reference.generate(ids, mask, params)
+        stats = again.stats
+        assert stats.path == path and stats.recapture_reason == [WOKE], stats
+        assert stats.captures == (i + 2) * captures
+        new = fake_npu.graph_calls[graphs:]  # the engine's (the reference captures no more)
+        assert all(call["graph"].replays for call in new), "a recaptured graph never replayed"
+        if dtype == torch.bfloat16:  # each replay of the new graph was preceded by an update
+            (call,) = new
+            assert len(call["graph"].updates) == NEW - 1
+        assert not expected.stats.captured  # the reference never slept: it only replays
+        assert torch.equal(again.sequences, expected.sequences), f"iteration {i}"
+    assert torch.equal(again.sequences[:, :6], ids)
+
+
+def test_the_drop_in_keeps_its_engine_between_calls_on_npu(fake_npu, monkeypatch) -> None:
+    """Without a region a sleep after every call would recapture every call, so the drop-in
+    does not sleep between calls on NPU by default (docs/trainers.md gives the option)."""
+    from graphcap.rollout import accelerate_generate, restore_generate
+
+    monkeypatch.delenv(ATTENTION_VAR, raising=False)
+    model = _llama()
+    installed = accelerate_generate(model, RolloutConfig(backend=HostNPUBackend()))
+    try:
+        assert not installed.sleep_between_calls
+    finally:
+        restore_generate(model)
