@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import inspect
 
 import pytest
 import torch
@@ -267,3 +268,20 @@ def test_fsdp2_rounds_replay_the_first_rounds_graphs_with_one_unshard_a_round(ra
     # the trainer gets its shards back after each round
     assert all(rec["sharded_after"])
     assert rec["asked_model"] == ("static_graph", "copy")
+
+
+def test_the_private_fsdp_names_graphcap_reads_are_still_there():
+    """graphcap/rollout/holder/fsdp.py holds FSDP's hooks idle through three private names of
+    torch; a torch that renames one, or whose hooks stop skipping in that state, fails here."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    assert callable(getattr(FSDPModule, "_get_fsdp_state", None)), "_get_fsdp_state is gone"
+    assert "self._training_state" in inspect.getsource(_fsdp_state.FSDPState.__init__)
+    for hook in (_fsdp_state.FSDPState._pre_forward, _fsdp_state.FSDPState._post_forward):
+        source = inspect.getsource(hook)
+        assert "if self._training_state == TrainingState.PRE_BACKWARD:" in source, (
+            f"{hook.__qualname__} no longer returns early in TrainingState.PRE_BACKWARD"
+        )
+    assert TrainingState.PRE_BACKWARD.name == "PRE_BACKWARD"
