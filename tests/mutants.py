@@ -60,6 +60,7 @@ NPU_ENGINE = "backends/npu/tests/test_npu_engine.py"
 NPU_RULES = "backends/npu/tests/test_npu_hardware_rules.py"
 
 SETTINGS = "tests/test_drop_in_settings.py"
+SHARDED = "tests/test_sharded_trainers.py"
 CACHE = "tests/test_compile_cache.py"
 NUMERICS = "tests/test_rollout_numerics.py"
 LADDER = "tests/test_rollout_ladder.py"
@@ -1137,6 +1138,41 @@ PLANTS = (
         "    return truncated(scores, rows) if truncate else scores",
         "    return truncated(scores, rows)",
         ("tests/test_sampler_draws.py",),
+    ),
+    Plant(
+        "FSDP2's forward hooks left live during the call",
+        "graphcap/rollout/holder/fsdp.py",
+        "            state._training_state = TrainingState.PRE_BACKWARD\n",
+        "",
+        (SHARDED,),
+    ),
+    Plant(
+        "FSDP2 not resharded after the call",
+        "graphcap/rollout/holder/fsdp.py",
+        "        for module in modules:\n            module.reshard()\n",
+        "",
+        (SHARDED,),
+    ),
+    Plant(
+        "FSDP2 served from adopted storage under weights='model'",
+        "graphcap/rollout/holder/weights.py",
+        "        if sharded == FSDP2:\n            return True\n",
+        "",
+        (SHARDED,),
+    ),
+    Plant(
+        "gathered ZeRO-3 parameters adopted, not copied",
+        "graphcap/rollout/holder/weights.py",
+        '(self.mode == "auto" and sharded is not None)',
+        "False",
+        (SHARDED,),
+    ),
+    Plant(
+        "ZeRO-3 partitions taken for gathered parameters",
+        "graphcap/rollout/plan/scan.py",
+        '(param.numel() == 0 or status != "AVAILABLE")',
+        '(status != "AVAILABLE")',
+        ("tests/test_rollout_units.py::test_non_resident_parameters_are_named",),
     ),
 )
 

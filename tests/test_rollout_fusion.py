@@ -154,6 +154,21 @@ def test_parameters_gathered_in_forward_are_never_joined():
     assert not any("forward" in vars(lin) for lin in linears(model))
 
 
+def test_parameters_a_sharding_library_replaces_every_round_are_never_joined():
+    """ZeRO-3 parameters gathered around the call are resident, but the library frees the
+    storage a join would move: they run unjoined, on graphs."""
+    model = tiny_model("llama", fresh=True)
+    for i, p in enumerate(model.parameters()):
+        p.ds_id = i
+    ids, mask = prompts(2)
+    attn = model.model.layers[0].self_attn
+    before = attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr()
+    _, result = joined(model, ids, mask)
+    assert result.stats.path == "static_graph" and result.stats.fused_projections == 0
+    assert result.stats.weights == "copy"
+    assert (attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr()) == before
+
+
 class JoiningBackend(CPUBackend):
     """Declares that joining projections pays in captured steps (as CUDA does)."""
 

@@ -3,6 +3,8 @@ sampling, signature, the plan's refusal rules and the in-place weight loader."""
 
 from __future__ import annotations
 
+import enum
+
 import pytest
 import torch
 from rollout_models import prompts, tiny_model
@@ -18,7 +20,7 @@ from transformers.generation.logits_process import (
 from graphcap.rollout import load_weights_in_place
 from graphcap.rollout.cache.cache import LayerSpec, StaticKVCache, put_columns, scatter_columns
 from graphcap.rollout.cache.masks import MaskBuffers, layer_windows, unsupported_layer_types
-from graphcap.rollout.plan.scan import scan_model
+from graphcap.rollout.plan.scan import ZERO3, scan_model
 from graphcap.rollout.sampling import (
     ARGMAX_CHUNK,
     RowSettings,
@@ -263,10 +265,26 @@ def test_stop_block_uses_a_device_counter_and_per_row_minimums():
 # ---- refusal rules ------------------------------------------------------------------------------
 def test_non_resident_parameters_are_named():
     model = tiny_model("gpt2", fresh=True)
-    assert scan_model(model).non_resident is None
+    assert scan_model(model).non_resident is None and scan_model(model).sharded is None
     param = next(model.parameters())
     param.ds_id = 7  # what DeepSpeed ZeRO-3 attaches
-    assert "ZeRO-3" in scan_model(model).non_resident
+    # gathered around the call (TRL's ds3_gather_for_generation): resident, served from a copy
+    assert scan_model(model).non_resident is None and scan_model(model).sharded == ZERO3
+    param.ds_status = enum.Enum("ZeroParamStatus", "AVAILABLE NOT_AVAILABLE").NOT_AVAILABLE
+    assert "ZeRO-3 partition (NOT_AVAILABLE" in scan_model(model).non_resident
+    del param.ds_status
+    full, param.data = param.data, torch.empty(0)  # released: gathered inside forward
+    assert "ds3_gather_for_generation=True" in scan_model(model).non_resident
+    param.data = full
+
+    def fetch(module, args):  # DeepSpeed's hooks gather and release inside forward
+        return None
+
+    fetch.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    handle = model.transformer.h[1].register_forward_pre_hook(fetch)
+    reason = scan_model(model).non_resident
+    assert "'transformer.h.1'" in reason and "remove the hooks" in reason
+    handle.remove()
     del param.ds_id
 
     class FSDPLinear(torch.nn.Linear):

@@ -30,7 +30,7 @@ from graphcap.rollout.paths import ROLLOUTS
 from graphcap.rollout.plan import Path, check_graph_attention
 from graphcap.rollout.plan.fusion import ProjectionFusion
 from graphcap.rollout.plan.inputs import Call, check_generator, check_prompts, check_vocab_ids
-from graphcap.rollout.plan.scan import scan_model
+from graphcap.rollout.plan.scan import ModelScan, scan_model
 from graphcap.rollout.plan.signature import attention_implementation
 from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult, SleepReport
@@ -124,9 +124,9 @@ class RolloutEngine:
             scan = scan_model(self.model)
             if self._fusion is not None and self._fusion.join(scan):
                 scan = scan_model(self.model)  # the joined parameters' new addresses
-            weights = stack.enter_context(self._serving())
+            weights = stack.enter_context(self._serving(scan))
             if weights is not None and weights.copied:
-                scan = scan_model(self.model)  # the held tensors' addresses
+                scan = scan_model(self.model)  # the held tensors' addresses (FSDP2: unsharded)
             input_ids, attention_mask = check_prompts(
                 self.model, scan, device, input_ids, attention_mask, request.call
             )
@@ -170,12 +170,13 @@ class RolloutEngine:
             )
             return result
 
-    def _serving(self) -> contextlib.AbstractContextManager[Served | None]:
+    def _serving(self, scan: ModelScan) -> contextlib.AbstractContextManager[Served | None]:
         """The tensors a graph engine's graphs read, bound to the model for the call
-        (:mod:`graphcap.rollout.holder.weights`); nothing for eager engines."""
+        (:mod:`graphcap.rollout.holder.weights`; FSDP2 unsharded for the call); nothing for
+        eager engines (FSDP2 then gathers each layer in its forward, as under ``generate``)."""
         if not self.config.enable_graph_capture:
             return contextlib.nullcontext()
-        return self._holder.weights.serving(self.model)
+        return self._holder.weights.serving(self.model, scan.sharded)
 
     def sleep(self, level: int = 1) -> None:
         """Give the engine's device memory back until the next ``generate`` (vLLM's ``sleep``),

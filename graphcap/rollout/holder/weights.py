@@ -16,7 +16,15 @@ copy a tensor), pointing the parameters at them for the call only:
   the backend (released at a sleep with the rest) and copies the model's values into it at each
   call: for models whose storage is not stable from round to round.
 * ``"auto"``: ``"copy"`` for models whose storage a sharding library replaces every round
-  (DeepSpeed ZeRO-3 parameters), else ``"model"``.
+  (DeepSpeed ZeRO-3 parameters, FSDP2), else ``"model"``.
+
+Sharded trainers (docs/trainers.md, "Sharded trainers"): a ZeRO-3 gather around ``generate``
+gives every parameter new storage for the call and releases it after; FSDP2 is unsharded here
+for the call (:mod:`graphcap.rollout.holder.fsdp`) and resharded after. Either way the graphs
+read the engine's copy, filled by one copy a tensor per call, and released at a sleep with the
+rest of the engine's memory, so between rounds the trainer holds only its shards. FSDP2 frees
+and reallocates its unsharded storage in place (same tensors, new addresses), which no
+reference can keep: it is served from the copy whatever the mode.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from typing import Literal
 import torch
 
 from graphcap.backend import Backend, MemoryRegion
+from graphcap.rollout.holder.fsdp import unsharded
+from graphcap.rollout.plan.scan import FSDP2
 
 WeightsMode = Literal["auto", "model", "copy"]
 
@@ -43,12 +53,6 @@ class Served:
     copied: int
 
 
-def sharded_by_a_library(model: torch.nn.Module) -> bool:
-    """Whether a library replaces this model's parameter storage every round (DeepSpeed
-    ZeRO-3 marks its parameters with ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
 class HeldWeights:
     """The tensors the engine's graphs read for each parameter and buffer of the model."""
 
@@ -58,17 +62,23 @@ class HeldWeights:
         self._adopted: set[str] = set()
         self._region: MemoryRegion | None = None
 
-    def _copying(self, model: torch.nn.Module) -> bool:
-        return self.mode == "copy" or (self.mode == "auto" and sharded_by_a_library(model))
+    def _copying(self, sharded: str | None) -> bool:
+        if sharded == FSDP2:
+            return True
+        return self.mode == "copy" or (self.mode == "auto" and sharded is not None)
 
     @contextlib.contextmanager
-    def serving(self, model: torch.nn.Module) -> Iterator[Served]:
+    def serving(self, model: torch.nn.Module, sharded: str | None) -> Iterator[Served]:
         """Within the block the model's parameters and buffers are the tensors the graphs
-        read, holding the model's current values; the model's own afterwards."""
-        copying = self._copying(model)
+        read, holding the model's current values (FSDP2 unsharded first); the model's own
+        afterwards. ``sharded``: the library sharding the model
+        (:attr:`~graphcap.rollout.plan.scan.ModelScan.sharded`)."""
+        copying = self._copying(sharded)
         swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
         copied = 0
-        try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(unsharded(model))
+            stack.callback(_restore, swapped)
             with torch.no_grad():
                 for name, tensor in _resident_tensors(model):
                     held = self._held.get(name)
@@ -85,9 +95,6 @@ class HeldWeights:
                     tensor.data = held
             kind = "copy" if copying else "adopted" if self._adopted else "model"
             yield Served(kind, copied)
-        finally:
-            for tensor, own in reversed(swapped):
-                tensor.data = own
 
     def _new(self, tensor: torch.Tensor, copying: bool) -> torch.Tensor:
         """What the graphs read for ``tensor`` from now on: a reference to its storage, or a
@@ -125,6 +132,12 @@ class HeldWeights:
         if self._region is not None:
             self._region.close()
             self._region = None
+
+
+def _restore(swapped: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Point each swapped tensor back at its own storage."""
+    for tensor, own in reversed(swapped):
+        tensor.data = own
 
 
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:

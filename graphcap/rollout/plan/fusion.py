@@ -165,10 +165,12 @@ class ProjectionFusion:
     def join(self, scan: ModelScan) -> bool:
         """Join the groups that are not (the first call, or storage replaced since); whether any
         parameter moved (the caller scans again). Parameters gathered in forward hooks (FSDP,
-        ZeRO-3: ``scan.non_resident``) are never touched, nor are groups whose parameters are
-        views of another buffer (:meth:`JoinedGroup.owns_storage`); those run unjoined."""
+        ZeRO-3: ``scan.non_resident``) or sharded by a library that replaces their storage
+        every round (``scan.sharded``: the library frees what a join would move) are never
+        touched, nor are groups whose parameters are views of another buffer
+        (:meth:`JoinedGroup.owns_storage`); those run unjoined."""
         self.active = []
-        if scan.non_resident is not None:
+        if scan.non_resident is not None or scan.sharded is not None:
             return False
         linears = joinable_groups(self.model)
         if [g.linears for g in self.groups] != linears:

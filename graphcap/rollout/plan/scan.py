@@ -13,12 +13,17 @@ from typing import Any
 
 import torch
 
-from graphcap.rollout.plan.fingerprint import HostState, host_state
+from graphcap.rollout.plan.fingerprint import HostState, hook_name, host_state
 
 try:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = FSDPModule = None  # type: ignore[assignment,misc]
+
+#: What :attr:`ModelScan.sharded` names.
+FSDP2 = "FSDP2"
+ZERO3 = "DeepSpeed ZeRO-3"
 
 TensorFacts = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
@@ -31,7 +36,9 @@ class ModelScan:
     (a sharded ``DTensor`` through its local shard: the memory the step reads). ``dtype``: the
     floating dtype attention computes in (masks are built in it). ``mesh``: the device mesh of
     the first ``DTensor`` parameter, if any. ``non_resident``: why parameters are not resident
-    on this rank (gathered inside forward), or ``None``.
+    on this rank (gathered inside forward), or ``None``. ``sharded``: the library whose
+    sharding gives the parameters new storage every round (:data:`FSDP2`: graphcap unshards
+    them around the call; :data:`ZERO3`: the trainer gathers them), or ``None``.
     """
 
     tensors: tuple[TensorFacts, ...]
@@ -40,6 +47,7 @@ class ModelScan:
     dtype: torch.dtype
     mesh: Any | None
     non_resident: str | None
+    sharded: str | None
 
     def misplaced(self, device: torch.device) -> list[tuple[str, torch.device]]:
         """(name, device) of every tensor that is not on ``device``."""
@@ -59,6 +67,7 @@ def scan_model(model: torch.nn.Module) -> ModelScan:
         dtype=_attention_dtype(model, [p for _, p in parameters]),
         mesh=mesh,
         non_resident=_non_resident(modules, parameters),
+        sharded=_sharded(modules, parameters),
     )
 
 
@@ -90,19 +99,62 @@ def _attention_dtype(model: torch.nn.Module, parameters: list[torch.Tensor]) -> 
     return (inner or floating)[0].dtype if floating else torch.float32
 
 
+def is_fsdp2(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is managed by FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
+    return FSDPModule is not None and isinstance(module, FSDPModule)
+
+
+def _sharded(
+    modules: list[tuple[str, torch.nn.Module]], parameters: list[tuple[str, torch.Tensor]]
+) -> str | None:
+    if any(is_fsdp2(module) for _, module in modules):
+        return FSDP2
+    if any(hasattr(param, "ds_id") for _, param in parameters):
+        return ZERO3
+    return None
+
+
 def _non_resident(
     modules: list[tuple[str, torch.nn.Module]], parameters: list[tuple[str, torch.Tensor]]
 ) -> str | None:
-    """Graph replay reads fixed addresses; parameters gathered in forward hooks (ZeRO-3, FSDP)
-    or zero-size placeholders live at addresses the signature cannot see. Tensor-parallel shards
-    (``DTensor`` parameters outside FSDP) are resident: the step reads the local shard."""
+    """Graph replay reads fixed addresses; parameters gathered in forward hooks (ZeRO-3 without
+    a gather around the call, FSDP1) or zero-size placeholders live at addresses the signature
+    cannot see. Tensor-parallel shards (``DTensor`` parameters outside FSDP) are resident: the
+    step reads the local shard. So are FSDP2's (graphcap unshards them around the call,
+    :mod:`graphcap.rollout.holder.fsdp`) and ZeRO-3 parameters gathered around the call
+    (TRL's ``ds3_gather_for_generation``, which also removes ZeRO-3's hooks)."""
     for name, module in modules:
         kind = type(module).__name__
+        if is_fsdp2(module):
+            continue
         if kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
             return f"module {name or '<root>'!r} is FSDP-managed ({kind}; gathered during forward)"
+        hook = _zero3_hook(module)
+        if hook is not None:
+            return (
+                f"module {name or '<root>'!r} runs DeepSpeed ZeRO-3's forward hook {hook} (it "
+                "gathers and releases parameters inside forward): gather the parameters around "
+                "generate and remove the hooks, as TRL's ds3_gather_for_generation=True does"
+            )
     for name, param in parameters:
-        if hasattr(param, "ds_id") or hasattr(param, "ds_status"):
-            return f"parameter {name!r} is managed by DeepSpeed ZeRO-3 (gathered during forward)"
+        status = getattr(getattr(param, "ds_status", None), "name", "AVAILABLE")
+        if hasattr(param, "ds_id") and (param.numel() == 0 or status != "AVAILABLE"):
+            return (
+                f"parameter {name!r} is a DeepSpeed ZeRO-3 partition ({status}; gathered during "
+                "forward): gather the parameters around generate, as TRL's "
+                "ds3_gather_for_generation=True does"
+            )
         if param.numel() == 0:
             return f"parameter {name!r} is a zero-size placeholder (not resident)"
+    return None
+
+
+def _zero3_hook(module: torch.nn.Module) -> str | None:
+    """The qualified name of a forward hook DeepSpeed installed on ``module``, or ``None``."""
+    state = vars(module)
+    for hooks in (state.get("_forward_pre_hooks", {}), state.get("_forward_hooks", {})):
+        for hook in hooks.values():
+            where, name = hook_name(hook)
+            if where.split(".")[0] == "deepspeed":
+                return f"{where}.{name}"
     return None

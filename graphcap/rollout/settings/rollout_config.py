@@ -104,8 +104,10 @@ class RolloutConfig:
     engine at the captured address and the new values copied there each call (no capture).
     ``"copy"``: the engine's own copy in its memory region (released at a sleep), refilled
     from the model at each call, for trainers whose weights move every round. ``"auto"`` (the
-    default): ``"copy"`` for DeepSpeed ZeRO-3 parameters, else ``"model"`` (docs/trainers.md,
-    "Weights that move").
+    default): ``"copy"`` for DeepSpeed ZeRO-3 parameters and FSDP2 models, else ``"model"``
+    (docs/trainers.md, "Weights that move"). FSDP2 models are served from the copy in every
+    mode: FSDP frees and reallocates its unsharded storage in place (docs/trainers.md,
+    "Sharded trainers").
     """
 
     enable_graph_capture: bool | None = None
