@@ -308,6 +308,28 @@ class _Recording:
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.error: GraphCaptureError | None = None
+        #: frozen aliases of the tensors operations were given (see :meth:`frozen`)
+        self.aliases: dict[tuple, torch.Tensor] = {}
+
+    def frozen(self, value: Any) -> Any:
+        """``value`` with every tensor replaced by an alias of the memory it had at this point
+        of the capture (the same storage, offset, sizes and strides): a device graph replays on
+        addresses, so a replay must not follow a tensor object that later points elsewhere
+        (``param.data = ...``, an in-place resize of its metadata)."""
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or _overrides_dispatch(type(value)):
+                return value
+            key = (id(value), value.data_ptr(), value.storage_offset(), *value.shape, None,
+                   *value.stride())  # fmt: skip
+            alias = self.aliases.get(key)
+            if alias is None:
+                alias = self.aliases[key] = value.detach()
+            return alias
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.frozen(item) for item in value)
+        if isinstance(value, dict):
+            return {name: self.frozen(item) for name, item in value.items()}
+        return value
 
     def fail(self, message: str) -> GraphCaptureError:
         error = GraphCaptureError(message)
@@ -385,7 +407,8 @@ class _Recorder(TorchDispatchMode):
         single = result if fresh and isinstance(result, torch.Tensor) else None
         several = tuple(fresh) if fresh and single is None else None
         run = _completing(func) if collective else func.op
-        rec.steps.append((run, args, kwargs, single, several))
+        frozen_args, frozen_kwargs = rec.frozen(args), rec.frozen(kwargs)
+        rec.steps.append((run, frozen_args, frozen_kwargs, single, several))
         rec.op_names.append(str(func))
         return result
 
