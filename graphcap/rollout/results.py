@@ -38,6 +38,12 @@ class RolloutStats:
     them), over the cache's life; ``kv_cache_bytes``: the K/V buffers' size at the call's end.
     ``nan_draws``: tokens sampled for rows whose logits held NaN (a diverged model; each such
     draw is uniform, and the call warns with a ``NonFiniteLogitsWarning``).
+    ``sampler_shape``: what the call's sampler ran (:meth:`SamplerShape.describe
+    <graphcap.rollout.sampling.SamplerShape.describe>`, e.g. ``"samples, truncates, keyed"``;
+    the engine keeps a graph per shape and each call replays its own).
+    ``capture_reasons``: why each graph this call captured was missing, in capture order (a
+    new signature, a sampler shape first met, a ladder size first reached, a per-position
+    graph).
     """
 
     path: str
@@ -71,6 +77,8 @@ class RolloutStats:
     kv_pool_growths: int = 0
     kv_cache_bytes: int = 0
     nan_draws: int = 0
+    sampler_shape: str = "greedy"
+    capture_reasons: list[str] = field(default_factory=list)
 
     @property
     def joined_projections(self) -> int:

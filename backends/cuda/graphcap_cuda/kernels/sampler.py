@@ -210,7 +210,10 @@ def _truncated_draw(
     PIVOTS: tl.constexpr,
     VALUE_PASSES: tl.constexpr,
     PRECISE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched dependent (kernels.launch): the scores are the last kernel's
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     base = scores_ptr + row.to(tl.int64) * stride
     live = tl.load(finished_ptr + row).to(tl.int32) == 0
@@ -286,6 +289,8 @@ def _truncated_draw(
         drawn = tl.where(m > winner, at, drawn)
         winner = tl.maximum(winner, m)
 
+    if PDL:  # the next kernel may start
+        tl.extra.cuda.gdc_launch_dependents()
     greedy = tl.where(has_nan, nan_at, first_max)
     token = tl.where(seeded, drawn, greedy)
     tl.store(tokens_ptr + row, tl.where(live, token, 0).to(tl.int64))
@@ -314,6 +319,7 @@ def truncated_draw(
     tokens = torch.empty(rows, dtype=torch.long, device=scores.device)
     cut = torch.empty(rows, dtype=torch.float32, device=scores.device)
     counter = generated.reshape(-1)
+    pdl = launch.dependent(scores.device)
     if rows:
         _truncated_draw[(rows,)](
             scores,
@@ -335,7 +341,9 @@ def truncated_draw(
             PIVOTS=PIVOTS,
             VALUE_PASSES=VALUE_PASSES,
             PRECISE=not INTERPRETED,
+            PDL=pdl,
             num_warps=NUM_WARPS,
+            launch_pdl=pdl,
         )
     return tokens, cut
 
