@@ -222,3 +222,39 @@ def test_key_spaced_passes_find_the_same_cut(value_passes, monkeypatch):
         SamplingParams(do_sample=True, seed=4, top_p=0.6),
     ]
     _check(scores, params)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU models need the interpreter")
+@pytest.mark.parametrize("draws", ["per_row", "generate"])
+def test_captured_steps_with_the_kernel_draw_the_reference_tokens(draws):
+    """The engine on a backend offering the kernel (the CPU one, interpreted): captured steps
+    choose the tokens and log-probs that the core's math chooses eagerly, keyed or drawn from
+    the shared generator, with one graph for truncating and plain calls alike."""
+    from graphcap.cpu import CPUBackend
+    from graphcap.rollout import RolloutConfig, RolloutEngine
+    from graphcap.tiny_models import prompts, tiny_model
+
+    model = tiny_model("llama")
+    ids, mask = prompts(3, width=5)
+    backend = type(
+        "FusedSamplerBackend", (CPUBackend,), {"truncated_draw": lambda self: truncated_draw}
+    )()
+    fused = RolloutEngine(
+        model, RolloutConfig(backend=backend, enable_graph_capture=True, draws=draws)
+    )
+    reference = RolloutEngine(
+        model, RolloutConfig(backend=CPUBackend(), enable_graph_capture=False, draws=draws)
+    )
+    base = {"do_sample": True, "max_new_tokens": 6, "eos_token_id": [], "return_logprobs": True}
+    calls = [{"top_k": 20, "top_p": 0.9}, {"temperature": 0.8}, {"min_p": 0.05, "temperature": 1.5}]
+    for i, change in enumerate(calls):
+        params = SamplingParams(**base, **change)
+        torch.manual_seed(i)
+        got = fused.generate(ids, mask, params)
+        torch.manual_seed(i)
+        expected = reference.generate(ids, mask, params)
+        assert got.stats.path == "static_graph", got.stats.fallback_reason
+        assert torch.equal(got.sequences, expected.sequences), change
+        torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-5, atol=1e-5)
+        assert "truncates" not in got.stats.sampler_shape
+    assert got.stats.captures == 1
