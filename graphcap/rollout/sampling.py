@@ -4,9 +4,11 @@ Every sampling setting (greedy or sample, temperature, top-k, top-p, min-p, repe
 min_new_tokens, seed, log-prob mode) is a per-row device tensor of :class:`RowSettings`, written
 before each call, so one captured step serves any mix of settings, also within one batch. A few
 facts shape the graph (:class:`SamplerShape`), so a step pays only for what some row of the
-engine has used: sampling at all, truncation (top-k / top-p / min-p: a threshold search over
-the vocabulary, never a sort), the shared generator's draw, the keyed draw, log-probs,
-penalties.
+engine has used (sampling at all, the shared generator's draw, the keyed draw, log-probs,
+penalties) and for truncation only where some row of the call itself truncates: top-k, top-p
+and min-p here sort each row once (:func:`truncated`). A backend may offer a fused kernel that
+truncates and draws without sorting (:meth:`~graphcap.backend.Backend.truncated_draw`; the
+CUDA plugin's is Triton); this module's math is then its reference and fallback.
 
 The order and the arithmetic follow ``generate`` (repetition penalty, min_new_tokens,
 temperature, top-k, top-p, min-p). Two ways to draw (``RolloutConfig.draws``, docs/rollout.md):
