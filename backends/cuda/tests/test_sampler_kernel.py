@@ -258,3 +258,14 @@ def test_captured_steps_with_the_kernel_draw_the_reference_tokens(draws):
         torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-5, atol=1e-5)
         assert "truncates" not in got.stats.sampler_shape
     assert got.stats.captures == 1
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU backend needs the interpreter")
+def test_the_conformance_check_passes_with_the_kernel():
+    from graphcap.cpu import CPUBackend
+    from graphcap.testing.conformance.test_capabilities import (
+        test_truncated_draw_matches_the_reference,
+    )
+
+    fused = {"truncated_draw": lambda self: truncated_draw}
+    test_truncated_draw_matches_the_reference(type("FusedSampler", (CPUBackend,), fused)())
