@@ -10,11 +10,14 @@ differ, the largest log-probability difference before it (0.0: bitwise-equal sco
 step), and whether eager decoding on the graph's capture stream gives the graph's tokens.
 
     python3 benchmarks/profile_decode.py OUT.json [--cases llama-8b:bf16:1,llama-8b:bf16:64] \\
-        [--new-tokens 256] [--[no-]fuse-projections] [--uncompiled] [--compare-eager]
+        [--new-tokens 256] [--[no-]fuse-projections] [--uncompiled] [--compare-eager] \\
+        [--core-sampler]
 
 A case is ``preset:dtype:batch[:sampling[:draws]]``: ``sampling`` one of :data:`SAMPLINGS`
 (default greedy), ``draws`` ``per_row`` (the default) or ``generate`` (``RolloutConfig.draws``),
-so the sampler's cost is the difference between cases of one run.
+so the sampler's cost is the difference between cases of one run. Sampled steps truncate and
+draw with the backend's fused kernel (``Backend.truncated_draw``) where it offers one;
+``--core-sampler`` times the core's PyTorch math instead (the CUDA plugin's ``FUSED_SAMPLER``).
 
 The engine runs the default configuration (compiled captures where the backend declares that
 compiling pays, as ``graphcap bench``'s ``graphcap-graph`` mode), or with ``--uncompiled``
@@ -78,6 +81,8 @@ SAMPLINGS: dict[str, dict[str, Any]] = {
     "t1": {"do_sample": True, "temperature": 1.0},
     "topp95": {"do_sample": True, "top_p": 0.95},
     "topk50": {"do_sample": True, "top_k": 50},
+    "minp05": {"do_sample": True, "min_p": 0.05},
+    "topk50-topp95": {"do_sample": True, "top_k": 50, "top_p": 0.95},
     "t1-truncating": {"do_sample": True, "top_p": 0.999999},
 }
 
@@ -137,6 +142,8 @@ def profile_case(
         "batch": batch,
         "sampling": sampling,
         "draws": draws,
+        "sampler_shape": out.stats.sampler_shape,
+        "fused_sampler": backend.truncated_draw() is not None,
         "prompt": prompt,
         "new": new,
         "attention": out.stats.attention,
@@ -196,7 +203,14 @@ def main() -> None:
     parser.add_argument(
         "--fuse-projections", action=argparse.BooleanOptionalAction, help="default: the backend's"
     )
+    parser.add_argument(
+        "--core-sampler", action="store_true", help="the core's sampling math, not the kernel"
+    )
     args = parser.parse_args()
+    if args.core_sampler:
+        import graphcap_cuda.backend
+
+        graphcap_cuda.backend.FUSED_SAMPLER = False
     results = []
     for case in args.cases.split(","):
         preset, dtype, batch, *how = case.split(":")

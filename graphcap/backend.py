@@ -22,6 +22,8 @@ from graphcap.errors import GraphcapError, GraphCaptureError, GraphUnsupportedEr
 MaskForm = Literal["additive", "bool"]
 #: Capture error modes of the ``graph`` context managers of torch's CUDA and NPU device modules.
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+#: A backend's fused truncation and draw (:meth:`Backend.truncated_draw`).
+TruncatedDraw = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,22 @@ class Backend:
         which captures of ``RolloutConfig(compile=True)`` route every projection through;
         ``None`` (the default): they use ``F.linear``. The callable takes any input and falls
         back to ``F.linear`` itself where its kernel does not apply."""
+        return None
+
+    def truncated_draw(self) -> TruncatedDraw | None:
+        """A fused kernel for sampled decode steps that truncates each row (top-k, top-p,
+        min-p) and draws its keyed token without sorting the vocabulary; ``None`` (the
+        default): the core's PyTorch math (:mod:`graphcap.rollout.sampling`), the reference.
+
+        Called as ``draw(scores, temperature, top_k, top_p_floor, min_p, sample, seeded, key,
+        finished, generated)`` with float32 ``(B, V)`` scores and the
+        :class:`~graphcap.rollout.sampling.RowSettings` columns, it returns ``(tokens, cut)``:
+        each row's token (the keyed draw where the row samples with a key, else the first
+        maximum of ``scores``, NaN first; any token for finished rows) and its cut, the
+        temperature-scaled score at and above which the row keeps its tokens (``-inf`` keeps
+        all, NaN marks a sampled row whose scores held a NaN). It keeps the set ``generate``
+        keeps (ties at top-p's cut aside) and draws what the reference draws from the same
+        key; the conformance suite checks both."""
         return None
 
     def compile_options(self) -> dict[str, Any]:

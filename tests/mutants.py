@@ -64,6 +64,11 @@ SHARDED = "tests/test_sharded_trainers.py"
 CACHE = "tests/test_compile_cache.py"
 NUMERICS = "tests/test_rollout_numerics.py"
 LADDER = "tests/test_rollout_ladder.py"
+SAMPLER_KERNEL = "backends/cuda/tests/test_sampler_kernel.py"
+PER_CALL_SHAPES = (
+    "tests/test_rollout_sampling.py::"
+    "test_greedy_first_then_sampling_captures_each_shape_once_then_never"
+)
 CONTINUOUS_LADDER = "tests/test_rollout_continuous_ladder.py"
 
 HOOKED_COMPILE = (
@@ -1062,8 +1067,8 @@ PLANTS = (
     Plant(
         "a vanishing temperature draws uniformly among the overflowed tokens",
         "graphcap/rollout/sampling.py",
-        "    warped = sanitise(warp(scores, rows, shape.truncates), finished, scores, best)",
-        "    warped = sanitise(warp(scores, rows, shape.truncates), finished)",
+        "        warped = sanitise(warp(scores, rows, shape.truncates), finished, scores, best)",
+        "        warped = sanitise(warp(scores, rows, shape.truncates), finished)",
         (NUMERICS + "::test_a_vanishing_temperature_samples_the_argmax",),
     ),
     Plant(
@@ -1173,6 +1178,41 @@ PLANTS = (
         '(param.numel() == 0 or status != "AVAILABLE")',
         '(status != "AVAILABLE")',
         ("tests/test_rollout_units.py::test_non_resident_parameters_are_named",),
+    ),
+    Plant(
+        "the fused sampler's search stops with two values left",
+        "backends/cuda/graphcap_cuda/kernels/sampler.py",
+        "    while (lo < hi) & (n_lo - n_hi > 1):",
+        "    while (lo < hi) & (n_lo - n_hi > 2):",
+        (SAMPLER_KERNEL,),
+    ),
+    Plant(
+        "the fused sampler's noise skips the token hash",
+        "backends/cuda/graphcap_cuda/kernels/sampler.py",
+        "bits = _hash32(step_key ^ _hash32(cols.to(tl.uint32) + _GOLDEN))",
+        "bits = _hash32(step_key ^ (cols.to(tl.uint32) + _GOLDEN))",
+        (SAMPLER_KERNEL,),
+    ),
+    Plant(
+        "the fused sampler's top-p forgets top-k's cut",
+        "backends/cuda/graphcap_cuda/kernels/sampler.py",
+        "                kept = inside & (keys >= floor_key)\n",
+        "                kept = inside\n",
+        (SAMPLER_KERNEL,),
+    ),
+    Plant(
+        "a call truncates because an earlier call did",
+        "graphcap/rollout/sampling.py",
+        "truncates=any(truncates(p) for p in sampled) and (records or not fused),",
+        "truncates=self.truncates or any(truncates(p) for p in sampled),",
+        (PER_CALL_SHAPES,),
+    ),
+    Plant(
+        "a call replays another sampler shape's graph",
+        "graphcap/rollout/holder/holder.py",
+        "self._held.graphs.get((self.sampler, key))",
+        "next((g for (_, k), g in self._held.graphs.items() if k == key), None)",
+        (PER_CALL_SHAPES,),
     ),
 )
 

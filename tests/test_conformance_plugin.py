@@ -330,6 +330,7 @@ def test_cpu_passes_with_table_and_json(
         "contract::test_graph_hooks_refuse_without_capture",
         "capabilities::test_graph_attention_is_offered",
         "capabilities::test_one_row_product_matches_linear",
+        "capabilities::test_truncated_draw_matches_the_reference",
         "capabilities::test_offered_attention_matches_sdpa[gpt2]",
         "capabilities::test_offered_attention_matches_sdpa[llama]",
         "kv_blocks::test_host_lengths_reach_the_backend_before_every_replay",

@@ -137,15 +137,21 @@ def test_sampled_training_and_greedy_evaluation_alternate_on_one_capture():
     assert len({tuple(r) for r in first.sequences[:4, width:].tolist()}) == 4
 
 
-def test_greedy_first_then_sampling_recaptures_once_then_never():
+def test_greedy_first_then_sampling_captures_each_shape_once_then_never():
+    """After a sampled call, greedy calls replay the sampling graph that does not truncate:
+    a call pays for its own rows' truncation, never for an earlier call's."""
     model = tiny_model("gpt2")
     ids, mask = prompts(3, seed=4)
     engine = engine_on(model)
     greedy = SamplingParams(max_new_tokens=NEW, **NO_EOS)
     sampled = SamplingParams(do_sample=True, top_p=0.9, max_new_tokens=NEW, seed=1, **NO_EOS)
-    counts = [engine.generate(ids, mask, p).stats for p in (greedy, sampled, greedy, sampled)]
-    assert [s.captures for s in counts] == [1, 2, 2, 2]
+    calls = (greedy, sampled, greedy, sampled, greedy)
+    counts = [engine.generate(ids, mask, p).stats for p in calls]
+    assert [s.captures for s in counts] == [1, 2, 3, 3, 3]
     assert counts[1].recapture_reason == ["sampler"]
+    assert [s.sampler_shape for s in counts[1:3]] == ["samples, truncates, keyed", "samples, keyed"]
+    assert counts[2].capture_reasons == ["sampler shape first met (samples, keyed)"]
+    assert counts[3].capture_reasons == counts[4].capture_reasons == []
 
 
 def test_mixed_settings_in_one_batch_equal_each_row_alone():
@@ -202,10 +208,11 @@ def test_seeded_call_leaves_the_global_rng_alone_and_is_reproducible():
     state = torch.get_rng_state()
     engine.generate(ids, mask, unseeded)
     assert not torch.equal(torch.get_rng_state(), state)
-    # a greedy call replaying the sampling graph leaves it alone
+    # a greedy call replaying a sampling graph (one that does not truncate) leaves it alone
     state = torch.get_rng_state()
     greedy = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS))
-    assert greedy.stats.captures == 1 and torch.equal(torch.get_rng_state(), state)
+    assert greedy.stats.captures == 2 and torch.equal(torch.get_rng_state(), state)
+    assert greedy.stats.sampler_shape == "samples, keyed"
 
 
 def test_seeded_row_does_not_depend_on_its_batch_companions():

@@ -10,6 +10,8 @@ that draws from the shared generator).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from rollout_models import prompts, tiny_model
@@ -132,7 +134,7 @@ def test_the_keyed_draw_samples_the_warped_distribution(setting):
     rows = RowSettings.allocate(rows_n, vocab, torch.device("cpu"))
     rows.write([params] * rows_n, list(range(rows_n)))
     rows.key.copy_(torch.randint(0, 2**32, (rows_n,)))  # independent streams
-    shape = SamplerShape().widen([params])
+    shape = SamplerShape().widen([replace(params, return_logprobs=True)])  # the distribution
     assert shape.keyed and not shape.shared
     finished = torch.zeros(rows_n, dtype=torch.bool)
     chosen, drawn_from, _ = select(scores, rows, finished, torch.tensor(4), None, shape)

@@ -44,6 +44,12 @@ class RolloutStats:
     (some of them moved and the engine holds the storage its graphs read) or ``"copy"`` (the
     engine's own copy, ``RolloutConfig.weights``); ``weights_copied``: tensors copied into
     them for this call (:mod:`graphcap.rollout.holder.weights`).
+    ``sampler_shape``: what the call's sampler ran (:meth:`SamplerShape.describe
+    <graphcap.rollout.sampling.SamplerShape.describe>`, e.g. ``"samples, truncates, keyed"``;
+    the engine keeps a graph per shape and each call replays its own).
+    ``capture_reasons``: why each graph this call captured was missing, in capture order (a
+    new signature, a sampler shape first met, a ladder size first reached, a per-position
+    graph).
     """
 
     path: str
@@ -80,6 +86,8 @@ class RolloutStats:
     wake_s: float | None = None
     weights: str = "model"
     weights_copied: int = 0
+    sampler_shape: str = "greedy"
+    capture_reasons: list[str] = field(default_factory=list)
 
     @property
     def joined_projections(self) -> int:

@@ -4,9 +4,11 @@ Every sampling setting (greedy or sample, temperature, top-k, top-p, min-p, repe
 min_new_tokens, seed, log-prob mode) is a per-row device tensor of :class:`RowSettings`, written
 before each call, so one captured step serves any mix of settings, also within one batch. A few
 facts shape the graph (:class:`SamplerShape`), so a step pays only for what some row of the
-engine has used: sampling at all, truncation (top-k / top-p / min-p: a threshold search over
-the vocabulary, never a sort), the shared generator's draw, the keyed draw, log-probs,
-penalties.
+engine has used (sampling at all, the shared generator's draw, the keyed draw, log-probs,
+penalties) and for truncation only where some row of the call itself truncates: top-k, top-p
+and min-p here sort each row once (:func:`truncated`). A backend may offer a fused kernel that
+truncates and draws without sorting (:meth:`~graphcap.backend.Backend.truncated_draw`; the
+CUDA plugin's is Triton); this module's math is then its reference and fallback.
 
 The order and the arithmetic follow ``generate`` (repetition penalty, min_new_tokens,
 temperature, top-k, top-p, min-p). Two ways to draw (``RolloutConfig.draws``, docs/rollout.md):
@@ -32,7 +34,7 @@ import torch
 from graphcap.rollout.settings.sampling_params import LOGPROBS_MODES, SamplingParams
 
 if TYPE_CHECKING:
-    from graphcap.backend import Backend
+    from graphcap.backend import Backend, TruncatedDraw
 
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B9
@@ -40,26 +42,28 @@ GOLDEN32 = 0x9E3779B9
 
 @dataclass(frozen=True)
 class SamplerShape:
-    """What the sampler adds to the graph signature: facts that only ever grow per engine (the
-    records excepted).
+    """What the sampler adds to a step: facts that grow per engine, and those each call decides
+    for itself (truncation, the records).
 
     ``samples``: the step contains the sampling branch; a greedy-only engine never pays for
     it, and the first call with a sampled row captures once more (from then on every call,
-    greedy or not, replays that graph). ``truncates``: some sampled row used top-k, top-p or
-    min-p, so the step searches each row's kept set (:func:`truncated`); without it a sampled
-    step only scales by the temperature. ``shared``: some sampled row drew from the
-    shared generator (``multinomial`` over all rows, generate's own numbers); ``keyed``: some
-    sampled row drew from its own hash stream. ``logprobs``: the step computes log-probs.
-    ``penalty`` / ``min_new``: the step applies the repetition penalty / blocks stop ids
-    before ``min_new_tokens`` (some row had one; likewise); ``output_penalty``: vLLM's
-    presence and frequency penalties (likewise); ``top_logprobs``: how many alternatives per
-    token the step records (the most any call asked for; a call asking fewer reads the first
-    ones). ``record_scores`` / ``record_logits``: the step records every step's scores /
-    logits; unlike the other facts these are the call's own, never grown (a call that asks for
-    no records writes none and may take the ladder, whatever an earlier call asked).
-    ``stops``: (sequences, longest) of the stop-sequence table the step matches against,
-    (0, 0) = none; a call's own list is written into it, so only a longer or larger list
-    recaptures.
+    greedy or not, replays that graph). ``truncates``: the step runs top-k, top-p and min-p
+    in the core's math (:func:`truncated`, one sort), because some sampled row of *this call*
+    uses one; it adds no buffer, so the engine keeps a graph of each value and a call replays
+    the one its rows need (a step with a backend's fused kernel truncates inside the kernel
+    and leaves it off, unless it records scores, which the core's math gives). ``shared``:
+    some sampled row drew from the shared generator (``multinomial`` over all rows,
+    generate's own numbers); ``keyed``: some sampled row drew from its own hash stream.
+    ``logprobs``: the step computes log-probs. ``penalty`` / ``min_new``: the step applies
+    the repetition penalty / blocks stop ids before ``min_new_tokens`` (some row had one;
+    likewise); ``output_penalty``: vLLM's presence and frequency penalties (likewise);
+    ``top_logprobs``: how many alternatives per token the step records (the most any call
+    asked for; a call asking fewer reads the first ones). ``record_scores`` /
+    ``record_logits``: the step records every step's scores / logits; like truncation these
+    are the call's own, never grown (a call that asks for no records writes none and may take
+    the ladder, whatever an earlier call asked). ``stops``: (sequences, longest) of the
+    stop-sequence table the step matches against, (0, 0) = none; a call's own list is written
+    into it, so only a longer or larger list recaptures.
     """
 
     samples: bool = False
@@ -80,19 +84,24 @@ class SamplerShape:
         """Whether the step records every step's scores or logits (``(B, L, V)`` float32)."""
         return self.record_scores or self.record_logits
 
-    def widen(self, rows: Sequence[SamplingParams]) -> SamplerShape:
-        """The shape that serves both what this one served and every row of ``rows``."""
+    def widen(self, rows: Sequence[SamplingParams], fused: bool = False) -> SamplerShape:
+        """The shape that serves both what this one served and every row of ``rows``, with
+        truncation only where some sampled row of ``rows`` truncates and the step has no
+        fused kernel (``fused``) to do it, and the records ``rows`` ask for."""
         sampled = [p for p in rows if p.do_sample]
+        record_scores = any(p.output_scores for p in rows)
+        record_logits = any(p.output_logits for p in rows)
+        records = record_scores or record_logits
         return SamplerShape(
             samples=self.samples or bool(sampled),
-            truncates=self.truncates or any(truncates(p) for p in sampled),
+            truncates=any(truncates(p) for p in sampled) and (records or not fused),
             shared=self.shared or any(p.seed is None for p in sampled),
             keyed=self.keyed or any(p.seed is not None for p in sampled),
             logprobs=self.logprobs or any(p.return_logprobs for p in rows),
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
             min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
-            record_scores=any(p.output_scores for p in rows),
-            record_logits=any(p.output_logits for p in rows),
+            record_scores=record_scores,
+            record_logits=record_logits,
             top_logprobs=max([self.top_logprobs, *(p.top_logprobs for p in rows)]),
             output_penalty=self.output_penalty
             or any(p.presence_penalty or p.frequency_penalty for p in rows),
@@ -101,6 +110,21 @@ class SamplerShape:
                 max([self.stops[1], *(len(q) for p in rows for q in p.stop_sequences or ())]),
             ),
         )
+
+    @property
+    def per_engine(self) -> SamplerShape:
+        """This shape without what each call decides for itself (truncation): the member of
+        the graph signature, so calls that differ only there share the step's buffers."""
+        return replace(self, truncates=False)
+
+    def describe(self) -> str:
+        """The facts that are set, e.g. ``"samples, truncates, keyed"`` (``"greedy"``)."""
+        facts = [
+            f.name if v is True else f"{f.name}={v}"
+            for f in fields(self)
+            if (v := getattr(self, f.name)) not in (False, 0, (0, 0))
+        ]
+        return ", ".join(facts) or "greedy"
 
 
 def truncates(params: SamplingParams) -> bool:
@@ -462,10 +486,11 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
 
 class Selection(NamedTuple):
     """What :func:`select` chose: the token per row, the scores of the distribution it was
-    chosen from, and which rows' scores held a NaN (drawn from flat scores instead)."""
+    chosen from (``None`` where the step computes no log-probs) and which rows' scores held a
+    NaN (drawn from flat scores instead)."""
 
     tokens: torch.Tensor
-    drawn_from: torch.Tensor
+    drawn_from: torch.Tensor | None
     nan_rows: torch.Tensor
 
 
@@ -476,28 +501,53 @@ def select(
     generated: torch.Tensor,
     generator: torch.Generator | None,
     shape: SamplerShape,
+    draw: TruncatedDraw | None = None,
 ) -> Selection:
-    """The chosen token per row, the scores of the distribution it was chosen from, and the
-    rows whose scores held a NaN (one row maximum serves that and :func:`sanitise`).
+    """The chosen token per row, the scores of the distribution it was chosen from (where
+    ``shape.logprobs``), and the rows whose scores held a NaN.
 
     Greedy rows: argmax of ``scores`` (the processed scores, bitwise). Sampled rows: warped,
     then the keyed draw (Gumbel-max over the row's hash stream) where the row has a key, else
     one ``multinomial`` draw over all rows from the shared generator (as generate draws, so it
-    consumes the generator identically). Greedy and keyed rows share one argmax pass; ``shape``
-    leaves out what no row of the engine used.
+    consumes the generator identically). ``draw``: a backend's fused kernel
+    (:meth:`~graphcap.backend.Backend.truncated_draw`), which chooses greedy and keyed rows'
+    tokens and gives each row's cut; the warped scores are then built from the cuts, only
+    where the shared draw or the log-probs read them. Without it, greedy and keyed rows share
+    one argmax pass; ``shape`` leaves out what no row of the step uses.
     """
-    best = scores.amax(dim=-1, keepdim=True)
-    warped = sanitise(warp(scores, rows, shape.truncates), finished, scores, best)
-    if shape.keyed:
-        noisy = warped + gumbel(rows, generated)
-        chosen = argmax_rows(torch.where(rows.seeded[:, None], noisy, scores))
+    if draw is not None:
+        chosen, cut = draw(
+            scores,
+            rows.temperature,
+            rows.top_k,
+            rows.top_p_floor,
+            rows.min_p,
+            rows.sample,
+            rows.seeded,
+            rows.key,
+            finished,
+            generated,
+        )
+        nan_rows = torch.isnan(cut)
+        warped = None
+        if shape.shared or shape.logprobs:
+            scaled = scores / rows.temperature[:, None]
+            kept = scaled.masked_fill(scaled < cut[:, None], -float("inf"))
+            warped = sanitise(kept, finished, scores)
     else:
-        chosen = argmax_rows(scores)
+        best = scores.amax(dim=-1, keepdim=True)
+        nan_rows = torch.isnan(best).squeeze(1)
+        warped = sanitise(warp(scores, rows, shape.truncates), finished, scores, best)
+        if shape.keyed:
+            noisy = warped + gumbel(rows, generated)
+            chosen = argmax_rows(torch.where(rows.seeded[:, None], noisy, scores))
+        else:
+            chosen = argmax_rows(scores)
     if shape.shared:
         drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
         chosen = torch.where(rows.sample & ~rows.seeded, drawn, chosen)
-    drawn_from = torch.where(rows.sample[:, None], warped, scores)
-    return Selection(chosen, drawn_from, torch.isnan(best).squeeze(1))
+    drawn_from = torch.where(rows.sample[:, None], warped, scores) if shape.logprobs else None
+    return Selection(chosen, drawn_from, nan_rows)
 
 
 def logprob_distribution(

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from graphcap.backend import Availability, GraphBackend, MemoryRegion
+from graphcap.backend import Availability, GraphBackend, MemoryRegion, TruncatedDraw
 from graphcap_cuda.attention import DEFAULT_ATTENTION
 from graphcap_cuda.kernels import launch
 from graphcap_cuda.memory import SleepableRegion, memory_saver
@@ -28,6 +28,9 @@ EPILOGUES = True
 #: None: torch's setting. cuBLASLt made the compiled batch-64 step faster and cost nothing
 #: elsewhere (docs/decisions.md, decision 18).
 CAPTURE_BLAS: str | None = "cublaslt"
+#: Whether sampled steps truncate and draw with graphcap_cuda.kernels.sampler's fused kernel
+#: (benchmarks turn it off to time the core's PyTorch math).
+FUSED_SAMPLER = True
 
 HINT = (
     "Work inside a CUDA graph capture must not synchronise with the host (.item(), "
@@ -107,6 +110,17 @@ class CUDABackend(GraphBackend):
         except ImportError:  # a torch build without Triton
             return None
         return gemv.linear
+
+    def truncated_draw(self) -> TruncatedDraw | None:
+        """graphcap_cuda.kernels.sampler's kernel where Triton is installed: one kernel
+        truncates and draws, with no sort of the vocabulary."""
+        if not FUSED_SAMPLER:
+            return None
+        try:
+            from graphcap_cuda.kernels import sampler
+        except ImportError:  # a torch build without Triton
+            return None
+        return sampler.truncated_draw
 
 
 @contextlib.contextmanager

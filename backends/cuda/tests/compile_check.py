@@ -17,7 +17,7 @@ import sys
 
 import torch
 import triton
-from graphcap_cuda.kernels import gemv, launch, split_kv
+from graphcap_cuda.kernels import gemv, launch, sampler, split_kv
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
@@ -138,14 +138,28 @@ def _paged_case(
     split_kv.split_kv_decode_paged(q, *pools, wide, table, lengths, head_dim**-0.5, 0.0)
 
 
+def _sampler_cases() -> None:
+    for rows, vocab in ((4, 128256), (3, 1000)):  # llama's vocabulary, and one short of a block
+        settings = [torch.rand(rows), torch.randint(0, 60, (rows,)), torch.rand(rows)]
+        flags = [torch.ones(rows, dtype=torch.bool)] * 2
+        key, finished = torch.randint(0, 2**32, (rows,)), torch.zeros(rows, dtype=torch.bool)
+        for generated in (torch.tensor([3]), torch.arange(rows)):  # static, continuous
+            sampler.truncated_draw(
+                torch.randn(rows, vocab), *settings, torch.rand(rows), *flags, key, finished,
+                generated,
+            )  # fmt: skip
+
+
 def main() -> None:
     launches: list = []
     launch.dependent = lambda device: True  # compile the dependent-launch code too
     # private: the Triton kernels themselves, wrapped to record every launch's compile
     gemv._gemv = Recorder(gemv._gemv, launches)
     split_kv._split_kv_partial = Recorder(split_kv._split_kv_partial, launches)
+    sampler._truncated_draw = Recorder(sampler._truncated_draw, launches)
     _gemv_cases()
     _split_kv_cases()
+    _sampler_cases()
     seen = set()
     for kernel, args, kwargs in launches:
         key = (

@@ -5,7 +5,11 @@ replacement is allocated), captures through the one capture routine
 (:func:`~graphcap.rollout.holder.capture.timed_capture`) with the process group's agreement, and
 keeps graphs off for the engine after a failed capture. The static path holds one graph (key
 ``None``) and one per size of the live-row ladder it reached; per-position graphs are keyed by
-position. Keyed graphs share one memory pool.
+position. Each key has a graph per sampler shape the engine's calls ran (the shapes differ in
+what each call decides for itself, truncation; :class:`~graphcap.rollout.sampling.SamplerShape`):
+the holder serves one call at a time, and :meth:`GraphHolder.sampler_for` sets the call's shape,
+whose graphs the other methods then mean. Keyed graphs, and every graph captured while another
+is held, share one memory pool.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class Held:
 
     signature: GraphSignature
     step: DecodeStep
-    graphs: dict[GraphKey, object] = field(default_factory=dict)
+    graphs: dict[tuple[SamplerShape, GraphKey], object] = field(default_factory=dict)
     pool: object | None = None
     region: MemoryRegion | None = None
 
@@ -88,8 +92,9 @@ class GraphHolder:
         self._captures = 0
         #: why graphs are off for this engine (a failed capture here or on another rank)
         self.disabled_reason: str | None = None
-        #: the sampler's graph shape: it only grows, so alternating greedy and sampled calls
-        #: replay one graph (docs/rollout.md, "One graph for any setting")
+        #: the sampler's shape: it grows per engine, so alternating greedy and sampled calls
+        #: replay one graph (docs/rollout.md, "One graph for any setting"), except truncation,
+        #: which is the current call's own (its graphs are this shape's)
         self.sampler = SamplerShape()
         #: the model's host state when this engine last compiled (see :meth:`_compiled`)
         self.compiled_state: object | None = None
@@ -103,9 +108,13 @@ class GraphHolder:
         return self._captures
 
     def sampler_for(self, rows: Sequence[SamplingParams]) -> SamplerShape:
-        """The sampler shape serving this call (its per-row settings ``rows``) and every
-        earlier one."""
-        self.sampler = self.sampler.widen(rows)
+        """The narrowest sampler shape on the engine's buffers that serves this call (its
+        per-row settings ``rows``): what every earlier call grew, and the call's own
+        truncation. The call's graphs and steps are this shape's from now on."""
+        fused = self.backend.truncated_draw() is not None
+        self.sampler = self.sampler.widen(rows, fused)
+        if self._held is not None:
+            self._held.step.sampler = self.sampler
         return self.sampler
 
     def release_stale(self, signature: GraphSignature) -> list[str]:
@@ -135,6 +144,7 @@ class GraphHolder:
                 with region.allocating(keep=True):
                     step = build(functools.partial(region.allocating, keep=False))
             self._held = Held(signature, step, region=region)
+        self._held.step.sampler = self.sampler
         return self._held.step
 
     @property
@@ -201,11 +211,25 @@ class GraphHolder:
         return 0 if self._held is None else self._held.step.cache.nbytes()
 
     def graph(self, key: GraphKey = None) -> object | None:
-        return None if self._held is None else self._held.graphs.get(key)
+        """The call's sampler shape's graph ``key``, ``None`` when not captured."""
+        return None if self._held is None else self._held.graphs.get((self.sampler, key))
 
     @property
     def graph_count(self) -> int:
-        return 0 if self._held is None else len(self._held.graphs)
+        """Graphs held for the call's sampler shape."""
+        held = () if self._held is None else self._held.graphs
+        return sum(shape == self.sampler for shape, _ in held)
+
+    def capture_reason(self, key: GraphKey = None) -> str:
+        """Why graph ``key`` of the call's sampler shape is missing (and so captured)."""
+        held = {} if self._held is None else self._held.graphs
+        if not held:
+            return "no graph held (a new signature: see recapture_reason)"
+        if not any(shape == self.sampler for shape, _ in held):
+            return f"sampler shape first met ({self.sampler.describe()})"
+        if isinstance(key, tuple):
+            return f"batch_ladder size {key[1]} first reached"
+        return "per-position graph" if isinstance(key, int) else "no full-size graph"
 
     def agree(self, use_graph: bool, capture: bool) -> GraphVerdict:
         """The process group's graph decision for this call (local without a group): use graphs
@@ -240,7 +264,7 @@ class GraphHolder:
             # a compiled step's graph keeps its memory's contents across a sleep: measured on
             # an H100, its replays after a wake differed from an engine's that never slept
             memory = functools.partial(region.capturing, keep=compiled)
-        elif key is not None:  # a set of graphs shares one pool
+        elif key is not None or self._held.graphs:  # a set of graphs shares one pool
             pool = self._held.pool = self._held.pool or self.backend.graph_pool_handle()
         cache, warmup_s = None, 0.0
         try:
@@ -259,7 +283,7 @@ class GraphHolder:
             self.disabled_reason = peer_failure
             self.drop_graphs()
             return self._outcome(None, start, warmup_s, cache)
-        self._held.graphs[key] = graph
+        self._held.graphs[self.sampler, key] = graph
         return self._outcome(graph, start, warmup_s, cache)
 
     def _outcome(

@@ -32,6 +32,8 @@ class Record:
     path: Path
     fallback_reason: str | None
     recapture_reason: list[str]
+    sampler_shape: str = "greedy"
+    capture_reasons: list[str] = field(default_factory=list)
     attention: str | None = None
     compiled: bool = False
     captured: bool = False
@@ -47,7 +49,8 @@ class Record:
     def start(cls, holder: GraphHolder, plan: Plan) -> Record:
         """A call's record before it decodes: eager (graphs come with a runner), the plan's
         reason, and what the holder dropped for the plan's signature."""
-        return cls(plan.path.eager_fallback, plan.reason, holder.release_stale(plan.signature))
+        dropped = holder.release_stale(plan.signature)
+        return cls(plan.path.eager_fallback, plan.reason, dropped, plan.sampler.describe())
 
     def agree(self, holder: GraphHolder, plan: Plan, missing: bool) -> bool:
         """Whether the call uses graphs, as the process group agreed (``missing``: this rank
@@ -68,7 +71,9 @@ class Record:
         self, holder: GraphHolder, step: DecodeStep, plan: Plan, key: GraphKey = None
     ) -> object | None:
         """Capture ``step`` as the holder's graph ``key``; ``None`` when it failed, after which
-        the call's remaining steps run eagerly (its path the eager one, with the reason)."""
+        the call's remaining steps run eagerly (its path the eager one, with the reason). The
+        record keeps why the graph was missing."""
+        self.capture_reasons.append(holder.capture_reason(key))
         outcome = holder.capture(step, plan.attention, key=key, compiled=plan.compiled)
         self.capture_s += outcome.capture_s
         self.warmup_s += outcome.warmup_s

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from graphcap.backend import Backend
+from graphcap.backend import Backend, TruncatedDraw
 from graphcap.errors import GraphUnsupportedModelError
 from graphcap.rollout.cache.blocks import rounded_length
 from graphcap.rollout.cache.masks import layer_windows, unsupported_layer_types
@@ -245,7 +245,9 @@ class Plan:
     call does not take the path the config asked for (eager instead of a graph, or the static
     graph instead of per-position graphs, or uncompiled steps); ``None`` when it does.
     ``compiled``: captured steps run the blocks around attention compiled
-    (:mod:`graphcap.rollout.plan.regions`).
+    (:mod:`graphcap.rollout.plan.regions`). ``sampler``: the sampler shape the call's steps
+    run (the signature holds its per-engine part; the holder keeps a graph per shape).
+    ``draw``: the backend's fused truncation and draw, ``None`` for the core's math.
     """
 
     path: Path
@@ -253,7 +255,9 @@ class Plan:
     signature: GraphSignature
     windows: dict[str, int | None]
     attention: str
-    compiled: bool = False
+    compiled: bool
+    sampler: SamplerShape
+    draw: TruncatedDraw | None
 
     @property
     def graph(self) -> bool:
@@ -277,7 +281,7 @@ def plan_call(
     """The plan of one call (pure: reads the model and settings, changes nothing).
 
     ``scan``: the call's one pass over the model (:func:`~graphcap.rollout.plan.scan.scan_model`).
-    ``sampler``: the sampler shape the step needs (the holder's, widened by this call);
+    ``sampler``: the sampler shape the call's steps run (:meth:`GraphHolder.sampler_for`);
     ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
     """
     asked = Path.asked(config)
@@ -315,7 +319,7 @@ def plan_call(
         batch_size=batch_size,
         total_len=total_len if block_size is None else rounded_length(total_len, block_size),
         device=backend.device,
-        sampler=sampler,
+        sampler=sampler.per_engine,
         pad_id=settings.pad_token_id,
         mask_form=backend.capabilities.mask_form,
         windows=windows,
@@ -326,4 +330,5 @@ def plan_call(
         compiled=compiled,
         kv_block_size=block_size,
     )
-    return Plan(path, reason, signature, windows, attention, compiled)
+    draw = backend.truncated_draw()
+    return Plan(path, reason, signature, windows, attention, compiled, sampler, draw)

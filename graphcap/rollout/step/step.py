@@ -39,6 +39,7 @@ from graphcap.rollout.sampling import (
 )
 
 if TYPE_CHECKING:
+    from graphcap.backend import TruncatedDraw
     from graphcap.rollout.plan import Plan
     from graphcap.rollout.settings.call import CallSettings
 
@@ -264,14 +265,17 @@ class DecodeStep:
         state: DecodeState,
         sampler: SamplerShape,
         generator: torch.Generator | None,
+        draw: TruncatedDraw | None = None,
     ):
-        """``sampler`` shapes the step: the sampling branch, log-probs, the processors."""
+        """``sampler`` shapes the step: the sampling branch, log-probs, the processors.
+        ``draw``: the backend's fused truncation and draw, where it offers one."""
         self.model = model
         self.cache = cache
         self.masks = masks
         self.state = state
         self.sampler = sampler
         self.generator = generator
+        self.draw = draw
         self._extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         self._cache_keyword = cache_keyword(model)
 
@@ -309,7 +313,7 @@ class DecodeStep:
             state.alternatives(sig.sampler.top_logprobs)
         if sig.sampler.stops != (0, 0):
             state.stop_sequence_table(*sig.sampler.stops)
-        return cls(model, cache, masks, state, sig.sampler, generator)
+        return cls(model, cache, masks, state, sig.sampler, generator, plan.draw)
 
     allocate_state = staticmethod(DecodeState.allocate)
     #: A block table's pool holds every row's whole table from the start: a call's rows all
@@ -353,17 +357,18 @@ class DecodeStep:
         )
         if self.sampler.samples:
             chosen, drawn_from, nan_rows = select(
-                scores, s.rows, s.finished, s.generated, self.generator, self.sampler
+                scores, s.rows, s.finished, s.generated, self.generator, self.sampler, self.draw
             )
             # the sampler draws a NaN row uniformly (it must not reach multinomial): count it
             s.nan_draws.add_((nan_rows & s.rows.sample & ~s.finished).sum())
         else:
-            chosen, drawn_from = argmax_rows(scores), scores
+            chosen = argmax_rows(scores)
+            drawn_from = scores if self.sampler.logprobs else None
         token = torch.where(s.finished, s.pad, chosen)
         column = self.cache.write_pos[:, None]
         s.sequences.scatter_(1, column, token[:, None])
         s.response.scatter_(1, column, ~s.finished[:, None])
-        if self.sampler.logprobs:
+        if drawn_from is not None:  # the step computes log-probs (sampler.logprobs)
             dist = logprob_distribution(drawn_from, logits, s.rows)
             logp = dist.gather(1, chosen[:, None])
             s.logprobs.scatter_(1, column, logp.masked_fill(s.finished[:, None], 0.0))

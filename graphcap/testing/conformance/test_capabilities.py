@@ -6,7 +6,8 @@ stream (``capture_needs_side_stream`` and the explicit ``stream=`` the engine pa
 ``collectives_in_graph`` (a one-rank group of the backend's own distributed backend, captured and
 replayed), the plugin's attention (``graph_attention`` and every implementation the plugin
 offers, run by the engine's decode step with masks in the declared ``mask_form``, against SDPA),
-and the backend's one-row product (against ``F.linear``, eagerly and replayed).
+the backend's one-row product (against ``F.linear``, eagerly and replayed), and its fused
+sampler (against the core's truncation and keyed draw).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from graphcap.backend import Backend
 from graphcap.registry import attention_implementations, register_attention_implementations
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.holder.capture import capture_step
+from graphcap.rollout.sampling import RowSettings, SamplerShape, select, truncated
 from graphcap.testing import models
 from graphcap.testing.conformance.replay import replay
 
@@ -168,3 +170,40 @@ def test_one_row_product_matches_linear(gc_backend: Backend) -> None:
     replay(backend, graph)
     expected = torch.nn.functional.linear(x, joined)
     torch.testing.assert_close(out["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_truncated_draw_matches_the_reference(gc_backend: Backend) -> None:
+    """A backend's ``truncated_draw`` keeps the core's set (top-k, top-p after top-k, min-p;
+    rows without ties at a cut) and draws the core's keyed tokens from the same key; greedy
+    rows get the argmax."""
+    backend = gc_backend
+    draw = backend.truncated_draw()
+    if draw is None:
+        pytest.skip(f"backend {backend.name!r} offers no fused sampler (the core's math is used)")
+    settings = [
+        {"top_k": 7},
+        {"top_p": 0.9, "temperature": 0.7},
+        {"min_p": 0.05},
+        {"top_k": 40, "top_p": 0.8, "min_p": 0.01},
+        {"temperature": 1.3},
+    ]
+    params = [SamplingParams(do_sample=True, seed=3 + i, **s) for i, s in enumerate(settings)]
+    params.append(SamplingParams())
+    rows, vocab = len(params), 1537  # not a multiple of any power-of-two block
+    gen = torch.Generator().manual_seed(0)
+    scores = (torch.randn(rows, vocab, generator=gen) * 3).to(backend.device)
+    table = RowSettings.allocate(rows, vocab, backend.device)
+    table.write(params, [0] * rows)
+    finished = torch.zeros(rows, dtype=torch.bool, device=backend.device)
+    generated = torch.tensor([4], device=backend.device)
+    tokens, cut = draw(
+        scores, table.temperature, table.top_k, table.top_p_floor, table.min_p, table.sample,
+        table.seeded, table.key, finished, generated,
+    )  # fmt: skip
+    shape = SamplerShape(samples=True, truncates=True, keyed=True)
+    expected = select(scores, table, finished, generated, None, shape).tokens
+    assert torch.equal(tokens.cpu(), expected.cpu()), "the keyed draws differ from the core's"
+    scaled = scores / table.temperature[:, None]
+    kept = truncated(scaled, table) > -float("inf")
+    ours = scaled >= cut[:, None]
+    assert torch.equal(ours[:-1].cpu(), kept[:-1].cpu()), "the kept sets differ from the core's"
