@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import gc
 import itertools
 import weakref
 from collections.abc import Iterator
@@ -72,14 +71,15 @@ def memory_saver() -> Any | None:
 
 
 @atexit.register
-def _forget_pools() -> None:
-    """At exit, the graph pools go while frees are allowed (inside a region of the saver),
-    not in the interpreter's teardown, where torch_memory_saver would abort on them."""
+def _frees_allowed_at_exit() -> None:
+    """From here to the process's end every free reaches torch_memory_saver's allocator as if
+    inside one of its regions: the pools that go in the interpreter's teardown would otherwise
+    abort the process (it refuses frees outside its regions). The library has no public switch
+    for it, so this sets its flag through its loaded binary (private, at exit only)."""
     saver = memory_saver() if _POOLS else None
-    if saver is not None:
-        with saver.region(tag="graphcap-exit"):
-            _POOLS.clear()
-            gc.collect()
+    binary = getattr(getattr(saver, "_impl", None), "_binary_wrapper", None)
+    if binary is not None:
+        binary.cdll.tms_set_interesting_region(True)
 
 
 def _graph_pool_allocator() -> Any:
@@ -100,6 +100,7 @@ class SleepableRegion(MemoryRegion):
         self._graph_pool: torch.cuda.MemPool | None = None
         self._state = {"released": False}
         self._bytes = 0
+        self._nested: list[int] = []  # bytes counted inside each open block, innermost last
         #: a region collected without close() gives its memory back all the same
         self._finalizer = weakref.finalize(self, _release, saver, self._all_tags(), self._state)
 
@@ -128,12 +129,18 @@ class SleepableRegion(MemoryRegion):
     @contextlib.contextmanager
     def _counted(self) -> Iterator[None]:
         """Adds the memory torch reserves inside the block to :meth:`nbytes` (new segments,
-        which the region's allocator maps)."""
+        which the region's allocator maps), once: a block nested in another (the K/V buffers
+        inside a step's build) is not counted again by the outer one."""
         before = torch.cuda.memory_reserved()
+        self._nested.append(0)
         try:
             yield
         finally:
-            self._bytes += max(0, torch.cuda.memory_reserved() - before)
+            inner = self._nested.pop()
+            grown = max(0, torch.cuda.memory_reserved() - before)
+            self._bytes += grown - inner
+            if self._nested:
+                self._nested[-1] += grown
 
     @property
     def released(self) -> bool:

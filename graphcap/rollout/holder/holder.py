@@ -168,6 +168,7 @@ class GraphHolder:
             return None
         start = time.perf_counter()
         self.backend.synchronize()  # no queued replay may still use the memory
+        self.backend.empty_cache()  # what was free already is not counted as given back
         before = self.backend.free_memory()
         if held.region is None:
             size = held.step.cache.nbytes()
