@@ -15,10 +15,13 @@ backend here, a GPU unchanged). Each iteration:
    ratio is ``exp(trainer - rollout)``; ``optimizer.step()`` updates the weights in place, so
    their addresses (in the graph signature) stay and the next rollout replays the same graph.
 
-Without ``--sleep`` the engine keeps its KV cache and graph between rollouts: one capture for
-the whole run. With ``--sleep`` it calls ``engine.sleep()`` before each training step, handing
-the cache and graph memory to the trainer; each next rollout then captures again (one capture
-per iteration, its time in ``capture_s``). docs/rollout.md, "A GRPO loop", discusses the choice.
+Without ``--sleep`` the engine keeps its KV cache and graphs between rollouts. With ``--sleep`` it
+calls ``engine.sleep()`` before each training step, handing that memory to the trainer; where the
+backend keeps addresses across a release (``keeps_addresses_on_release``: the CPU reference
+backend, CUDA with torch_memory_saver) the graphs survive it and the next rollout replays them
+after mapping the memory again (``wake_s``), elsewhere it captures again. Either way each graph
+is one batch size of the live-row ladder, captured the first time a rollout reaches it.
+docs/rollout.md, "Memory between rollouts", discusses the choice.
 """
 
 from __future__ import annotations
@@ -145,8 +148,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
         )
 
     assert addresses == [p.data_ptr() for p in model.parameters()], "a weight moved"
-    # kept across in-place updates: each size once, or once a rollout when sleep() dropped them
-    expected = graphs if args.sleep else len(sizes)
+    # kept across in-place updates and sleeps that keep them: each size once; once a rollout
+    # where a sleep drops them
+    kept = not args.sleep or backend.capabilities.keeps_addresses_on_release
+    expected = len(sizes) if kept else graphs
     captures = engine.captures
     assert captures == expected, f"captured {captures} graphs, expected {expected}"
     print(f"captures={captures} (expected {expected}); max log-prob difference {max_diff:.2e}")

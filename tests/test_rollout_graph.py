@@ -113,7 +113,6 @@ SIGNATURE_CHANGES = {
     "batch_size": ("batch_size", {}, None),
     "total_len": ("total_len", {"max_new_tokens": NEW + 1}, None),
     "dtype": ("dtype", {}, lambda m: m.to(torch.float64)),
-    "parameter_address": ("tensors", {}, _replace_param),
     "training": ("training", {}, lambda m: m.train()),
     "attn_implementation": ("attn_implementation", {}, _set_eager_attention),
     "autocast": ("autocast", {}, None),
@@ -122,6 +121,23 @@ SIGNATURE_CHANGES = {
     "pad_id": ("pad_id", {"pad_token_id": 3}, None),
     "return_logprobs": ("sampler", {"return_logprobs": True}, None),
 }
+
+
+def test_a_parameter_in_new_storage_is_copied_into_what_the_graph_reads():
+    """A new address is no recapture: the engine keeps the storage its graph read and copies
+    the new values there for the call (docs/rollout.md, "Memory between rollouts")."""
+    model = tiny_model("llama", fresh=True)
+    engine = make_engine(model, length_buckets=None)
+    ids, mask = prompts(3)
+    params = SamplingParams(max_new_tokens=NEW, do_sample=True, top_k=0, seed=3, **NO_EOS)
+    first = engine.generate(ids, mask, params)
+    _replace_param(model)
+    second = engine.generate(ids, mask, params)
+    reference = run(model, ids, mask, False, **_kw(params))
+    assert not second.stats.captured and second.stats.captures == first.stats.captures
+    assert second.stats.weights == "adopted" and second.stats.weights_copied == 1
+    assert torch.equal(second.sequences, reference.sequences)
+    assert not torch.equal(second.sequences, first.sequences)
 
 
 @pytest.mark.parametrize("change", sorted(SIGNATURE_CHANGES))

@@ -176,12 +176,14 @@ def test_sleep_and_wake_up_take_vllm_signatures():
     first = engine.generate(ids, mask, params)
     for level in (1, 2):
         engine.sleep(level=level)
-        assert engine.step is None
-        engine.wake_up(tags=["weights"])
+        assert engine.sleeping
+        engine.wake_up(tags=["weights"])  # the caller's weights: nothing to map
+        assert engine.sleeping
         engine.wake_up(tags=["kv_cache"])
+        assert not engine.sleeping
         engine.wake_up()
         again = engine.generate(ids, mask, params)
-        assert torch.equal(again.sequences, first.sequences) and again.stats.captured
+        assert torch.equal(again.sequences, first.sequences) and not again.stats.captured
     with pytest.raises(ValueError, match="1 or 2"):
         engine.sleep(level=3)
     with pytest.raises(ValueError, match="weights"):
