@@ -56,6 +56,7 @@ DROP_IN_COPIES = (
 DROP_IN_PICKLES = (
     "tests/test_drop_in.py::test_an_accelerated_model_pickles_saves_and_loads_with_plain_generate"
 )
+TRAINING_LOOP = "tests/test_training_loop.py"
 NPU_ENGINE = "backends/npu/tests/test_npu_engine.py"
 NPU_RULES = "backends/npu/tests/test_npu_hardware_rules.py"
 
@@ -1213,6 +1214,65 @@ PLANTS = (
         "self._held.graphs.get((self.sampler, key))",
         "next((g for (_, k), g in self._held.graphs.items() if k == key), None)",
         (PER_CALL_SHAPES,),
+    ),
+    Plant(
+        "the K/V pools are not zeroed when a sleeping engine wakes",
+        "graphcap/rollout/holder/holder.py",
+        "        self._held.step.cache.clear()\n",
+        "",
+        (TRAINING_LOOP,),
+    ),
+    Plant(
+        "the cache's write positions live with the K/V pools (lost at a sleep)",
+        "graphcap/rollout/cache/cache.py",
+        "        self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)\n"
+        "        self.max_len, self.memory = max_len, memory\n",
+        "        with memory():\n"
+        "            self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)\n"
+        "        self.max_len, self.memory = max_len, memory\n",
+        (TRAINING_LOOP + "::test_a_sleep_keeps_every_buffer_but_the_kv_pools",),
+    ),
+    Plant(
+        "the CPU region files an allocation under the outermost block",
+        "graphcap/cpu/region.py",
+        "        keep = self.region.scopes[-1]",
+        "        keep = self.region.scopes[0]",
+        (TRAINING_LOOP,),
+    ),
+    Plant(
+        "a moved parameter's new values are not copied into what the graphs read",
+        "graphcap/rollout/holder/weights.py",
+        "                    held.copy_(tensor)\n",
+        "",
+        (TRAINING_LOOP,),
+    ),
+    Plant(
+        "the model's parameters keep pointing at the engine's tensors after a call",
+        "graphcap/rollout/holder/weights.py",
+        "        tensor.data = own\n",
+        "        pass\n",
+        (TRAINING_LOOP,),
+    ),
+    Plant(
+        "CPU graphs replay on tensor objects, not on the memory their capture saw",
+        "graphcap/cpu/graph.py",
+        "rec.steps.append((run, frozen_args, frozen_kwargs, single, several))",
+        "rec.steps.append((run, args, kwargs, single, several))",
+        (TRAINING_LOOP,),
+    ),
+    Plant(
+        "the drop-in holds its memory between calls",
+        "graphcap/rollout/drop_in.py",
+        "                if self.sleep_between_calls:",
+        "                if False:",
+        (TRAINING_LOOP,),
+    ),
+    Plant(
+        "a replay of released memory is not refused",
+        "graphcap/cpu/graph.py",
+        "        if RELEASED_STORAGES and _released(self._storages):",
+        "        if False:",
+        (TRAINING_LOOP + "::test_a_replay_never_reads_released_memory",),
     ),
 )
 

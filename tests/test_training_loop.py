@@ -186,6 +186,27 @@ def test_copy_mode_serves_from_its_own_copy_released_at_sleep():
     assert torch.equal(again.sequences, reference.generate(ids, mask, SAMPLED).sequences)
 
 
+@pytest.mark.parametrize("weights", ["model", "copy"])
+def test_a_parameter_replaced_by_new_values_is_read_from_what_the_graph_captured(weights):
+    """A parameter object replaced with new values (as ``load_state_dict(assign=True)`` does):
+    the graph reads the memory its capture saw (the engine's copy, or the adopted storage),
+    refilled from the new object; a replay that followed tensor objects (the embedding reads
+    its weight object directly) would read the old one."""
+    model = tiny_model("llama", fresh=True)
+    config = RolloutConfig(enable_graph_capture=True, backend=CPUBackend(), weights=weights)
+    engine = RolloutEngine(model, config)
+    ids, mask = prompts(ROWS)
+    first = engine.generate(ids, mask, SAMPLED)
+    embed = model.model.embed_tokens
+    embed.weight = torch.nn.Parameter(embed.weight.detach() * 1.5)  # a new object, new values
+    twin = copy.deepcopy(model)
+    again = engine.generate(ids, mask, SAMPLED)
+    reference = RolloutEngine(twin, dataclasses.replace(config, backend=CPUBackend()))
+    assert not again.stats.captured
+    assert torch.equal(again.sequences, reference.generate(ids, mask, SAMPLED).sequences)
+    assert not torch.equal(again.sequences, first.sequences)
+
+
 def test_a_replay_never_reads_released_memory():
     """The reference region refuses a replay on released storage, so a graph replayed during
     a sleep fails instead of reading memory the device no longer has."""
