@@ -1233,13 +1233,6 @@ PLANTS = (
         (TRAINING_LOOP + "::test_a_sleep_keeps_every_buffer_but_the_kv_pools",),
     ),
     Plant(
-        "the CPU region files an allocation under the outermost block",
-        "graphcap/cpu/region.py",
-        "        keep = self.region.scopes[-1]",
-        "        keep = self.region.scopes[0]",
-        (TRAINING_LOOP,),
-    ),
-    Plant(
         "a moved parameter's new values are not copied into what the graphs read",
         "graphcap/rollout/holder/weights.py",
         "                    held.copy_(tensor)\n",

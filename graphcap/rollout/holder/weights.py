@@ -89,6 +89,7 @@ class HeldWeights:
                         continue
                     if not copying:
                         self._adopted.add(name)
+                    held.copy_(tensor)
                     copied += 1
                     swapped.append((tensor, tensor.data))
                     tensor.data = held
