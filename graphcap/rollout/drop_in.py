@@ -36,6 +36,7 @@ from transformers import GenerationConfig
 
 from graphcap.errors import GenerateFallbackWarning, RequestTooLargeError
 from graphcap.rollout.engine import RolloutEngine
+from graphcap.rollout.exact import trainer_exact
 from graphcap.rollout.plan import graph_refusal
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.results import RolloutStats
@@ -135,6 +136,9 @@ class AcceleratedGenerate:
                     return served
         if reason is not None:
             self._fall_back(reason)
+        if self.engine.config.trainer_exact:  # generate's forwards are the trainer's too
+            with trainer_exact(self.model):
+                return self.original(*args, **kwargs)
         return self.original(*args, **kwargs)
 
     def restore(self) -> None:
