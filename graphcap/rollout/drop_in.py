@@ -481,7 +481,8 @@ def accelerate_generate(
         )
     config = drop_in_config(config or drop_in_default_config())
     accelerated = AcceleratedGenerate(target, config, sleep_between_calls)
-    if getattr(target, "dtype", None) in (torch.float16, torch.bfloat16):
+    half = getattr(target, "dtype", None) in (torch.float16, torch.bfloat16)
+    if half and not config.trainer_exact:  # exact calls compute as the trainer does
         warnings.warn(
             f"graphcap: this model computes in {target.dtype}: served calls are half-precision "
             "rollouts, which graphcap's captured step rounds differently from generate's (its "
