@@ -25,6 +25,7 @@ from graphcap.rollout import (
     token_logprobs,
     trainer_exact,
 )
+from graphcap.rollout.exact import check_exact_backend
 from graphcap.tiny_models import PAD, prompts, tiny_model
 
 #: family -> config overrides: mistral slides a window shorter than a call; qwen3's MLP width
@@ -241,6 +242,8 @@ def test_models_and_settings_trainer_exact_cannot_serve_are_refused_with_the_rea
             RolloutConfig(trainer_exact=True, enable_graph_capture=True, **{field: True})
     with pytest.raises(ValueError, match="graph_attention"):
         RolloutConfig(trainer_exact=True, graph_attention="sdpa")
+    with pytest.raises(ValueError, match="CPU reference backend only"):
+        check_exact_backend("cuda")
 
 
 def test_trainer_exact_restores_the_models_own_forward():

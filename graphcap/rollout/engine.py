@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 from graphcap.backend import Backend
 from graphcap.registry import get_backend, register_attention_implementations
 from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.exact import check_exact_model, trainer_exact
+from graphcap.rollout.exact import check_exact_backend, check_exact_model, trainer_exact
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
@@ -75,6 +75,7 @@ class RolloutEngine:
         check_graph_attention(self.config.graph_attention)
         if self.config.trainer_exact:
             check_exact_model(model)
+            check_exact_backend(self.backend.device_type)
         agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None
         cache = CompileCache(resolve_directory(self.config.compile_cache))

@@ -73,6 +73,17 @@ def check_exact_model(model: torch.nn.Module) -> None:
         raise ValueError(reason)
 
 
+def check_exact_backend(device_type: str) -> None:
+    """Refuse a device: the orders these functions rely on (torch's sequential CPU ``cumsum``,
+    the CPU BLAS per tile shape) are measured on the CPU only, and no device kernel exists."""
+    if device_type != "cpu":
+        raise ValueError(
+            f"trainer_exact=True is built for the CPU reference backend only; on "
+            f"{device_type!r} no trainer-exact kernels exist yet and the CPU reference's "
+            "reduction orders are not guaranteed there: use the default mode"
+        )
+
+
 def tiled_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
