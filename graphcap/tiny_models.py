@@ -29,6 +29,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB, PAD, EOS, BOS = 128, 0, 1, 2
@@ -37,11 +39,12 @@ HIDDEN = 64
 SEED = 1234
 #: Init std per family: GPT-2 / OPT (learned positions, LayerNorm) need a larger one than the
 #: rotary families before greedy outputs stop repeating a single token.
-ROTARY_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma", "gemma2")
+ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
 INIT = {"gpt2": 1.0, "opt": 1.0} | dict.fromkeys(ROTARY_FAMILIES, 0.3)
 _ROTARY_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -57,10 +60,10 @@ def tiny_model(
     seed: int = SEED,
     **overrides: object,
 ) -> torch.nn.Module:
-    """A 2-layer, hidden-64 fp32 model of ``family`` (gpt2, opt, llama, qwen2, mistral, phi3,
-    gemma, gemma2) with weights drawn under ``seed``, in eval mode on the current default device;
-    ``overrides`` are config fields (sizes, token ids). Its generation config carries the
-    config's pad and EOS ids."""
+    """A 2-layer, hidden-64 fp32 model of ``family`` (gpt2, opt, llama, qwen2, qwen3, mistral,
+    phi3, gemma, gemma2) with weights drawn under ``seed``, in eval mode on the current default
+    device; ``overrides`` are config fields (sizes, token ids). Its generation config carries
+    the config's pad and EOS ids."""
     common: dict[str, object] = {
         "vocab_size": vocab_size,
         "pad_token_id": PAD,
@@ -93,7 +96,7 @@ def tiny_model(
         }
         if family == "mistral":
             fields["sliding_window"] = None
-        if family in ("gemma", "gemma2"):  # the default head size (256) is wider than the model
+        if family in ("gemma", "gemma2", "qwen3"):  # default head sizes are wider than the model
             fields["head_dim"] = HIDDEN // 4
         config = config_cls(**fields | common | overrides)
     torch.manual_seed(seed)

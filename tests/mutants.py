@@ -78,7 +78,49 @@ HOOKED_COMPILE = (
 
 ROUND_BY_HAND = "tests/test_bench.py::test_round_inputs_lengths_and_limit_by_hand"
 
+EXACT = "tests/test_trainer_exact.py"
+EXACT_PATHS = EXACT + "::test_rollout_logprobs_equal_the_trainers_bit_for_bit"
+EXACT_ROW = EXACT + "::test_a_rows_logprobs_do_not_depend_on_its_batch_padding_samples_or_path"
+EXACT_DROP_IN = (
+    EXACT + "::test_the_drop_in_serves_trainer_exact_calls_and_hands_generate_the_same_forward"
+)
+
 PLANTS = (
+    Plant(
+        "trainer-exact attention sums its keys in an order that follows the row's length",
+        "graphcap/rollout/exact.py",
+        "return x.cumsum(dim).select(dim, -1)",
+        "return x.sum(dim)",
+        (EXACT_PATHS,),
+    ),
+    Plant(
+        "trainer-exact products take as many rows as they are given (the kernel follows M)",
+        "graphcap/rollout/exact.py",
+        "pad = -count % ROW_TILE",
+        "pad = 0",
+        (EXACT_ROW,),
+    ),
+    Plant(
+        "trainer-exact SiLU is torch's, whose vectorised loop rounds its tail differently",
+        "graphcap/rollout/exact.py",
+        "return x / (1 + torch.exp(-x))",
+        "return F.silu(x)",
+        (EXACT_PATHS,),
+    ),
+    Plant(
+        "the trainer's forward counts left padding as positions",
+        "graphcap/rollout/exact.py",
+        'given.get("position_ids") is None',
+        'given.get("position_ids") is None and False',
+        (EXACT_PATHS,),
+    ),
+    Plant(
+        "the drop-in hands exact calls to generate with the model's own forward",
+        "graphcap/rollout/drop_in.py",
+        "if self.engine.config.trainer_exact:  # generate's forwards",
+        "if False:  # generate's forwards",
+        (EXACT_DROP_IN,),
+    ),
     Plant(
         "a repeat call's memory check forgets the cache the engine holds",
         "graphcap/rollout/paths/record.py",

@@ -4,7 +4,8 @@ Public API: :class:`RolloutEngine`, :class:`RolloutConfig`, :class:`SamplingPara
 :class:`RolloutResult` (and :class:`RolloutStats`), plus :func:`load_weights_in_place` for
 weight updates that keep a captured graph valid and :func:`generate_data_parallel` for
 data-parallel rollouts under torchrun, and :func:`accelerate_generate` to serve an existing
-model's ``generate`` (docs/trainers.md; its default config: :func:`drop_in_default_config`).
+model's ``generate`` (docs/trainers.md; its default config: :func:`drop_in_default_config`), and
+:func:`trainer_exact` / :func:`token_logprobs`, the trainer's side of trainer-exact rollouts.
 See docs/rollout.md and docs/continuous.md.
 """
 
@@ -21,6 +22,7 @@ from graphcap.rollout.drop_in import (
     restore_generate,
 )
 from graphcap.rollout.engine import RolloutEngine
+from graphcap.rollout.exact import token_logprobs, trainer_exact
 from graphcap.rollout.results import RolloutResult, RolloutStats
 from graphcap.rollout.settings import RolloutConfig, SamplingParams
 from graphcap.rollout.weights import WeightsLoaded, load_weights_in_place
@@ -41,4 +43,6 @@ __all__ = [
     "generate_data_parallel",
     "load_weights_in_place",
     "restore_generate",
+    "token_logprobs",
+    "trainer_exact",
 ]

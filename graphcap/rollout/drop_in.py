@@ -36,6 +36,7 @@ from transformers import GenerationConfig
 
 from graphcap.errors import GenerateFallbackWarning, RequestTooLargeError
 from graphcap.rollout.engine import RolloutEngine
+from graphcap.rollout.exact import trainer_exact
 from graphcap.rollout.plan import graph_refusal
 from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.results import RolloutStats
@@ -135,6 +136,9 @@ class AcceleratedGenerate:
                     return served
         if reason is not None:
             self._fall_back(reason)
+        if self.engine.config.trainer_exact:  # generate's forwards are the trainer's too
+            with trainer_exact(self.model):
+                return self.original(*args, **kwargs)
         return self.original(*args, **kwargs)
 
     def restore(self) -> None:
@@ -477,7 +481,8 @@ def accelerate_generate(
         )
     config = drop_in_config(config or drop_in_default_config())
     accelerated = AcceleratedGenerate(target, config, sleep_between_calls)
-    if getattr(target, "dtype", None) in (torch.float16, torch.bfloat16):
+    half = getattr(target, "dtype", None) in (torch.float16, torch.bfloat16)
+    if half and not config.trainer_exact:  # exact calls compute as the trainer does
         warnings.warn(
             f"graphcap: this model computes in {target.dtype}: served calls are half-precision "
             "rollouts, which graphcap's captured step rounds differently from generate's (its "

@@ -22,6 +22,7 @@ from transformers import GenerationConfig
 from graphcap.backend import Backend
 from graphcap.registry import get_backend, register_attention_implementations
 from graphcap.rollout.cache import StaticKVCache
+from graphcap.rollout.exact import check_exact_backend, check_exact_model, trainer_exact
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
@@ -72,6 +73,9 @@ class RolloutEngine:
         # Attention offered by the backend's plugin becomes a valid attn_implementation name.
         register_attention_implementations(self.backend)
         check_graph_attention(self.config.graph_attention)
+        if self.config.trainer_exact:
+            check_exact_model(model)
+            check_exact_backend(self.backend.device_type)
         agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None
         cache = CompileCache(resolve_directory(self.config.compile_cache))
@@ -146,6 +150,8 @@ class RolloutEngine:
                 generator,
                 request_max_new_tokens,
             )
+            if self.config.trainer_exact:  # the prefill, every step and the capture alike
+                stack.enter_context(trainer_exact(self.model))
             with (
                 torch.no_grad(),
                 without_checkpointing(self.model),

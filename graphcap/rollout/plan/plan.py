@@ -23,6 +23,7 @@ from graphcap.backend import Backend, TruncatedDraw
 from graphcap.errors import GraphUnsupportedModelError
 from graphcap.rollout.cache.blocks import rounded_length
 from graphcap.rollout.cache.masks import layer_windows, unsupported_layer_types
+from graphcap.rollout.exact import EXACT_ATTENTION
 from graphcap.rollout.plan.regions import regions_to_compile
 from graphcap.rollout.plan.scan import ModelScan
 from graphcap.rollout.plan.signature import (
@@ -214,6 +215,8 @@ def check_graph_attention(name: str | None) -> None:
 def selected_attention(model: torch.nn.Module, backend: Backend, config: RolloutConfig) -> str:
     """The attention implementation captured steps run: the config's choice, else the
     backend's graph-safe one ("auto"), else the model's own."""
+    if config.trainer_exact:  # the prefill's and the trainer's attention too
+        return EXACT_ATTENTION
     choice = config.graph_attention
     if choice == "auto":
         choice = backend.capabilities.graph_attention

@@ -108,6 +108,12 @@ class RolloutConfig:
     (docs/trainers.md, "Weights that move"). FSDP2 models are served from the copy in every
     mode: FSDP frees and reallocates its unsharded storage in place (docs/trainers.md,
     "Sharded trainers").
+    ``trainer_exact``: every call (prefill, decode step, eager or captured, and ``generate``
+    calls the drop-in hands on) runs the forward of :func:`graphcap.rollout.trainer_exact`, so
+    each recorded log-prob equals, bit for bit, the one a trainer computes under that context
+    (docs/trainers.md, "Trainer-exact rollouts"). Llama, Mistral and Qwen2/3 models only;
+    ``compile`` and ``fuse_projections`` stay off (they round differently), ``graph_attention``
+    is the exact attention. CPU reference backend only: no device kernels yet.
     """
 
     enable_graph_capture: bool | None = None
@@ -131,6 +137,7 @@ class RolloutConfig:
     batch_ladder: tuple[int, ...] | Literal["auto"] | None = "auto"
     sleep_keeps_graphs: bool = True
     weights: Literal["auto", "model", "copy"] = "auto"
+    trainer_exact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.compile_cache, os.PathLike):  # a pathlib.Path names a directory too
@@ -179,6 +186,7 @@ class RolloutConfig:
                 "compile=True with per_position_graphs=True would compile the forward once per "
                 "decode position (each attends over a different width); set only one"
             )
+        self._check_trainer_exact()
         if self.compile_cache == "":
             raise ValueError(
                 'compile_cache="" names no directory; use "auto", a directory, or None for '
@@ -205,7 +213,7 @@ class RolloutConfig:
         backend's declared default, except for per-position graphs (never) and tensor-parallel
         steps (``process_group`` set: compiled TP steps have not run anywhere yet, so they
         compile only when asked)."""
-        if self.per_position_graphs:
+        if self.per_position_graphs or self.trainer_exact:
             return False
         if self.compile is None:
             return self.process_group is None and backend.capabilities.compile_by_default
@@ -215,9 +223,35 @@ class RolloutConfig:
         """Whether calls fuse q/k/v and gate/up products on ``backend``: ``fuse_projections``
         where set, else in graph engines where the backend declares that fusing pays (eager
         engines run the model as it is unless asked)."""
+        if self.trainer_exact:
+            return False
         if self.fuse_projections is None:
             return self.enable_graph_capture and backend.capabilities.fuse_projections_by_default
         return self.fuse_projections
+
+    def _check_trainer_exact(self) -> None:
+        """Refuse what would round differently from the trainer's forward in exact mode."""
+        if not self.trainer_exact:
+            return
+        asked = [
+            name
+            for name, value in (
+                ("compile", self.compile),
+                ("fuse_projections", self.fuse_projections),
+            )
+            if value
+        ]
+        if asked:
+            raise ValueError(
+                f"trainer_exact=True with {' and '.join(f'{n}=True' for n in asked)}: compiled "
+                "blocks and joined projections round differently from the trainer's forward; "
+                "leave them unset (they stay off in exact mode)"
+            )
+        if self.graph_attention not in ("auto", None):
+            raise ValueError(
+                f"trainer_exact=True runs its own attention; graph_attention="
+                f"{self.graph_attention!r} would replace it: leave graph_attention unset"
+            )
 
     def _check_kv_block_size(self) -> None:
         value = self.kv_block_size
