@@ -90,7 +90,7 @@ def test_sleep_frees_buffers_and_graphs_and_the_next_call_recaptures(config, par
     assert engine.cache is None and engine.step is None
     alive = [type(ref()).__name__ for ref in held + backend.graphs if ref() is not None]
     assert not alive, f"still alive after sleep: {alive}"
-    assert backend.emptied == emptied + 1
+    assert backend.emptied > emptied  # the memory freed goes back to the device
     for name, p in engine.model.named_parameters():  # the weights are untouched
         assert p.data_ptr() == weights[name][0] and torch.equal(p, weights[name][1]), name
 
