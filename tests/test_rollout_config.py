@@ -14,8 +14,8 @@ from graphcap.backend import Backend
 from graphcap.cpu import CPUBackend
 from graphcap.errors import GraphUnsupportedModelError, WouldRunEagerlyError
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from graphcap.rollout.settings.rollout_config import GRAPHS_OFF
 from graphcap.rollout.settings import CallSettings, normalise_request
+from graphcap.rollout.settings.rollout_config import GRAPHS_OFF
 
 
 def test_the_default_engine_captures_where_the_backend_can_and_eager_calls_say_why():

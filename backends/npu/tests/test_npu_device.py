@@ -135,9 +135,7 @@ def test_page_attention_graph_equals_eager_on_the_block_table(
     assert stats.kv_layout == "blocks" and stats.attention == BLOCKS
     assert torch.equal(runs[True].sequences.cpu(), runs[False].sequences.cpu())
     model.set_attn_implementation("sdpa")
-    sdpa = RolloutConfig(
-        backend=backend, kv_block_size=None, enable_graph_capture=False, **extra
-    )
+    sdpa = RolloutConfig(backend=backend, kv_block_size=None, enable_graph_capture=False, **extra)
     reference = RolloutEngine(model, sdpa).generate(ids, mask, params, **calls)
     agree = (runs[True].sequences.cpu() == reference.sequences.cpu()).float().mean().item()
     assert agree > 0.9, f"{agree:.0%} of tokens agree with eager SDPA on the static cache"
