@@ -77,7 +77,43 @@ HOOKED_COMPILE = (
 
 ROUND_BY_HAND = "tests/test_bench.py::test_round_inputs_lengths_and_limit_by_hand"
 
+DROP_IN_EAGER = "tests/test_drop_in_faults.py"
+
 PLANTS = (
+    Plant(
+        "the drop-in serves calls the engine runs eagerly",
+        "graphcap/rollout/drop_in.py",
+        "require_graph=True,",
+        "require_graph=False,",
+        (DROP_IN_EAGER,),
+    ),
+    Plant(
+        "the drop-in's question forgets a failed capture",
+        "graphcap/rollout/engine.py",
+        "disabled = self._holder.disabled_reason",
+        "disabled = None",
+        (DROP_IN_EAGER + "::test_after_a_failed_capture_calls_go_to_generate",),
+    ),
+    Plant(
+        "the default engine runs eagerly",
+        "graphcap/rollout/settings/rollout_config.py",
+        "return self.eager_layout is None and backend.capabilities.graph_capture",
+        "return False",
+        (
+            "tests/test_rollout_config.py::"
+            "test_the_default_engine_captures_where_the_backend_can_and_eager_calls_say_why",
+        ),
+    ),
+    Plant(
+        "an engine with graphs off gives no reason",
+        "graphcap/rollout/plan/plan.py",
+        "        return GRAPHS_OFF\n",
+        "        return None\n",
+        (
+            "tests/test_rollout_config.py::"
+            "test_the_default_engine_captures_where_the_backend_can_and_eager_calls_say_why",
+        ),
+    ),
     Plant(
         "a repeat call's memory check forgets the cache the engine holds",
         "graphcap/rollout/paths/record.py",
