@@ -78,6 +78,9 @@ HOOKED_COMPILE = (
 ROUND_BY_HAND = "tests/test_bench.py::test_round_inputs_lengths_and_limit_by_hand"
 
 DROP_IN_EAGER = "tests/test_drop_in_faults.py"
+WEIGHT_PAIRS = (
+    "tests/test_rollout_units.py::test_load_weights_in_place_takes_vllms_name_tensor_pairs"
+)
 
 PLANTS = (
     Plant(
@@ -93,6 +96,20 @@ PLANTS = (
         "disabled = self._holder.disabled_reason",
         "disabled = None",
         (DROP_IN_EAGER + "::test_after_a_failed_capture_calls_go_to_generate",),
+    ),
+    Plant(
+        "load_weights_in_place takes a mapping only",
+        "graphcap/rollout/weights.py",
+        "enumerate(weights.items() if isinstance(weights, Mapping) else weights)",
+        "enumerate(weights.items())",
+        (WEIGHT_PAIRS,),
+    ),
+    Plant(
+        "a bad weights entry is printed whole",
+        "graphcap/rollout/weights.py",
+        "        else type(item).__name__\n",
+        "        else repr(item)\n",
+        (WEIGHT_PAIRS,),
     ),
     Plant(
         "the default engine runs eagerly",
