@@ -112,6 +112,16 @@ PLANTS = (
         (WEIGHT_PAIRS,),
     ),
     Plant(
+        "from_vllm's log-probs default to the post-sampling ones",
+        "graphcap/rollout/settings/sampling_params.py",
+        'mode = kwargs.pop("logprobs_mode", VLLM_DEFAULT_LOGPROBS_MODE)',
+        'mode = kwargs.pop("logprobs_mode", "sampling")',
+        (
+            "tests/test_rollout_vllm.py::"
+            "test_from_vllm_log_probs_are_vllms_raw_ones_by_default_and_map_its_modes",
+        ),
+    ),
+    Plant(
         "the default engine runs eagerly",
         "graphcap/rollout/settings/rollout_config.py",
         "return self.eager_layout is None and backend.capabilities.graph_capture",
