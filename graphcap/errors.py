@@ -39,6 +39,15 @@ class GraphUnsupportedModelError(GraphcapError):
     """Graph capture was requested for a model configuration graphs cannot serve."""
 
 
+class WouldRunEagerlyError(GraphcapError):
+    """A call made with ``require_graph=True`` would run its steps eagerly; nothing ran.
+    ``reason`` is the plan's reason (what ``stats.fallback_reason`` would have said)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"no graph would serve this call: {reason}")
+        self.reason = reason
+
+
 class CaptureFallbackWarning(RuntimeWarning):
     """A graph capture failed; the call finished eagerly and the engine stays eager."""
 

@@ -84,6 +84,10 @@ EXACT_ROW = EXACT + "::test_a_rows_logprobs_do_not_depend_on_its_batch_padding_s
 EXACT_DROP_IN = (
     EXACT + "::test_the_drop_in_serves_trainer_exact_calls_and_hands_generate_the_same_forward"
 )
+DROP_IN_EAGER = "tests/test_drop_in_faults.py"
+WEIGHT_PAIRS = (
+    "tests/test_rollout_units.py::test_load_weights_in_place_takes_vllms_name_tensor_pairs"
+)
 
 PLANTS = (
     Plant(
@@ -120,6 +124,64 @@ PLANTS = (
         "if self.engine.config.trainer_exact:  # generate's forwards",
         "if False:  # generate's forwards",
         (EXACT_DROP_IN,),
+    ),
+    Plant(
+        "the drop-in serves calls the engine runs eagerly",
+        "graphcap/rollout/drop_in.py",
+        "require_graph=True,",
+        "require_graph=False,",
+        (DROP_IN_EAGER,),
+    ),
+    Plant(
+        "the drop-in's question forgets a failed capture",
+        "graphcap/rollout/engine.py",
+        "disabled = self._holder.disabled_reason",
+        "disabled = None",
+        (DROP_IN_EAGER + "::test_after_a_failed_capture_calls_go_to_generate",),
+    ),
+    Plant(
+        "load_weights_in_place takes a mapping only",
+        "graphcap/rollout/weights.py",
+        "enumerate(weights.items() if isinstance(weights, Mapping) else weights)",
+        "enumerate(weights.items())",
+        (WEIGHT_PAIRS,),
+    ),
+    Plant(
+        "a bad weights entry is printed whole",
+        "graphcap/rollout/weights.py",
+        "        else type(item).__name__\n",
+        "        else repr(item)\n",
+        (WEIGHT_PAIRS,),
+    ),
+    Plant(
+        "from_vllm's log-probs default to the post-sampling ones",
+        "graphcap/rollout/settings/sampling_params.py",
+        'mode = kwargs.pop("logprobs_mode", VLLM_DEFAULT_LOGPROBS_MODE)',
+        'mode = kwargs.pop("logprobs_mode", "sampling")',
+        (
+            "tests/test_rollout_vllm.py::"
+            "test_from_vllm_log_probs_are_vllms_raw_ones_by_default_and_map_its_modes",
+        ),
+    ),
+    Plant(
+        "the default engine runs eagerly",
+        "graphcap/rollout/settings/rollout_config.py",
+        "return self.eager_layout is None and backend.capabilities.graph_capture",
+        "return False",
+        (
+            "tests/test_rollout_config.py::"
+            "test_the_default_engine_captures_where_the_backend_can_and_eager_calls_say_why",
+        ),
+    ),
+    Plant(
+        "an engine with graphs off gives no reason",
+        "graphcap/rollout/plan/plan.py",
+        "        return GRAPHS_OFF\n",
+        "        return None\n",
+        (
+            "tests/test_rollout_config.py::"
+            "test_the_default_engine_captures_where_the_backend_can_and_eager_calls_say_why",
+        ),
     ),
     Plant(
         "a repeat call's memory check forgets the cache the engine holds",

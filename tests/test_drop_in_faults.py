@@ -1,17 +1,27 @@
-"""The drop-in under what a trainer's model meets: dropout in ``train()``, and ``generate``
-called again from inside a served call."""
+"""The drop-in under what a trainer's model meets: dropout in ``train()``, ``generate``
+called again from inside a served call, and calls the engine would run eagerly (the plan's
+refusals: they go to ``generate``)."""
 
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+from fakes import FailingCaptureBackend, NoCollectivesGraphBackend, NoRngGraphBackend
 from rollout_models import prompts, tiny_model
 from test_drop_in import both
 
-from graphcap.errors import GenerateFallbackWarning
-from graphcap.rollout import accelerate_generate, restore_generate
+from graphcap.cpu import CPUBackend
+from graphcap.errors import CaptureFallbackWarning, GenerateFallbackWarning
+from graphcap.rollout import (
+    AcceleratedGenerate,
+    RolloutConfig,
+    accelerate_generate,
+    restore_generate,
+)
 from graphcap.rollout.drop_in import NESTED
 
 
@@ -69,3 +79,85 @@ def test_a_generate_nested_in_a_forward_hook_falls_back_and_never_hangs():
     assert torch.equal(nested[0], expected_nested)
     assert torch.equal(result[0], expected)
     assert accelerated.stats.served == 1 and accelerated.stats.fallbacks[NESTED] == 1
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _installed(model, backend, **config) -> AcceleratedGenerate:
+    return accelerate_generate(
+        model, RolloutConfig(backend=backend, eos_check_interval=1, **config)
+    )
+
+
+def _generate_both(model, calls, accelerated):
+    """Each of ``calls`` (keyword arguments of ``model.generate``) under the drop-in, then
+    without it, from the same seed: the two outputs of each."""
+    ids, mask = prompts(2)
+    got = []
+    for kwargs in calls:
+        torch.manual_seed(0)
+        got.append(model.generate(ids, attention_mask=mask, **kwargs))
+    restore_generate(model)
+    expected = []
+    for kwargs in calls:
+        torch.manual_seed(0)
+        expected.append(model.generate(ids, attention_mask=mask, **kwargs))
+    return got, expected
+
+
+@pytest.mark.parametrize(
+    ("case", "backend", "kwargs", "reason"),
+    [
+        ("one new token", CPUBackend, {"max_new_tokens": 1}, "max_new_tokens=1"),
+        ("no rng in graphs", NoRngGraphBackend, {"do_sample": True}, "rng_in_graph=False"),
+        ("graphs off", CPUBackend, {}, "enable_graph_capture=False"),
+    ],
+)
+def test_calls_the_engine_would_run_eagerly_go_to_generate(case, backend, kwargs, reason):
+    """The engine's plan decides (``require_graph``): a call whose steps it would run eagerly
+    never runs graphcap's eager loop, it goes to generate with the plan's reason."""
+    model = tiny_model("llama")
+    config = {"enable_graph_capture": False} if case == "graphs off" else {}
+    accelerated = _installed(model, backend(), **config)
+    calls = [{"max_new_tokens": 5, **kwargs}, {"max_new_tokens": 5}]
+    with pytest.warns(GenerateFallbackWarning, match=reason):
+        got, expected = _generate_both(model, calls, accelerated)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    (recorded,) = accelerated.stats.fallbacks
+    assert reason in recorded and accelerated.stats.fallbacks[recorded] == 1 + (
+        case == "graphs off"
+    )
+    assert accelerated.stats.served == (case != "graphs off")  # the plain greedy call
+    assert accelerated.engine.captures == (case != "graphs off")
+
+
+def test_after_a_failed_capture_calls_go_to_generate():
+    """The call whose capture failed finishes on the engine's eager steps (it had started);
+    every later call goes to generate with the failure as the reason."""
+    model = tiny_model("llama")
+    accelerated = _installed(model, FailingCaptureBackend())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureFallbackWarning)
+        with pytest.warns(GenerateFallbackWarning, match="capture failed"):
+            got, expected = _generate_both(model, [{"max_new_tokens": 5}] * 3, accelerated)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert accelerated.stats.served == 1 and accelerated.stats.last.path == "eager"
+    (recorded,) = accelerated.stats.fallbacks
+    assert "capture failed" in recorded and accelerated.stats.fallbacks[recorded] == 2
+
+
+def test_tensor_parallel_calls_on_a_backend_without_collectives_in_graphs_go_to_generate(
+    one_rank_group,
+):
+    """NPU declares collectives_in_graph=False: with a process group its calls would run
+    eagerly, so they go to generate (a CPU stand-in here; the NPU plugin's tests run NPU's)."""
+    model = tiny_model("llama")
+    accelerated = _installed(model, NoCollectivesGraphBackend(), process_group=one_rank_group)
+    with pytest.warns(GenerateFallbackWarning, match="collectives_in_graph=False"):
+        got, expected = _generate_both(model, [{"max_new_tokens": 5}], accelerated)
+    assert torch.equal(got[0], expected[0]) and accelerated.stats.served == 0

@@ -6,17 +6,69 @@ import warnings
 
 import pytest
 import torch
+from fakes import NoGraphBackend
 from rollout_models import EOS, prompts, tiny_model
 from transformers import GenerationConfig
 
 from graphcap.backend import Backend
 from graphcap.cpu import CPUBackend
+from graphcap.errors import GraphUnsupportedModelError, WouldRunEagerlyError
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.settings import CallSettings, normalise_request
+from graphcap.rollout.settings.rollout_config import GRAPHS_OFF
 
 
-def test_enable_graph_capture_defaults_off():
-    assert RolloutConfig().enable_graph_capture is False
+def test_the_default_engine_captures_where_the_backend_can_and_eager_calls_say_why():
+    """``RolloutEngine(model)`` captures on the CPU reference backend; an engine with graphs
+    off, or on a backend that cannot capture, runs eagerly and its stats name the reason."""
+    assert RolloutConfig().enable_graph_capture is None
+    model = tiny_model("llama")
+    ids, mask = prompts(2)
+    sampling = SamplingParams(max_new_tokens=5, eos_token_id=[])
+    default = RolloutEngine(model).generate(ids, mask, sampling)
+    assert default.stats.path == "static_graph" and default.stats.captured
+    assert default.stats.fallback_reason is None
+    off = RolloutEngine(model, RolloutConfig(enable_graph_capture=False))
+    eager = off.generate(ids, mask, sampling)
+    assert eager.stats.path == "eager" and eager.stats.fallback_reason == GRAPHS_OFF
+    assert torch.equal(eager.sequences, default.sequences)
+    no_graphs = RolloutEngine(model, RolloutConfig(backend=NoGraphBackend()))
+    refused = no_graphs.generate(ids, mask, sampling)
+    assert refused.stats.path == "eager" and "cannot capture" in refused.stats.fallback_reason
+    assert torch.equal(refused.sequences, default.sequences)
+
+
+def test_graph_unsafe_attention_is_a_reason_by_default_and_an_error_when_graphs_are_asked():
+    """The default captures where the model allows: a model whose attention graphs cannot
+    serve runs eagerly with the reason (asked with ``require_graph``, before anything runs);
+    ``enable_graph_capture=True`` refuses it by name."""
+    model = tiny_model("llama", fresh=True)
+    # private: set_attn_implementation refuses flash_attention_2 without flash-attn installed
+    model.config._attn_implementation = "flash_attention_2"
+    ids, mask = prompts(2)
+    with pytest.raises(WouldRunEagerlyError, match="flash_attention_2") as refused:
+        RolloutEngine(model).generate(ids, mask, max_new_tokens=4, require_graph=True)
+    assert "not graph-safe" in refused.value.reason
+    with pytest.raises(GraphUnsupportedModelError, match="flash_attention_2"):
+        RolloutEngine(model, RolloutConfig(enable_graph_capture=True)).generate(
+            ids, mask, max_new_tokens=4
+        )
+
+
+def test_the_eager_layouts_run_eagerly_by_default_and_refuse_graphs_asked_for():
+    config = RolloutConfig(continuous_batch_size=2, trim_cache=True)
+    assert config.eager_layout == "trim_cache" and not config.wants_graphs(CPUBackend())
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    result = RolloutEngine(model, config).generate(ids, mask, max_new_tokens=4)
+    assert result.stats.path == "continuous_eager"
+    assert "trim_cache" in result.stats.fallback_reason
+    with pytest.raises(ValueError, match="trim_cache"):
+        RolloutConfig(continuous_batch_size=2, trim_cache=True, enable_graph_capture=True)
+    with pytest.raises(ValueError, match="compile=True"):
+        RolloutConfig(continuous_batch_size=2, trim_cache=True, compile=True)
+    with pytest.raises(ValueError, match="per_position_graphs"):
+        RolloutConfig(enable_graph_capture=False, per_position_graphs=True)
 
 
 def test_enable_cuda_graph_alias_moves_value_with_deprecation_warning():

@@ -25,6 +25,8 @@ from graphcap.rollout.sampling import sanitise
 
 
 def _engine(model, **config) -> RolloutEngine:
+    """An eager engine unless ``config`` asks for graphs."""
+    config = {"enable_graph_capture": False, **config}
     return RolloutEngine(model, RolloutConfig(backend=CPUBackend(), **config))
 
 

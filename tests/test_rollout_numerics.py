@@ -12,8 +12,11 @@ from graphcap.errors import NonFiniteLogitsWarning
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.sampling import sanitise
 
-MODES = {"eager": {}, "graph": {"enable_graph_capture": True}, "continuous": {
-    "enable_graph_capture": True, "continuous_batch_size": 2}}  # fmt: skip
+MODES = {
+    "eager": {"enable_graph_capture": False},
+    "graph": {"enable_graph_capture": True},
+    "continuous": {"enable_graph_capture": True, "continuous_batch_size": 2},
+}
 
 
 @pytest.mark.parametrize("mode", list(MODES))

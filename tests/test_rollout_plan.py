@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from fakes import NoCollectivesGraphBackend, NoRngGraphBackend
+from fakes import NoCollectivesGraphBackend, NoGraphBackend, NoRngGraphBackend
 from rollout_models import (
     EOS,
     FAMILIES,
@@ -377,8 +377,9 @@ def test_compile_without_blocks_to_compile_captures_uncompiled_and_says_why(monk
 
 
 def test_compile_needs_graphs_and_excludes_per_position_graphs():
-    with pytest.raises(ValueError, match="enable_graph_capture=True"):
-        RolloutConfig(compile=True)
+    with pytest.raises(ValueError, match="enable_graph_capture"):
+        RolloutConfig(compile=True, enable_graph_capture=False)
+    assert RolloutConfig(compile=True).compile  # the default captures where the backend can
     with pytest.raises(ValueError, match="per_position_graphs"):
         RolloutConfig(enable_graph_capture=True, per_position_graphs=True, compile=True)
 
@@ -406,13 +407,16 @@ def test_each_path_is_its_stats_string_with_one_eager_fallback_and_one_server():
         assert not fallback.is_graph and fallback.continuous == path.continuous
         assert ROLLOUTS[fallback] is ROLLOUTS[path]
     asked = {
-        Path.EAGER: RolloutConfig(),
-        Path.STATIC_GRAPH: RolloutConfig(enable_graph_capture=True),
-        Path.PER_POSITION_GRAPH: RolloutConfig(enable_graph_capture=True, per_position_graphs=True),
-        Path.CONTINUOUS_EAGER: RolloutConfig(continuous_batch_size=2),
-        Path.CONTINUOUS_GRAPH: RolloutConfig(enable_graph_capture=True, continuous_batch_size=2),
+        Path.EAGER: RolloutConfig(enable_graph_capture=False),
+        Path.STATIC_GRAPH: RolloutConfig(),
+        Path.PER_POSITION_GRAPH: RolloutConfig(per_position_graphs=True),
+        Path.CONTINUOUS_EAGER: RolloutConfig(continuous_batch_size=2, enable_graph_capture=False),
+        Path.CONTINUOUS_GRAPH: RolloutConfig(continuous_batch_size=2),
     }
-    assert all(Path.asked(config) is path for path, config in asked.items())
+    assert all(Path.asked(config, CPUBackend()) is path for path, config in asked.items())
+    # the default asks for graphs where the backend can capture
+    assert Path.asked(RolloutConfig(), NoGraphBackend()) is Path.EAGER
+    assert Path.asked(RolloutConfig(enable_graph_capture=True), NoGraphBackend()).is_graph
 
 
 def test_stats_report_the_path_as_a_plain_string():

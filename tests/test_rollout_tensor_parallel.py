@@ -81,7 +81,12 @@ def _same(rank: int, model) -> dict:
         graph = _engine(model, **config).generate(ids, mask, SamplingParams(**params))
         eager = RolloutEngine(
             model,
-            RolloutConfig(backend=CPUBackend(), process_group=dist.group.WORLD, **config),
+            RolloutConfig(
+                backend=CPUBackend(),
+                process_group=dist.group.WORLD,
+                enable_graph_capture=False,
+                **config,
+            ),
         ).generate(ids, mask, SamplingParams(**params))
         whole = run(tiny_model("llama"), ids, mask, False, **params)
         out[name] = {
@@ -106,7 +111,12 @@ def _early(rank: int, model) -> dict:
     sharded = _engine(model, eos_check_interval=4).generate(ids, mask, params)
     eager = RolloutEngine(
         model,
-        RolloutConfig(backend=CPUBackend(), process_group=dist.group.WORLD, eos_check_interval=4),
+        RolloutConfig(
+            backend=CPUBackend(),
+            process_group=dist.group.WORLD,
+            eos_check_interval=4,
+            enable_graph_capture=False,
+        ),
     ).generate(ids, mask, params)
     # the unsharded model alone: how many steps this rank would take without its peer
     alone = make_engine(tiny_model("llama"), eos_check_interval=4).generate(ids, mask, params)

@@ -312,6 +312,38 @@ def test_load_weights_in_place_keeps_addresses_and_checks_input():
         load_weights_in_place(model, {"lm_head.weight": torch.zeros(2, 2)}, strict=False)
 
 
+@pytest.mark.parametrize("form", ["list", "generator"])
+def test_load_weights_in_place_takes_vllms_name_tensor_pairs(form):
+    """vLLM's ``load_weights`` input (verl, OpenRLHF): an iterable of (name, tensor) pairs,
+    copied as it is read; errors name the tensors and never print them."""
+    model = tiny_model("gpt2", fresh=True)
+    addresses = {n: p.data_ptr() for n, p in model.named_parameters()}
+    state = {k: v.detach().clone() + 1 for k, v in model.state_dict().items()}
+    pairs = list(state.items())
+    loaded = load_weights_in_place(model, pairs if form == "list" else (p for p in pairs))
+    assert loaded.updated == tuple(sorted(state)) and not loaded.not_updated
+    assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == addresses
+    partial = [(n, t) for n, t in pairs if n != "lm_head.weight"]  # tied: wte covers it
+    assert not load_weights_in_place(model, iter(partial)).not_updated
+    head = state["lm_head.weight"]
+    bad = {
+        "unknown": ([("nope", head)], KeyError, "'nope'"),
+        "missing": (pairs[:1], KeyError, "partial update; the 1 given were copied"),
+        "shape": ([("lm_head.weight", head[:2])], ValueError, "shape"),
+        "not a pair": ([(head, "lm_head.weight")], TypeError, r"tuple of \(Tensor, str\)"),
+        "a tensor": ([head], TypeError, "entry 0 is a Tensor"),
+        "not a tensor": ([("lm_head.weight", head.tolist())], TypeError, r"tuple of \(str, list\)"),
+    }
+    for name, (weights, error, match) in bad.items():
+        with pytest.raises(error, match=match) as raised:
+            load_weights_in_place(model, weights)
+        assert len(str(raised.value)) < 400 and "tensor([" not in str(raised.value), name
+    with pytest.raises(KeyError, match="'nope'") as raised:  # a mapping: the same, whole
+        load_weights_in_place(model, {"nope": head, **state})
+    assert "tensor([" not in str(raised.value)
+
+
 @pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK + 5, 2 * ARGMAX_CHUNK, 5 * ARGMAX_CHUNK + 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_pass_argmax_is_torch_argmax(vocab, dtype):

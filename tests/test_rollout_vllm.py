@@ -508,6 +508,32 @@ def test_top_logprobs_graph_equals_eager_and_log_softmax_top_k(family):
         make_engine(model, continuous_batch_size=2).generate(ids, mask, rows)
 
 
+def test_from_vllm_log_probs_are_vllms_raw_ones_by_default_and_map_its_modes():
+    """vLLM's ``logprobs_mode`` defaults to ``raw_logprobs``: the chosen token's log-prob
+    under log_softmax of the model's logits, before the penalties, temperature and truncation
+    the token was drawn under; ``processed_logprobs`` is graphcap's ``"sampling"``."""
+    model = tiny_model("llama")
+    ids, mask = prompts(3, seed=2)
+    vllm = {"temperature": 0.7, "top_k": 6, "repetition_penalty": 1.3, "seed": 5}
+    vllm |= {"max_tokens": NEW, "logprobs": 0, "ignore_eos": True}
+    raw = SamplingParams.from_vllm(**vllm)
+    assert raw.logprobs_mode == "raw" and raw.return_logprobs and not raw.top_logprobs
+    processed = SamplingParams.from_vllm(**vllm, logprobs_mode="processed_logprobs")
+    assert processed == replace(raw, logprobs_mode="sampling")
+    engine = make_engine(model)
+    got = engine.generate(ids, mask, raw)
+    logits = teacher_forced_logits(model, got.sequences, mask, NEW)
+    expected = torch.log_softmax(logits, -1).gather(-1, got.responses[..., None])[..., 0]
+    torch.testing.assert_close(got.logprobs, expected, rtol=0, atol=1e-4)
+    drawn = engine.generate(ids, mask, processed)
+    assert torch.equal(drawn.sequences, got.sequences)  # the same draws, other log-probs
+    assert (drawn.logprobs - got.logprobs).abs().max() > 0.1
+    assert SamplingParams.from_vllm(logprobs_mode="temperature").logprobs_mode == "temperature"
+    for mode, record in (("raw_logits", "output_logits=True"), ("processed_logits", "scores")):
+        with pytest.raises(ValueError, match=rf"logprobs_mode='{mode}'.*{record}"):
+            SamplingParams.from_vllm(logprobs=1, logprobs_mode=mode)
+
+
 # ---- the one table -----------------------------------------------------------------------------
 def test_configuration_docs_list_each_generation_config_field_once():
     """docs/configuration.md's allow-list and its refused list never name the same field."""

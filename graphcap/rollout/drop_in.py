@@ -34,11 +34,9 @@ import transformers
 from packaging.version import Version
 from transformers import GenerationConfig
 
-from graphcap.errors import GenerateFallbackWarning, RequestTooLargeError
+from graphcap.errors import GenerateFallbackWarning, RequestTooLargeError, WouldRunEagerlyError
 from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.exact import trainer_exact
-from graphcap.rollout.plan import graph_refusal
-from graphcap.rollout.plan.scan import scan_model
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.settings.rollout_config import RolloutConfig
 from graphcap.rollout.settings.sampling_params import SamplingParams
@@ -194,20 +192,23 @@ class AcceleratedGenerate:
         return Request(input_ids, attention_mask, sampling, config), None
 
     def _serve(self, request: Request) -> Any | None:
-        """The call served by the engine, or ``None`` where it would not capture (graphcap's
-        eager loop is no faster than ``generate``, so ``generate`` serves those)."""
-        refusal = graph_refusal(self.model, self.engine.backend, scan_model(self.model))
-        if refusal is not None or not self.engine.config.enable_graph_capture:
-            self._fall_back(f"no graph for this call: {refusal or 'graphs are off in the config'}")
-            return None
+        """The call served by the engine, or ``None`` where the engine's plan would run its
+        steps eagerly (graphcap's eager loop is no faster than ``generate``, so ``generate``
+        serves those): the engine answers before the call runs (``require_graph``)."""
         with self._lock:
             self._serving = threading.get_ident()
             try:
                 result = self.engine.generate(
-                    request.input_ids, request.attention_mask, request.sampling
+                    request.input_ids,
+                    request.attention_mask,
+                    request.sampling,
+                    require_graph=True,
                 )
                 if self.sleep_between_calls:  # the trainer gets the memory until the next call
                     self.engine.sleep()
+            except WouldRunEagerlyError as exc:
+                self._fall_back(f"no graph for this call: {exc.reason}")
+                return None
             finally:
                 self._serving = None
         width = request.input_ids.shape[-1]
@@ -411,11 +412,12 @@ def generating_model(model: torch.nn.Module) -> PreTrainedModel:
 
 
 def drop_in_default_config() -> RolloutConfig:
-    """The config :func:`accelerate_generate` uses when given none: graphs on; total lengths
+    """The config :func:`accelerate_generate` uses when given none: graphs where the backend
+    can (the engine's default; calls it would run eagerly go to ``generate``); total lengths
     padded to powers of two (trainers pass prompts of a new width every call; each bucket is
     one graph, captured once); the finished flag read after every step, as ``generate`` reads
     it (:func:`drop_in_config`). Extend it with ``dataclasses.replace``."""
-    return RolloutConfig(enable_graph_capture=True, eos_check_interval=1)
+    return RolloutConfig(eos_check_interval=1)
 
 
 def drop_in_config(config: RolloutConfig) -> RolloutConfig:

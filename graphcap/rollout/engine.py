@@ -20,6 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from graphcap.backend import Backend
+from graphcap.errors import WouldRunEagerlyError
 from graphcap.registry import get_backend, register_attention_implementations
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.exact import check_exact_backend, check_exact_model, trainer_exact
@@ -28,7 +29,7 @@ from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
 from graphcap.rollout.holder.weights import Served
 from graphcap.rollout.paths import ROLLOUTS
-from graphcap.rollout.plan import Path, check_graph_attention
+from graphcap.rollout.plan import Path, check_graph_attention, eager_reason
 from graphcap.rollout.plan.fusion import ProjectionFusion
 from graphcap.rollout.plan.inputs import Call, check_generator, check_prompts, check_vocab_ids
 from graphcap.rollout.plan.scan import ModelScan, scan_model
@@ -36,7 +37,7 @@ from graphcap.rollout.plan.signature import attention_implementation
 from graphcap.rollout.prefill import without_checkpointing
 from graphcap.rollout.results import RolloutResult, SleepReport
 from graphcap.rollout.sampling import call_key, generator_kept, keyed_rows
-from graphcap.rollout.settings.call import normalise_request
+from graphcap.rollout.settings.call import CallSettings, normalise_request
 from graphcap.rollout.settings.rollout_config import RolloutConfig
 from graphcap.rollout.settings.sampling_params import SamplingParams
 from graphcap.rollout.step import DecodeStep
@@ -87,7 +88,7 @@ class RolloutEngine:
             keep_across_sleep=self.config.sleep_keeps_graphs,
             weights=self.config.weights,
         )
-        rollout = ROLLOUTS[Path.asked(self.config)]
+        rollout = ROLLOUTS[Path.asked(self.config, self.backend)]
         self._rollout = rollout(model, self.config, self._holder)
         self._lock = threading.Lock()
         self._caller: int | None = None  # the thread inside a call (see :meth:`_one_call`)
@@ -106,14 +107,19 @@ class RolloutEngine:
         *,
         request_max_new_tokens: Sequence[int] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        require_graph: bool = False,
         **overrides: Any,
     ) -> RolloutResult:
         """Generate continuations of left-padded prompts, or of ragged ones (a list of token-id
         lists, padded here); see docs/rollout.md.
 
         ``request_max_new_tokens`` (continuous path only): each prompt's own token budget.
-        ``sampling_params``: vLLM's name for ``sampling``. ``overrides``: SamplingParams fields
-        (or vLLM aliases) over ``sampling``, as ``model.generate(max_new_tokens=8)``.
+        ``sampling_params``: vLLM's name for ``sampling``. ``require_graph``: raise
+        :class:`~graphcap.errors.WouldRunEagerlyError` with the plan's reason, before anything
+        runs, where the call's steps would run eagerly (the drop-in hands such calls to
+        ``generate``; a capture that fails during the call still finishes it eagerly).
+        ``overrides``: SamplingParams fields (or vLLM aliases) over ``sampling``, as
+        ``model.generate(max_new_tokens=8)``.
         """
         if sampling_params is not None:
             if sampling is not None:
@@ -122,10 +128,12 @@ class RolloutEngine:
         with self._one_call(), contextlib.ExitStack() as stack:
             self._check_open()
             start = time.perf_counter()
-            wake_s = self._holder.wake()
             request = normalise_request(self.model, sampling, overrides)
-            device = self.backend.device
             scan = scan_model(self.model)
+            if require_graph:
+                self._require_graph(request.call, scan)
+            wake_s = self._holder.wake()
+            device = self.backend.device
             if self._fusion is not None and self._fusion.join(scan):
                 scan = scan_model(self.model)  # the joined parameters' new addresses
             weights = stack.enter_context(self._serving(scan))
@@ -176,11 +184,18 @@ class RolloutEngine:
             )
             return result
 
+    def _require_graph(self, settings: CallSettings, scan: ModelScan) -> None:
+        """Raise where the plan would run this call's steps eagerly (``require_graph``)."""
+        disabled = self._holder.disabled_reason
+        reason = eager_reason(self.model, self.backend, self.config, settings, disabled, scan)
+        if reason is not None:
+            raise WouldRunEagerlyError(reason)
+
     def _serving(self, scan: ModelScan) -> contextlib.AbstractContextManager[Served | None]:
         """The tensors a graph engine's graphs read, bound to the model for the call
         (:mod:`graphcap.rollout.holder.weights`; FSDP2 unsharded for the call); nothing for
         eager engines (FSDP2 then gathers each layer in its forward, as under ``generate``)."""
-        if not self.config.enable_graph_capture:
+        if not self.config.wants_graphs(self.backend):
             return contextlib.nullcontext()
         return self._holder.weights.serving(self.model, scan.sharded)
 

@@ -8,6 +8,7 @@ torch_npu's documented semantics (True = masked out, NaN for an uncorrected empt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from typing import ClassVar
@@ -51,6 +52,7 @@ def _llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 
 def _eager(model, ids, mask, params, **config):
+    config = {"enable_graph_capture": False, **config}
     engine = RolloutEngine(model, RolloutConfig(backend=CPUBackend(), **config))
     return engine.generate(ids, mask, params)
 
@@ -124,7 +126,8 @@ def test_continuous_graph_with_idle_slots_equals_eager(fake_npu, monkeypatch) ->
     assert fake_torch_npu.FUSION_CALLS
     assert {c["inner_precise"] for c in fake_torch_npu.FUSION_CALLS} == {0}
     eager = RolloutEngine(
-        model, RolloutConfig(backend=CPUBackend(), continuous_batch_size=3)
+        model,
+        RolloutConfig(backend=CPUBackend(), continuous_batch_size=3, enable_graph_capture=False),
     ).generate(ids, mask, params, request_max_new_tokens=limits)
     assert torch.equal(result.sequences, eager.sequences)
     assert not empty_row_seen.item(), "a decode row had nothing to attend to"
@@ -422,3 +425,35 @@ def test_the_drop_in_keeps_its_engine_between_calls_on_npu(fake_npu, monkeypatch
         assert not installed.sleep_between_calls
     finally:
         restore_generate(model)
+
+
+def test_tensor_parallel_drop_in_calls_go_to_generate_on_npu(fake_npu, monkeypatch, tmp_path):
+    """NPU declares collectives_in_graph=False: with a process group the engine's plan runs a
+    call's steps eagerly, so the drop-in hands it to generate (graphcap's eager loop is no
+    faster than generate's) with the plan's reason; without one it serves the call."""
+    import torch.distributed as dist
+
+    from graphcap.errors import GenerateFallbackWarning
+    from graphcap.rollout import accelerate_generate, restore_generate
+
+    monkeypatch.delenv(ATTENTION_VAR, raising=False)
+    model = _llama()
+    ids, mask = models.prompts(2, torch.device("cpu"))
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        for group in (dist.group.WORLD, None):
+            config = RolloutConfig(backend=HostNPUBackend(), process_group=group)
+            installed = accelerate_generate(model, config)
+            try:
+                with pytest.warns(GenerateFallbackWarning) if group else contextlib.nullcontext():
+                    got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+            finally:
+                restore_generate(model)
+            assert torch.equal(got, expected)
+            assert installed.stats.served == (group is None), dict(installed.stats.fallbacks)
+            if group is not None:
+                (reason,) = installed.stats.fallbacks
+                assert "collectives_in_graph=False" in reason
+    finally:
+        dist.destroy_process_group()

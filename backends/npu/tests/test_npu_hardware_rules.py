@@ -114,9 +114,9 @@ def test_sampling_from_an_explicit_generator_is_captured(fake_npu, version: str)
     assert graph.stats.path == "static_graph", graph.stats.fallback_reason
     (call,) = fake_npu.graph_calls
     assert len(call["graph"].generators) == (version in (OLD_RNG, "2.12.0.post2"))
-    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(
-        ids, mask, params, generator=torch.Generator().manual_seed(7)
-    )
+    eager = RolloutEngine(
+        model, RolloutConfig(backend=CPUBackend(), enable_graph_capture=False)
+    ).generate(ids, mask, params, generator=torch.Generator().manual_seed(7))
     assert torch.equal(graph.sequences, eager.sequences)
 
 
@@ -186,9 +186,9 @@ def test_after_a_failed_sampled_capture_every_generator_draws(fake_npu, version:
     with pytest.warns(match="507899"):
         result = RolloutEngine(model, config).generate(ids, mask, params, generator=generator)
     assert result.stats.path == "eager" and "507899" in result.stats.fallback_reason
-    eager = RolloutEngine(model, RolloutConfig(backend=CPUBackend())).generate(
-        ids, mask, params, generator=torch.Generator().manual_seed(11)
-    )
+    eager = RolloutEngine(
+        model, RolloutConfig(backend=CPUBackend(), enable_graph_capture=False)
+    ).generate(ids, mask, params, generator=torch.Generator().manual_seed(11))
     assert torch.equal(result.sequences, eager.sequences)
     torch.rand(2), torch.rand(2, generator=generator)
     again = RolloutEngine(model, config).generate(ids, mask, params, generator=generator)

@@ -93,7 +93,7 @@ class ContinuousRollout:
         align, trim = config.align_decode_fronts, config.trim_cache
         # the sink column is last; aligned fronts may place a row up to max_new further right
         total = width + max_new + 1 + (max_new if align else 0)
-        total = config.total_length(self.model, total)
+        total = config.total_length(self.model, total, holder.backend)
         plan, record = begin(self.model, config, holder, call, slots, total)
         total = plan.signature.total_len  # whole blocks on a block table
 
@@ -139,7 +139,7 @@ class ContinuousRollout:
         prefill_s = time.perf_counter() - start
 
         runner: Runner = step
-        if config.enable_graph_capture and max_new > 1:
+        if config.wants_graphs(holder.backend) and max_new > 1:
             runner = start_runner(holder, plan, step, record, max_new - 1)
         # the layout modes move columns under a span the eager step reads: they keep the slots
         runner = decode_runner(

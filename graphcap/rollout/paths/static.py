@@ -43,7 +43,7 @@ class StaticRollout:
         repeats = settings.num_return_sequences
         batch, total = rows * repeats, width + settings.max_new_tokens
         padded_batch = bucket_size(batch, self.config.batch_buckets)
-        padded_total = self.config.total_length(self.model, total)
+        padded_total = self.config.total_length(self.model, total, self.holder.backend)
         plan, record = begin(self.model, self.config, self.holder, call, padded_batch, padded_total)
 
         prefill = run_prefill(self.model, input_ids, attention_mask)
@@ -74,7 +74,7 @@ class StaticRollout:
 
         steps = settings.max_new_tokens - 1
         runner: Runner = step
-        if self.config.enable_graph_capture and steps > 0:
+        if self.config.wants_graphs(self.holder.backend) and steps > 0:
             runner = start_runner(self.holder, plan, step, record, steps)
         runner = decode_runner(
             self.holder,

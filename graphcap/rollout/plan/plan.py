@@ -1,13 +1,16 @@
 """The plan of one call: which path serves it, the graph signature, and why not a graph.
 
 Every refusal lives here, in one pure function of the model, the backend, the settings and the
-request (docs/architecture.md, "One request, one path"). Two kinds: what graphs cannot serve sends
-the call to the eager loop with the reason recorded in the stats (a backend without graphs or
-without a declared capability the call needs, a stateful model, parameters gathered inside forward
-(ZeRO-3, FSDP; tensor-parallel shards are resident and keep graphs), chunked attention, autocast's
-weight cache, nothing to decode); what the user explicitly asked for that graphs cannot do raises
-:class:`~graphcap.errors.GraphUnsupportedModelError` (an attention implementation that reads host
-values per call).
+request (docs/architecture.md, "One request, one path"); :func:`eager_reason` is the one answer to
+"why do this call's steps run eagerly", which the engine gives the drop-in before a call runs
+(``RolloutEngine.generate(require_graph=True)``). Two kinds: what graphs cannot serve sends the
+call to the eager loop with the reason recorded in the stats (graphs off in the config, a backend
+without graphs or without a declared capability the call needs, a stateful model, parameters
+gathered inside forward (ZeRO-3, FSDP; tensor-parallel shards are resident and keep graphs),
+chunked attention, autocast's weight cache, an attention implementation that reads host values
+per call, nothing to decode); what the user explicitly asked for that graphs cannot do raises
+:class:`~graphcap.errors.GraphUnsupportedModelError` (that attention implementation under
+``enable_graph_capture=True``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from graphcap.rollout.plan.signature import (
 )
 from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.settings.call import CallSettings
-from graphcap.rollout.settings.rollout_config import RolloutConfig
+from graphcap.rollout.settings.rollout_config import GRAPHS_OFF, RolloutConfig
 
 #: Attention implementations whose kernels read host values per call (varlen lengths, block
 #: tables) or build masks with host logic; a graph would freeze them.
@@ -70,12 +73,12 @@ class Path(StrEnum):
         return self is Path.PER_POSITION_GRAPH
 
     @classmethod
-    def asked(cls, config: RolloutConfig) -> Path:
-        """The path ``config`` asks for, before any refusal."""
+    def asked(cls, config: RolloutConfig, backend: Backend) -> Path:
+        """The path ``config`` asks for on ``backend``, before any refusal."""
+        graph = config.wants_graphs(backend)
         if config.continuous_batch_size is not None:
-            graph = config.enable_graph_capture
             return cls.CONTINUOUS_GRAPH if graph else cls.CONTINUOUS_EAGER
-        if not config.enable_graph_capture:
+        if not graph:
             return cls.EAGER
         return cls.PER_POSITION_GRAPH if config.per_position_graphs else cls.STATIC_GRAPH
 
@@ -83,14 +86,25 @@ class Path(StrEnum):
 _GRAPH_PATHS = frozenset({Path.STATIC_GRAPH, Path.PER_POSITION_GRAPH, Path.CONTINUOUS_GRAPH})
 
 
-def check_attention(model: torch.nn.Module) -> None:
-    """Raise if the model's attention implementation is known not to be graph-safe."""
+def attention_refusal(model: torch.nn.Module) -> str | None:
+    """Why the model's attention implementation cannot be captured (it is known not to be
+    graph-safe), or ``None``."""
     name = attention_implementation(model)
     if any(marker in name for marker in UNSAFE_ATTENTION_MARKERS):
-        raise GraphUnsupportedModelError(
+        return (
             f"attention implementation {name!r} is not graph-safe (it reads host values per "
-            "call); load the model with attn_implementation='sdpa' or 'eager', or set "
-            "RolloutConfig(enable_graph_capture=False)"
+            "call); load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    return None
+
+
+def check_attention(model: torch.nn.Module) -> None:
+    """Raise if the model's attention implementation is known not to be graph-safe (graphs were
+    asked for explicitly)."""
+    reason = attention_refusal(model)
+    if reason is not None:
+        raise GraphUnsupportedModelError(
+            f"{reason}, or set RolloutConfig(enable_graph_capture=False)"
         )
 
 
@@ -178,6 +192,36 @@ def compile_refusal(scan: ModelScan) -> str | None:
         f"forward hooks ({hooked}): compiled captures of hooked models are not token-exact "
         "against eager (docs/decisions.md, decision 33), so the step is captured uncompiled; "
         "remove the hook before the rollout to get the compiled step"
+    )
+
+
+def eager_reason(
+    model: torch.nn.Module,
+    backend: Backend,
+    config: RolloutConfig,
+    settings: CallSettings,
+    disabled_reason: str | None,
+    scan: ModelScan,
+) -> str | None:
+    """Why this call's steps run eagerly, or ``None`` where a graph path serves them: the
+    config (graphs off, an eager-only layout), the engine (a failed capture earlier,
+    ``disabled_reason``), the backend, the model, the call. Raises where graphs were asked for
+    explicitly (``enable_graph_capture=True``) and the model's attention cannot be captured."""
+    if config.enable_graph_capture is False:
+        return GRAPHS_OFF
+    if config.enable_graph_capture is None and config.eager_layout is not None:
+        return (
+            f"{config.eager_layout}=True moves cache columns between steps, which a graph "
+            "cannot: the continuous path runs eagerly"
+        )
+    if config.enable_graph_capture:
+        check_attention(model)
+    return (
+        disabled_reason
+        or graph_refusal(model, backend, scan)
+        or attention_refusal(model)
+        or capability_refusal(backend, settings, config)
+        or request_refusal(settings)
     )
 
 
@@ -287,21 +331,13 @@ def plan_call(
     ``sampler``: the sampler shape the call's steps run (:meth:`GraphHolder.sampler_for`);
     ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
     """
-    asked = Path.asked(config)
+    asked = Path.asked(config, backend)
     path = asked.eager_fallback
-    reason = None
     attention = attention_implementation(model)
     compiled = False
     check_sharded_group(scan, config)
-    if config.enable_graph_capture:
-        check_attention(model)
-        reason = (
-            disabled_reason
-            or graph_refusal(model, backend, scan)
-            or capability_refusal(backend, settings, config)
-            or request_refusal(settings)
-        )
-    if config.enable_graph_capture and reason is None:
+    reason = eager_reason(model, backend, config, settings, disabled_reason, scan)
+    if reason is None:
         attention = selected_attention(model, backend, config)
         compiled = config.wants_compile(backend) and bool(regions_to_compile(model))
         if config.compile is True and not compiled:

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 
     from graphcap.backend import Backend
 
+#: ``stats.fallback_reason`` of every call of an engine with ``enable_graph_capture=False``
+GRAPHS_OFF = "graphs are off in the config (RolloutConfig(enable_graph_capture=False))"
+#: The continuous path's eager-only layouts (they move cache columns between steps)
+EAGER_LAYOUTS: tuple[str, ...] = ("align_decode_fronts", "trim_cache")
+
 #: The largest ``RolloutConfig.kv_block_size``: a larger block only wastes memory per row.
 MAX_KV_BLOCK_SIZE = 4096
 
@@ -26,6 +31,12 @@ MAX_KV_BLOCK_SIZE = 4096
 class RolloutConfig:
     """Engine-wide settings.
 
+    ``enable_graph_capture``: ``None`` (the default) captures the decode step where the backend
+    can (``Capabilities.graph_capture``) and the call allows (else the call runs eagerly with
+    the reason in ``stats.fallback_reason``; with an eager-only layout, ``align_decode_fronts``
+    or ``trim_cache``, every call does); ``True`` asks for graphs (an attention implementation
+    graphs cannot serve is then an error); ``False`` runs every call on the eager loop
+    (``fallback_reason``: :data:`GRAPHS_OFF`).
     ``enable_cuda_graph`` is the deprecated name of ``enable_graph_capture``: its value moves to
     the new field with a ``DeprecationWarning``; both set to different values is an error.
     ``backend`` is a :class:`graphcap.Backend`, a backend name, or ``None`` for
@@ -163,8 +174,6 @@ class RolloutConfig:
                 )
             self.enable_graph_capture = bool(self.enable_cuda_graph)
             self.enable_cuda_graph = None
-        if self.enable_graph_capture is None:
-            self.enable_graph_capture = False
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.eos_check_interval < 1:
@@ -176,10 +185,10 @@ class RolloutConfig:
             self.length_buckets = _buckets("length_buckets", self.length_buckets)
         self._check_continuous()
         self._check_per_position()
-        if self.compile is True and not self.enable_graph_capture:
+        if self.compile is True and self._graphs_off():
             raise ValueError(
-                "compile=True compiles the captured decode step: set enable_graph_capture=True "
-                "too (eager calls always run the model as it is)"
+                "compile=True compiles the captured decode step: leave enable_graph_capture at "
+                "None or True (eager calls always run the model as it is)"
             )
         if self.compile is True and self.per_position_graphs:
             raise ValueError(
@@ -195,14 +204,33 @@ class RolloutConfig:
         if self.process_group is not None:
             check_process_group(self.process_group)
 
-    def total_length(self, model: PreTrainedModel, total: int) -> int:
+    def wants_graphs(self, backend: Backend) -> bool:
+        """Whether calls on ``backend`` are planned on a graph path (each call's plan may still
+        refuse it, with the reason): ``enable_graph_capture`` where set, else where the
+        backend can capture and no eager-only layout is set."""
+        if self.enable_graph_capture is None:
+            return self.eager_layout is None and backend.capabilities.graph_capture
+        return self.enable_graph_capture
+
+    @property
+    def eager_layout(self) -> str | None:
+        """The eager-only layout of the continuous path that is set (``align_decode_fronts``,
+        ``trim_cache``: they move cache columns a graph would read), or ``None``."""
+        return next((n for n in EAGER_LAYOUTS if getattr(self, n)), None)
+
+    def _graphs_off(self) -> bool:
+        """Whether no backend could give this config graphs."""
+        explicit = self.enable_graph_capture
+        return explicit is False or (explicit is None and self.eager_layout is not None)
+
+    def total_length(self, model: PreTrainedModel, total: int, backend: Backend) -> int:
         """The total length (prompt width + new tokens) a call's buffers get: ``total`` padded
-        to ``length_buckets``. ``"auto"`` pads graph engines' calls to the next power of two
-        from 64 up to the model's ``max_position_embeddings``, so calls whose prompts come
-        padded to another width reuse one graph (eager engines keep ``total``)."""
+        to ``length_buckets``. ``"auto"`` pads graph engines' calls (on ``backend``) to the next
+        power of two from 64 up to the model's ``max_position_embeddings``, so calls whose
+        prompts come padded to another width reuse one graph (eager engines keep ``total``)."""
         if self.length_buckets != "auto":
             return bucket_size(total, self.length_buckets)
-        if not self.enable_graph_capture:
+        if not self.wants_graphs(backend):
             return total
         limit = getattr(model.config, "max_position_embeddings", None) or 2**16
         padded = max(64, 1 << (total - 1).bit_length())
@@ -226,7 +254,7 @@ class RolloutConfig:
         if self.trainer_exact:
             return False
         if self.fuse_projections is None:
-            return self.enable_graph_capture and backend.capabilities.fuse_projections_by_default
+            return self.wants_graphs(backend) and backend.capabilities.fuse_projections_by_default
         return self.fuse_projections
 
     def _check_trainer_exact(self) -> None:
@@ -272,9 +300,10 @@ class RolloutConfig:
     def _check_per_position(self) -> None:
         if not self.per_position_graphs:
             return
-        if not self.enable_graph_capture:
+        if self._graphs_off():
             raise ValueError(
-                "per_position_graphs=True captures graphs: set enable_graph_capture=True too"
+                "per_position_graphs=True captures graphs: leave enable_graph_capture at None "
+                "or True"
             )
         if self.continuous_batch_size is not None:
             raise ValueError(
@@ -293,12 +322,12 @@ class RolloutConfig:
                 "batch_buckets / length_buckets do not apply to the continuous path (its slot "
                 "count already fixes the batch shape); drop them or continuous_batch_size"
             )
-        for name in ("align_decode_fronts", "trim_cache"):
+        for name in EAGER_LAYOUTS:
             if not getattr(self, name):
                 continue
             if self.continuous_batch_size is None:
                 raise ValueError(f"{name} is a continuous-path mode: set continuous_batch_size")
-            if self.enable_graph_capture:
+            if self.enable_graph_capture is True:
                 raise ValueError(
                     f"{name}=True moves cache rows/columns between steps, but a captured graph "
                     f"replays on fixed addresses; drop {name} or set enable_graph_capture=False "

@@ -20,12 +20,14 @@ from graphcap.rollout.settings.vocabulary import (
     GENERATE_DEFAULT_TOP_K,
     GENERATION_CONFIG_FIELDS,
     VLLM_ALIASES,
+    VLLM_DEFAULT_LOGPROBS_MODE,
     VLLM_UNSUPPORTED,
     WARPER_NEUTRAL,
     check_warpers_have_do_sample,
     stop_string_sequences,
     unsupported_generation_fields,
     vllm_keywords,
+    vllm_logprobs_mode,
 )
 
 if TYPE_CHECKING:
@@ -258,8 +260,13 @@ class SamplingParams:
         tokens), so the engine itself needs no tokenizer. vLLM's ``n``, ``max_tokens``,
         ``min_tokens`` and ``logprobs`` are read as :data:`VLLM_ALIASES` says; vLLM names with no
         counterpart (:data:`VLLM_UNSUPPORTED`) are dropped where they ask for nothing and
-        refused otherwise. Other names as the constructor."""
+        refused otherwise. ``logprobs_mode``: vLLM's (``"raw_logprobs"``, its default, is
+        graphcap's ``"raw"``; ``"processed_logprobs"`` is ``"sampling"``;
+        :data:`~graphcap.rollout.settings.vocabulary.VLLM_LOGPROBS_MODES`) or graphcap's own.
+        Other names as the constructor."""
         kwargs.setdefault("per_request_seed", True)
+        mode = kwargs.pop("logprobs_mode", VLLM_DEFAULT_LOGPROBS_MODE)
+        kwargs["logprobs_mode"] = vllm_logprobs_mode(mode)
         temperature = kwargs.pop("temperature", 1.0)
         greedy = _is_zero(temperature)  # any other value is the constructor's to check
         top_k = kwargs.pop("top_k", None)

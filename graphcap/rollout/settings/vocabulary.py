@@ -41,6 +41,19 @@ VLLM_ALIASES: dict[str, str] = {
     "logprobs": "return_logprobs",
 }
 
+#: vLLM's ``logprobs_mode`` values (an engine setting there; ``from_vllm`` takes it per request)
+#: as graphcap's ``SamplingParams.logprobs_mode``: ``raw_logprobs`` (vLLM's default) is
+#: log_softmax of the model's logits, before any penalty; ``processed_logprobs`` that of the
+#: scores the token was drawn from (penalties, temperature, top-k, top-p, min-p applied).
+VLLM_LOGPROBS_MODES: dict[str, str] = {"raw_logprobs": "raw", "processed_logprobs": "sampling"}
+#: vLLM's default ``logprobs_mode``
+VLLM_DEFAULT_LOGPROBS_MODE = "raw_logprobs"
+#: vLLM's ``logprobs_mode`` values that return logits, which the per-step records hold instead
+VLLM_LOGITS_MODES: dict[str, str] = {
+    "raw_logits": "output_logits=True (every step's raw logits, result.logits)",
+    "processed_logits": "output_scores=True (every step's processed scores, result.scores)",
+}
+
 #: What to do instead of a refused vLLM name, where there is something better than "remove it".
 VLLM_INSTEAD: dict[str, str] = {
     "stop": (
@@ -191,6 +204,17 @@ def vllm_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def vllm_logprobs_mode(mode: str) -> str:
+    """vLLM's ``logprobs_mode`` as graphcap's (graphcap's own names pass as they are); the
+    logits modes are refused with the record that holds them."""
+    if mode in VLLM_LOGITS_MODES:
+        raise ValueError(
+            f"logprobs_mode={mode!r} returns logits where graphcap returns log-probs: use "
+            f"{VLLM_LOGITS_MODES[mode]}, or logprobs_mode='raw_logprobs' / 'processed_logprobs'"
+        )
+    return VLLM_LOGPROBS_MODES.get(mode, mode)
 
 
 def _neutral(name: str, value: Any) -> bool:

@@ -45,7 +45,9 @@ def _generate(
     explicit_generator: bool = False,
     **config: object,
 ) -> list[RolloutResult]:
-    """``calls`` identical requests on one engine (so later calls reuse its graphs)."""
+    """``calls`` identical requests on one engine (so later calls reuse its graphs); eager
+    unless ``config`` sets ``enable_graph_capture``."""
+    config = {"enable_graph_capture": False, **config}
     engine = RolloutEngine(model, RolloutConfig(backend=backend, **config))
     ids, mask = models.prompts(BATCH, backend.device)
     generator = torch.Generator(device=backend.device) if explicit_generator else None
