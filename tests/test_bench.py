@@ -514,6 +514,21 @@ def test_the_first_call_s_compiling_is_taken_out_of_its_warm_up() -> None:
     assert report.first_call_phases(stats, 2.1, compile_s=-1.0)["compile_s"] == 0.0
 
 
+def test_ladder_captures_taken_mid_decode_count_once_in_the_first_call() -> None:
+    # 0.9 s of captures before the decode loop, 0.5 s of a ladder size's capture inside it (in
+    # the engine's decode_s as well as its capture_s), 0.5 s of steps, 0.1 s of the rest
+    stats = dataclasses.make_dataclass("Stats", ["prefill_s", "warmup_s", "capture_s", "decode_s"])(
+        0.2, 0.5, 1.4, 1.0
+    )
+    phases = report.first_call_phases(stats, 2.2)
+    assert phases["capture_s"] == pytest.approx(0.9) and phases["warmup_s"] == 0.5
+    assert phases["decode_s"] == pytest.approx(0.6) and phases["other_s"] == 0.0
+    assert sum(phases.values()) == pytest.approx(2.2)
+    # without a capture inside the loop the decode part is the engine's own
+    stats.capture_s, stats.decode_s = 0.9, 0.5
+    assert report.first_call_phases(stats, 2.2)["decode_s"] == 0.5
+
+
 def test_compile_seconds_counts_what_dynamo_compiles() -> None:
     before = modes.compile_counts()[2]
     compiled = torch.compile(lambda x: torch.sin(x) + 1, backend="eager", fullgraph=True)
@@ -577,6 +592,8 @@ def test_round_reports_useful_tokens_dead_share_and_limit(
     assert hf.round["lengths"][0] == drop.round["lengths"][0]
     data = json.loads(result.write_json(tmp_path / "round.json").read_text())
     assert data["schema_version"] == 7 and data["results"][0]["round"] == hf.round
+    for r in result.results[1:]:  # the ladder's graphs captured mid-decode are counted once
+        assert sum(r.first_call_phases.values()) == pytest.approx(r.first_call_s, rel=1e-6)
     table = report.format_table(result)
     assert "round s [min-max]" in table and "rl-round: 2 prompts of 3-6 tokens" in table
 
