@@ -247,6 +247,12 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
     assert {f.name for f in dataclasses.fields(ModeResult)} == set(data["results"][0])
     table = report.format_table(result)
     assert "steady ms [min-max]" in table and "first calls (s): prefill + compile + warmup" in table
+    # what the figures are not: speed on the CPU, a ratio without its baseline, a known peak
+    assert (
+        report.CPU_REFERENCE in table
+        and "peak bandwidth n/a (unknown device: give --peak-" in table
+    )
+    assert "note: x hf-static is n/a: hf-static-compile did not run" in table
     graph = result.result("graphcap-graph", 1)
     assert f"{graph.steady_median_s * 1e3:.1f} [{graph.steady_min_s * 1e3:.1f}-" in table
 
@@ -314,6 +320,7 @@ def test_static_compile_that_compiled_nothing_and_compile_limits_and_budget(
     static = result.result("hf-static-compile", 2)
     assert static.status == "fallback" and static.compiled_graphs_first_call == 0
     assert "compiled nothing" in static.reason
+    assert "x hf-static is n/a where hf-static-compile did not finish" in report.format_table(result)
     spent = run_benchmark(replace(cfg, budget_s=1e-9), backend=backend)
     assert {r.status for r in spent.results} == {"skipped"} and "budget" in spent.results[0].reason
 
@@ -596,6 +603,12 @@ def test_round_reports_useful_tokens_dead_share_and_limit(
         assert sum(r.first_call_phases.values()) == pytest.approx(r.first_call_s, rel=1e-6)
     table = report.format_table(result)
     assert "round s [min-max]" in table and "rl-round: 2 prompts of 3-6 tokens" in table
+    assert "limit: the round's physical limit at 4800 GB/s and 7.9e+14 FLOP/s" in table
+    assert "x hf-static" not in table  # a round has no such column, hence no footnote
+    result.peak_flops = None
+    assert "limit: n/a on an unknown device (give --peak-flops)" in report.format_table(result)
+    result.peak_bandwidth_gbps = None
+    assert "(give --peak-bandwidth and --peak-flops)" in report.format_table(result)
 
 
 def test_round_options_resolve_and_refuse(backend: CPUBackend) -> None:
