@@ -320,7 +320,8 @@ def test_static_compile_that_compiled_nothing_and_compile_limits_and_budget(
     static = result.result("hf-static-compile", 2)
     assert static.status == "fallback" and static.compiled_graphs_first_call == 0
     assert "compiled nothing" in static.reason
-    assert "x hf-static is n/a where hf-static-compile did not finish" in report.format_table(result)
+    table = report.format_table(result)
+    assert "x hf-static is n/a where hf-static-compile did not finish" in table
     spent = run_benchmark(replace(cfg, budget_s=1e-9), backend=backend)
     assert {r.status for r in spent.results} == {"skipped"} and "budget" in spent.results[0].reason
 
