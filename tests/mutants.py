@@ -900,7 +900,9 @@ PLANTS = (
         "graphcap/bench/report.py",
         "decode = min(stats.decode_s, max(0.0, total_s - sum(values)))",
         "decode = stats.decode_s",
-        ("tests/test_bench.py::test_ladder_captures_taken_mid_decode_count_once_in_the_first_call",),
+        (
+            "tests/test_bench.py::test_ladder_captures_taken_mid_decode_count_once_in_the_first_call",
+        ),
     ),
     Plant(
         "the drop-in serves generation settings left on model.config",
