@@ -1,4 +1,4 @@
-"""Per-call cost of the graph signature's host-state fingerprint (docs/rollout.md).
+"""Per-call cost of the graph signature's host-state fingerprint (docs/rollout-mechanism.md).
 
 Builds Llama-3-8B's module tree on the meta device (no weights allocated) and the tests' tiny
 Llama, then times ``host_state(model)`` (taken on every generate call), comparing two

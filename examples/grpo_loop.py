@@ -13,15 +13,21 @@ backend here, a GPU unchanged). Each iteration:
 3. training: the trainer recomputes the log-probs teacher-forced (printed: their largest
    difference from the rollout's, ~1e-5 in fp32), then a clipped policy-gradient step whose
    ratio is ``exp(trainer - rollout)``; ``optimizer.step()`` updates the weights in place, so
-   their addresses (in the graph signature) stay and the next rollout replays the same graph.
+   their addresses (in the graph signature) stay and the next rollout replays the graphs
+   captured before.
+
+Each graph is one batch size of the live-row ladder (``RolloutConfig.batch_ladder``): as rows
+end at EOS a rollout moves its live rows to a smaller size, and the first rollout to reach a
+size captures it. So the run captures a few graphs (the sizes printed at the end), each once;
+an iteration that prints "captured 1 graph(s)" after the first reached a new size.
 
 Without ``--sleep`` the engine keeps its KV cache and graphs between rollouts. With ``--sleep`` it
 calls ``engine.sleep()`` before each training step, handing that memory to the trainer; where the
 backend keeps addresses across a release (``keeps_addresses_on_release``: the CPU reference
 backend, CUDA with torch_memory_saver) the graphs survive it and the next rollout replays them
-after mapping the memory again (``wake_s``), elsewhere it captures again. Either way each graph
-is one batch size of the live-row ladder, captured the first time a rollout reaches it.
-docs/rollout.md, "Memory between rollouts", discusses the choice.
+after mapping the memory again (printed: "woke in N ms", ``stats.wake_s``); elsewhere each
+rollout captures its sizes again. docs/rollout.md, "Memory between rollouts", discusses the
+choice.
 """
 
 from __future__ import annotations
@@ -126,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
         reached = set(stats.batch_steps) or {stats.batch_size}
         graphs, sizes = graphs + len(reached), sizes | reached
         if args.sleep:
-            engine.sleep()  # the cache and graph memory go back to the trainer
+            engine.sleep()  # the K/V cache and the graphs' memory go back to the trainer
 
         rewards = rewards_of(result, ids.shape[1])
         advantages = group_advantages(rewards, args.samples)
@@ -140,10 +146,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
         loss.backward()
         optimizer.step()  # in place: the parameters keep their addresses
         model.eval()
+        woke = "" if stats.wake_s is None else f", woke in {stats.wake_s * 1e3:.1f} ms"
         print(
-            f"iteration {iteration}: path {stats.path}, captured {stats.captured} "
-            f"(capture_s {stats.capture_s:.3f}, total_s {stats.total_s:.3f}), "
-            f"captures {stats.captures}, mean reward {rewards.mean().item():.3f}, "
+            f"iteration {iteration}: path {stats.path}, batch sizes {sorted(reached)}, "
+            f"captured {len(stats.capture_reasons)} graph(s) in {stats.capture_s:.3f} s of "
+            f"{stats.total_s:.3f} s{woke}, mean reward {rewards.mean().item():.3f}, "
             f"max |trainer - rollout| log-prob {diff:.2e}, loss {loss.item():+.4f}"
         )
 
@@ -154,7 +161,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     expected = len(sizes) if kept else graphs
     captures = engine.captures
     assert captures == expected, f"captured {captures} graphs, expected {expected}"
-    print(f"captures={captures} (expected {expected}); max log-prob difference {max_diff:.2e}")
+    each = "once per rollout that reached it" if not kept else "once"
+    print(
+        f"captures={captures} (expected {expected}): batch sizes {sorted(sizes)}, each captured "
+        f"{each}; max log-prob difference {max_diff:.2e}"
+    )
     engine.shutdown()
     return {"captures": captures, "max_logprob_diff": max_diff, "path": stats.path}
 

@@ -1001,6 +1001,15 @@ PLANTS = (
         ("tests/test_bench.py::test_round_reports_useful_tokens_dead_share_and_limit",),
     ),
     Plant(
+        "a first call's ladder captures counted in capture and decode",
+        "graphcap/bench/report.py",
+        "decode = min(stats.decode_s, max(0.0, total_s - sum(values)))",
+        "decode = stats.decode_s",
+        (
+            "tests/test_bench.py::test_ladder_captures_taken_mid_decode_count_once_in_the_first_call",
+        ),
+    ),
+    Plant(
         "the drop-in serves generation settings left on model.config",
         "graphcap/rollout/drop_in.py",
         "    if generation_config is None and legacy:",

@@ -247,6 +247,12 @@ def test_run_reports_every_mode_with_spreads_progress_and_json(
     assert {f.name for f in dataclasses.fields(ModeResult)} == set(data["results"][0])
     table = report.format_table(result)
     assert "steady ms [min-max]" in table and "first calls (s): prefill + compile + warmup" in table
+    # what the figures are not: speed on the CPU, a ratio without its baseline, a known peak
+    assert (
+        report.CPU_REFERENCE in table
+        and "peak bandwidth n/a (unknown device: give --peak-" in table
+    )
+    assert "note: x hf-static is n/a: hf-static-compile did not run" in table
     graph = result.result("graphcap-graph", 1)
     assert f"{graph.steady_median_s * 1e3:.1f} [{graph.steady_min_s * 1e3:.1f}-" in table
 
@@ -314,6 +320,8 @@ def test_static_compile_that_compiled_nothing_and_compile_limits_and_budget(
     static = result.result("hf-static-compile", 2)
     assert static.status == "fallback" and static.compiled_graphs_first_call == 0
     assert "compiled nothing" in static.reason
+    table = report.format_table(result)
+    assert "x hf-static is n/a where hf-static-compile did not finish" in table
     spent = run_benchmark(replace(cfg, budget_s=1e-9), backend=backend)
     assert {r.status for r in spent.results} == {"skipped"} and "budget" in spent.results[0].reason
 
@@ -514,6 +522,21 @@ def test_the_first_call_s_compiling_is_taken_out_of_its_warm_up() -> None:
     assert report.first_call_phases(stats, 2.1, compile_s=-1.0)["compile_s"] == 0.0
 
 
+def test_ladder_captures_taken_mid_decode_count_once_in_the_first_call() -> None:
+    # 0.9 s of captures before the decode loop, 0.5 s of a ladder size's capture inside it (in
+    # the engine's decode_s as well as its capture_s), 0.5 s of steps, 0.1 s of the rest
+    stats = dataclasses.make_dataclass("Stats", ["prefill_s", "warmup_s", "capture_s", "decode_s"])(
+        0.2, 0.5, 1.4, 1.0
+    )
+    phases = report.first_call_phases(stats, 2.2)
+    assert phases["capture_s"] == pytest.approx(0.9) and phases["warmup_s"] == 0.5
+    assert phases["decode_s"] == pytest.approx(0.6) and phases["other_s"] == 0.0
+    assert sum(phases.values()) == pytest.approx(2.2)
+    # without a capture inside the loop the decode part is the engine's own
+    stats.capture_s, stats.decode_s = 0.9, 0.5
+    assert report.first_call_phases(stats, 2.2)["decode_s"] == 0.5
+
+
 def test_compile_seconds_counts_what_dynamo_compiles() -> None:
     before = modes.compile_counts()[2]
     compiled = torch.compile(lambda x: torch.sin(x) + 1, backend="eager", fullgraph=True)
@@ -577,8 +600,16 @@ def test_round_reports_useful_tokens_dead_share_and_limit(
     assert hf.round["lengths"][0] == drop.round["lengths"][0]
     data = json.loads(result.write_json(tmp_path / "round.json").read_text())
     assert data["schema_version"] == 7 and data["results"][0]["round"] == hf.round
+    for r in result.results[1:]:  # the ladder's graphs captured mid-decode are counted once
+        assert sum(r.first_call_phases.values()) == pytest.approx(r.first_call_s, rel=1e-6)
     table = report.format_table(result)
     assert "round s [min-max]" in table and "rl-round: 2 prompts of 3-6 tokens" in table
+    assert "limit: the round's physical limit at 4800 GB/s and 7.9e+14 FLOP/s" in table
+    assert "x hf-static" not in table  # a round has no such column, hence no footnote
+    result.peak_flops = None
+    assert "limit: n/a on an unknown device (give --peak-flops)" in report.format_table(result)
+    result.peak_bandwidth_gbps = None
+    assert "(give --peak-bandwidth and --peak-flops)" in report.format_table(result)
 
 
 def test_round_options_resolve_and_refuse(backend: CPUBackend) -> None:

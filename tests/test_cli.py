@@ -57,6 +57,15 @@ def test_info_and_help_do_not_import_the_bench_or_dynamo():
     assert out.stdout.strip() == "[]"
 
 
+def test_importing_the_rollout_engine_leaves_transformers_models_unloaded():
+    # transformers.modeling_utils costs seconds; a model's own module loads it where one is built
+    code = "import sys, graphcap.rollout\nprint('transformers.modeling_utils' in sys.modules)\n"
+    env = {**os.environ, registry.ENV_VAR: "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_bench_subcommand_parses_its_own_options(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])

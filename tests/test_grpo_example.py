@@ -30,9 +30,12 @@ def run_example(*args: str, backend: str = "cpu") -> subprocess.CompletedProcess
 def printed_captures(stdout: str) -> int:
     """The example's capture count, checked against the one it expected (one graph per batch
     size the live-row ladder reached, kept across the in-place updates)."""
-    match = re.search(r"^captures=(\d+) \(expected (\d+)\)", stdout, re.MULTILINE)
+    match = re.search(r"^captures=(\d+) \(expected (\d+)\): batch sizes \[(.*)\]", stdout, re.M)
     assert match, f"no captures= line in:\n{stdout}"
     assert match.group(1) == match.group(2), match.group(0)
+    # the graphs each rollout says it captured add up to the run's count
+    captured = re.findall(r"captured (\d+) graph\(s\)", stdout)
+    assert sum(map(int, captured)) == int(match.group(1)), stdout
     return int(match.group(1))
 
 
@@ -40,15 +43,18 @@ def test_grpo_example_runs_as_a_script_and_keeps_its_graphs():
     done = run_example("--iterations", "3")
     assert done.returncode == 0, done.stdout + done.stderr
     assert printed_captures(done.stdout) >= 1
-    assert done.stdout.count("path static_graph") == 3
+    assert done.stdout.count("path static_graph") == 3 and "woke" not in done.stdout
 
 
-def test_grpo_example_with_sleep_keeps_its_graphs():
+def test_grpo_example_with_sleep_keeps_its_graphs(capsys: pytest.CaptureFixture[str]):
     spec = importlib.util.spec_from_file_location("grpo_loop", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     summary = example.main(["--iterations", "3", "--sleep", "--max-new-tokens", "8"])
-    # the CPU reference backend keeps addresses across a sleep: each ladder size once
+    # the CPU reference backend keeps addresses across a sleep: each ladder size once, and every
+    # rollout after a sleep says it woke
+    out = capsys.readouterr().out
+    assert printed_captures(out) == summary["captures"] and out.count("woke in") == 2
     assert summary["captures"] >= 1 and summary["path"] == "static_graph"
     assert summary["max_logprob_diff"] < 1e-4  # fp32: rollout == trainer's recomputation
 

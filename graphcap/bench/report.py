@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphcap.cpu.backend import CPUBackend
+
 OK, FALLBACK, UNSUPPORTED, ERROR, SKIPPED = "ok", "fallback", "unsupported", "error", "skipped"
 
 
@@ -57,17 +59,23 @@ class ModeResult:
 
 #: Where a graphcap mode's first call spends its time: the prefill (input checks and the model
 #: scan included), the warm-up before capture split into compiling (by dynamo's own clock) and the
-#: rest (each kernel's first use), the capture, the decode loop, and the rest of the call.
+#: rest (each kernel's first use), the capture, the decode loop, and the rest of the call. Every
+#: capture counts once, under warm-up and capture, and the parts sum to the call's time.
 PHASES: tuple[str, ...] = ("prefill_s", "compile_s", "warmup_s", "capture_s", "decode_s", "other_s")
 
 
 def first_call_phases(stats: Any, total_s: float, compile_s: float = 0.0) -> dict[str, float]:
     """The phases of a first call that took ``total_s``, from its engine ``stats`` and the
-    seconds dynamo spent compiling during it (counted against the warm-up)."""
+    seconds dynamo spent compiling during it (counted against the warm-up).
+
+    The graphs of the live-row ladder are captured mid-decode, so the engine's ``decode_s``
+    holds them as well as ``capture_s`` does: the decode part is bounded by what the call's
+    time leaves after the prefill and every capture (the rest of the call then joins it)."""
     compiling = min(max(compile_s, 0.0), stats.warmup_s)
     values = (stats.prefill_s, compiling, stats.warmup_s - compiling)
-    values += (stats.capture_s - stats.warmup_s, stats.decode_s)
-    phases = dict(zip(PHASES, values, strict=False))
+    values += (stats.capture_s - stats.warmup_s,)
+    decode = min(stats.decode_s, max(0.0, total_s - sum(values)))
+    phases = dict(zip(PHASES, (*values, decode), strict=False))
     return {**phases, "other_s": max(0.0, total_s - sum(phases.values()))}
 
 
@@ -194,27 +202,56 @@ def format_table(report: BenchReport) -> str:
         f"{model['parameters'] / 1e6:.1f}M params, {cfg['dtype']}) on "
         f"{backend['device_name']} [backend {backend['name']}], {where}",
         *_header(report),
-        "",
-        *render_table(list(columns), [_mode_row(r, columns) for r in report.results]),
     ]
+    if backend["name"] == CPUBackend.name:
+        lines += [CPU_REFERENCE]
+    lines += ["", *render_table(list(columns), [_mode_row(r, columns) for r in report.results])]
     rs = report.results
     if phased := [r for r in rs if r.first_call_phases]:
         lines += ["", "first calls (s): " + " + ".join(p.removesuffix("_s") for p in PHASES)]
         lines += [f"  {_phases_line(r)}" for r in phased]
     notes = [f"note: {r.mode} (bs {r.batch_size}): {r.status}: {r.reason}" for r in rs if r.reason]
+    if "x hf-static" in columns and any(_no_ratio(r) for r in rs):
+        notes += [_no_static_baseline(rs)]
     notes += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines + (["", *notes] if notes else []))
+
+
+#: Said under the header of a run on the CPU reference backend, whose ratios are not speed.
+CPU_REFERENCE = (
+    "on the CPU reference backend these runs check correctness (tokens, captures, fallbacks), "
+    "not speed: its graphs replay the recorded aten operations one by one from Python, so graph "
+    "modes are not expected to beat HF here; speed is measured on an accelerator backend"
+)
+
+
+def _no_ratio(r: ModeResult) -> bool:
+    return r.status in (OK, FALLBACK) and r.speedup_vs_hf_static_compile is None
+
+
+def _no_static_baseline(results: Sequence[ModeResult]) -> str:
+    """Why ``x hf-static`` reads n/a: the baseline did not run, or could not serve as one."""
+    if not any(r.mode == "hf-static-compile" for r in results):
+        return (
+            "note: x hf-static is n/a: hf-static-compile did not run (a default mode on "
+            "accelerators only; --modes adds it)"
+        )
+    return (
+        "note: x hf-static is n/a where hf-static-compile did not finish or compiled again in "
+        "its steady calls (its row says which): no baseline at that batch size"
+    )
 
 
 def _header(report: BenchReport) -> list[str]:
     """What the rows measured: the steps' or the round's settings, the peaks."""
     cfg, bandwidth = report.config, _num(report.peak_bandwidth_gbps, ".0f", suffix=" GB/s")
     if cfg.get("workload") != "rl-round":
+        unknown = " (unknown device: give --peak-bandwidth)" if bandwidth == "n/a" else ""
         return [
             f"prompt {cfg['prompt_len']} + {cfg['new_tokens']} new tokens, greedy, EOS off; first "
             f"call timed alone, steady = median [min-max] of {cfg['repeats']} after "
             f"{cfg['warmup']} warmup; weights read per step "
-            f"{report.weight_bytes_per_step / 1e9:.3f} GB; peak bandwidth {bandwidth}",
+            f"{report.weight_bytes_per_step / 1e9:.3f} GB; peak bandwidth {bandwidth}{unknown}",
             f"tokens: agreement with {report.reference_mode} at the same batch size",
         ]
     hf = cfg["repeats"] if cfg["hf_repeats"] is None else cfg["hf_repeats"] or "the first"
@@ -232,9 +269,19 @@ def _header(report: BenchReport) -> list[str]:
         f"(mean length {cfg['eos_fraction']:g} of the cap before it cuts); continuous slots "
         f"{cfg['continuous_slots']}; useful: tokens up to EOS; ended%: row-steps of ended rows",
         f"first round timed alone; steady = median [min-max] of {cfg['repeats']} rounds (hf "
-        f"modes: {hf}); limit: the round's physical limit at {bandwidth} and "
-        f"{_num(report.peak_flops, '.3g', suffix=' FLOP/s')}; {between}",
+        f"modes: {hf}); {_limit(report)}; {between}",
     ]
+
+
+def _limit(report: BenchReport) -> str:
+    """The peaks a round's limit is reckoned at, or the options that give the missing ones."""
+    peaks = {"--peak-bandwidth": report.peak_bandwidth_gbps, "--peak-flops": report.peak_flops}
+    if missing := [option for option, value in peaks.items() if value is None]:
+        return f"limit: n/a on an unknown device (give {' and '.join(missing)})"
+    return (
+        f"limit: the round's physical limit at {report.peak_bandwidth_gbps:.0f} GB/s and "
+        f"{report.peak_flops:.3g} FLOP/s"
+    )
 
 
 def _phases_line(r: ModeResult) -> str:

@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from graphcap import kv_blocks
 from graphcap.rollout.cache.cache import (
@@ -60,6 +59,9 @@ class Holdings:
 def reads_blocks(attention: str) -> bool:
     """Whether the registered attention implementation ``attention`` reads pools through the
     table (:func:`graphcap.kv_blocks.reads_kv_blocks`) instead of a gathered contiguous K/V."""
+    # loaded here, not at import: it costs seconds, and the model's own module has loaded it
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     function = ALL_ATTENTION_FUNCTIONS.get(attention) if attention != "eager" else None
     return kv_blocks.is_block_aware(function)
 

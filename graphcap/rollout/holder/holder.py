@@ -93,7 +93,7 @@ class GraphHolder:
         #: why graphs are off for this engine (a failed capture here or on another rank)
         self.disabled_reason: str | None = None
         #: the sampler's shape: it grows per engine, so alternating greedy and sampled calls
-        #: replay one graph (docs/rollout.md, "One graph for any setting"), except truncation,
+        #: replay one graph (docs/rollout-mechanism.md, "Sampler shapes"), except truncation,
         #: which is the current call's own (its graphs are this shape's)
         self.sampler = SamplerShape()
         #: the model's host state when this engine last compiled (see :meth:`_compiled`)

@@ -8,7 +8,7 @@ branches on or multiplies by (``attention_scaling``, PEFT's ``_disable_adapters`
 swapped for another), and objects holding weights outside ``parameters()`` (torch.ao's packed
 int8 weights). :func:`host_state` collects all of that into a
 :class:`HostState` taken at every call and made part of the graph signature, so any change means
-a recapture instead of a stale replay. What it cannot see is listed in docs/rollout.md
+a recapture instead of a stale replay. What it cannot see is listed in docs/rollout-mechanism.md
 ("What the signature sees").
 """
 
@@ -195,7 +195,8 @@ def global_forward_hooks() -> tuple[dict[int, Any], ...]:
 
     torch keeps them only in private module-level dictionaries of ``torch.nn.modules.module``
     (same names in torch 2.11 and 2.13; no public accessor exists); this is the one place that
-    reads them. A dictionary a future torch renames reads as empty: docs/rollout.md lists it.
+    reads them. A dictionary a future torch renames reads as empty: docs/rollout-mechanism.md
+    lists it.
     """
     from torch.nn.modules import module as torch_module
 

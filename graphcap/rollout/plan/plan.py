@@ -20,7 +20,6 @@ from enum import StrEnum
 
 import torch
 import torch.distributed as dist
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from graphcap.backend import Backend, TruncatedDraw
 from graphcap.errors import GraphUnsupportedModelError
@@ -246,6 +245,9 @@ def pinned_refusal(settings: CallSettings) -> str | None:
 def check_graph_attention(name: str | None) -> None:
     """Refuse a ``graph_attention`` name transformers does not know, before any call: found
     only at capture, it would turn graphs off for the engine."""
+    # loaded here, not at import: it costs seconds, and the model's own module has loaded it
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     if name not in (None, "auto", *known):
         raise ValueError(
