@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import pickle
 import warnings
 from dataclasses import replace
@@ -604,3 +605,19 @@ def test_a_half_precision_model_is_told_its_rollouts_part_from_float32_ones():
     with pytest.warns(UserWarning, match=r"torch.bfloat16: served calls are half-precision"):
         accelerate_generate(model)
     restore_generate(model)
+
+
+def test_the_first_served_call_says_so_once_through_logging(caplog):
+    """Under a trainer nothing else tells that graphcap serves: one INFO line at the first
+    served call, on the "graphcap.rollout" logger (its level turns it off)."""
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2)
+    accelerate_generate(model)
+    try:
+        with caplog.at_level(logging.INFO, logger="graphcap.rollout"):
+            for _ in range(2):
+                model.generate(ids, attention_mask=mask, max_new_tokens=4)
+        served = [r for r in caplog.records if "served by graphcap's engine" in r.getMessage()]
+        assert len(served) == 1 and "backend cpu" in served[0].getMessage()
+    finally:
+        restore_generate(model)

@@ -216,6 +216,12 @@ class AcceleratedGenerate:
         sequences = result.sequences[:, : width + int(result.response_lengths.max())]
         stats = self.stats
         stats.served += 1
+        if stats.served == 1:  # one line says graphcap serves (the logger's level silences it)
+            logger.info(
+                "graphcap: model.generate is served by graphcap's engine (backend %s, path %s)",
+                self.engine.backend.name,
+                result.stats.path,
+            )
         stats.last = result.stats
         stats.replays += result.stats.replays
         stats.captures = result.stats.captures
