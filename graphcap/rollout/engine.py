@@ -75,7 +75,7 @@ class RolloutEngine:
         register_attention_implementations(self.backend)
         check_graph_attention(self.config.graph_attention)
         if self.config.trainer_exact:
-            check_exact_model(model)
+            check_exact_model(model, "RolloutConfig(trainer_exact=True)")
             check_exact_backend(self.backend.device_type)
         agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None

@@ -66,11 +66,12 @@ def exact_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
-def check_exact_model(model: torch.nn.Module) -> None:
-    """Refuse a model trainer-exact forwards do not cover, with the reason."""
+def check_exact_model(model: torch.nn.Module, asked_by: str = "trainer_exact") -> None:
+    """Refuse a model trainer-exact forwards do not cover, with the reason and what asked for
+    them (``asked_by``: the setting or function to change)."""
     reason = exact_refusal(model)
     if reason is not None:
-        raise ValueError(reason)
+        raise ValueError(f"{asked_by}: {reason}")
 
 
 def check_exact_backend(device_type: str) -> None:
