@@ -628,3 +628,39 @@ def test_round_options_resolve_and_refuse(backend: CPUBackend) -> None:
     assert settings["graph_attention"] is None and settings["compile_cache"] is None
     assert settings["draws"] == "per_row"
     assert "draws" not in modes.engine_settings("auto", None, "auto", None)
+
+
+@pytest.mark.parametrize("between", ["sleep-train", "move"])
+def test_round_as_a_trainer_lives_it(backend: CPUBackend, between: str) -> None:
+    """``--between``: before each steady round the engine sleeps and a training step runs (or
+    the weights move); the graphs of the first round serve every later one, and the report says
+    what the pauses did (HF's rounds train too, with nothing to sleep)."""
+    cfg = {**ROUND, "modes": ["hf-eager", "graphcap-graph", "graphcap-drop-in"], "train_rows": 4}
+    result = run_benchmark(BenchConfig(**cfg, between=between), backend=backend)
+    for r in result.results:
+        assert r.status == "ok", r.reason
+        pauses = r.round["iteration"]
+        rounds = ROUND["hf_repeats"] if r.mode == "hf-eager" else ROUND["repeats"]
+        assert len(pauses["rounds_s"]) == len(pauses["captured"]) == rounds
+        trains = pauses["train_s"]
+        assert (len(trains) > 0) == (between == "sleep-train")
+        if r.mode == "hf-eager":
+            assert pauses["held_bytes"] == [None] * len(trains or pauses["rounds_s"])
+            continue
+        # new ladder sizes may still be met; a sleep or a move itself captures nothing
+        reasons = [reason for call in pauses["recapture_reasons"] for reason in call]
+        assert not any("woke" in reason or "tensors" in reason for reason in reasons), reasons
+        if between == "sleep-train":
+            assert all(w is not None and w >= 0 for w in pauses["wake_s"])
+            assert all(h > 0 for h in pauses["held_bytes"])
+            assert 0 < pauses["rollout_share"] < 1
+    table = report.format_table(result)
+    assert "new graphs" in table and "rollout%" in table
+    assert {"sleep-train": "the engine slept", "move": "moved to new storage"}[between] in table
+
+
+def test_between_is_an_rl_round_option(backend: CPUBackend) -> None:
+    with pytest.raises(ValueError, match="rl-round"):
+        resolve(BenchConfig(between="move"), backend)
+    with pytest.raises(ValueError, match="between"):
+        resolve(BenchConfig(**{**ROUND, "between": "nap"}), backend)
