@@ -171,3 +171,20 @@ def test_sampled_tokens_do_not_depend_on_sleeping():
     assert not torch.equal(outputs[False][0], outputs[False][1])  # the draws moved on
     for slept, kept in zip(outputs[True], outputs[False], strict=True):
         assert torch.equal(slept, kept)
+
+
+def test_sleep_keeps_graphs_false_frees_on_a_backend_with_regions():
+    """``RolloutConfig(sleep_keeps_graphs=False)`` turns memory regions off: the CPU reference
+    backend hands them out, and still the sleep frees and the next call captures again."""
+    backend = CPUBackend()
+    assert backend.capabilities.keeps_addresses_on_release
+    engine = engine_on(backend, sleep_keeps_graphs=False)
+    ids, mask = prompts(2)
+    first = engine.generate(ids, mask, PARAMS)
+    assert engine.memory_held() == 0  # nothing lives in a region
+    engine.sleep()
+    assert engine.cache is None and not engine.sleeping
+    assert not engine.last_sleep.kept_graphs
+    again = engine.generate(ids, mask, PARAMS)
+    assert again.stats.recapture_reason == [WOKE] and torch.equal(again.sequences, first.sequences)
+    engine.shutdown()
