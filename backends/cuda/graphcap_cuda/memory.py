@@ -76,7 +76,7 @@ def _frees_allowed_at_exit() -> None:
     inside one of its regions: the pools that go in the interpreter's teardown would otherwise
     abort the process (it refuses frees outside its regions). The library has no public switch
     for it, so this sets its flag through its loaded binary (private, at exit only)."""
-    saver = memory_saver() if _POOLS else None
+    saver = memory_saver() if memory_saver.cache_info().currsize else None
     binary = getattr(getattr(saver, "_impl", None), "_binary_wrapper", None)
     if binary is not None:
         binary.cdll.tms_set_interesting_region(True)

@@ -252,3 +252,21 @@ def test_only_compiled_captures_run_on_cublaslt() -> None:
     assert plain == before and str(compiled).lower().endswith("cublaslt")
     assert torch.backends.cuda.preferred_blas_library() == before
     torch.testing.assert_close(out, (a.float() @ b.float()).to(out.dtype), rtol=2e-2, atol=2e-2)
+
+
+def test_memory_regions_only_with_torch_memory_saver_and_without_expandable_segments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The region comes from torch_memory_saver (the optional ``sleep`` extra): without it, or
+    with torch's expandable segments (which map their own segments), the backend offers none,
+    and engines free their memory at a sleep."""
+    from graphcap_cuda import memory
+
+    installed = memory.memory_saver() is not None
+    backend = CUDABackend(0)
+    if installed and torch.cuda.is_available():
+        assert backend.memory_region() is not None
+    else:
+        assert backend.memory_region() is None
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert backend.memory_region() is None
