@@ -834,8 +834,8 @@ PLANTS = (
     Plant(
         "the step does not update the block table's lengths",
         "graphcap/rollout/step/step.py",
-        "            self.cache.set_lengths(self.furthest())\n",
-        "            pass\n",
+        "        self.cache.set_lengths(self.furthest())\n",
+        "        pass\n",
         (KV_BLOCKS + "::test_auto_follows_the_backend_and_block_aware_attention_reads_pools",),
     ),
     Plant(
