@@ -1011,7 +1011,7 @@ PLANTS = (
     ),
     Plant(
         "the drop-in serves generation settings left on model.config",
-        "graphcap/rollout/drop_in.py",
+        "graphcap/rollout/settings/generate_call.py",
         "    if generation_config is None and legacy:",
         "    if False:",
         (SETTINGS + "::test_every_generation_field_is_served_as_generate_or_handed_to_it",),
