@@ -126,9 +126,9 @@ class BlockKVCache(PreallocatedCache):
 
     The surface the decode step uses is the static cache's (``write_pos``, ``max_len``,
     ``load_prefill``, ``advance``, ``release``, ``puts_through`` from
-    :class:`~graphcap.rollout.cache.cache.PreallocatedCache`; ``reset`` and ``nbytes`` here) plus
-    the table's: ``table``, ``lengths``, :attr:`view`, :meth:`assign`, :meth:`free_rows`,
-    :meth:`set_lengths`, :meth:`reading`.
+    :class:`~graphcap.rollout.cache.cache.PreallocatedCache`, whose layout answers this class
+    gives for a table; ``reset`` and ``nbytes`` here) plus the table's: ``table``, ``lengths``,
+    :attr:`view`, :meth:`assign`, :meth:`free_rows`.
     """
 
     grows = True

@@ -152,7 +152,10 @@ PrefillWriter = Callable[[PreallocatedLayer, torch.Tensor, torch.Tensor], None]
 class PreallocatedCache(Cache):
     """What the static cache and the block table share: one ``(B,)`` device write position
     (``write_pos``), a logical row length (``max_len``), layers of :class:`PreallocatedLayer`,
-    the prefill copy's checks and row choice, the swapped write and the release."""
+    the prefill copy's checks and row choice, the swapped write and the release; and the
+    answers the decode paths ask of a layout (``grows``, :attr:`sink_column`,
+    :meth:`step_tensors`, :meth:`set_lengths`, :meth:`reading`, :meth:`reset_for_call`,
+    :meth:`clear_rows`, :meth:`figures`), here the static cache's."""
 
     write_pos: torch.Tensor
     max_len: int
