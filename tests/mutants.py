@@ -834,8 +834,8 @@ PLANTS = (
     Plant(
         "the step does not update the block table's lengths",
         "graphcap/rollout/step/step.py",
-        "            self.cache.set_lengths(self.furthest())\n",
-        "            pass\n",
+        "        self.cache.set_lengths(self.furthest())\n",
+        "        pass\n",
         (KV_BLOCKS + "::test_auto_follows_the_backend_and_block_aware_attention_reads_pools",),
     ),
     Plant(
@@ -1011,7 +1011,7 @@ PLANTS = (
     ),
     Plant(
         "the drop-in serves generation settings left on model.config",
-        "graphcap/rollout/drop_in.py",
+        "graphcap/rollout/settings/generate_call.py",
         "    if generation_config is None and legacy:",
         "    if False:",
         (SETTINGS + "::test_every_generation_field_is_served_as_generate_or_handed_to_it",),

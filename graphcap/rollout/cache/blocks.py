@@ -126,10 +126,12 @@ class BlockKVCache(PreallocatedCache):
 
     The surface the decode step uses is the static cache's (``write_pos``, ``max_len``,
     ``load_prefill``, ``advance``, ``release``, ``puts_through`` from
-    :class:`~graphcap.rollout.cache.cache.PreallocatedCache`; ``reset`` and ``nbytes`` here) plus
-    the table's: ``table``, ``lengths``, :attr:`view`, :meth:`assign`, :meth:`free_rows`,
-    :meth:`set_lengths`, :meth:`reading`.
+    :class:`~graphcap.rollout.cache.cache.PreallocatedCache`, whose layout answers this class
+    gives for a table; ``reset`` and ``nbytes`` here) plus the table's: ``table``, ``lengths``,
+    :attr:`view`, :meth:`assign`, :meth:`free_rows`.
     """
+
+    grows = True
 
     def __init__(
         self,
@@ -331,6 +333,30 @@ class BlockKVCache(PreallocatedCache):
     def set_lengths(self, furthest: torch.Tensor) -> None:
         """``lengths`` = ``furthest + 1`` (device): the columns each row's kernel must read."""
         self.lengths.copy_(furthest + 1)
+
+    def step_tensors(self) -> list[torch.Tensor]:
+        return [self.write_pos, self.lengths]
+
+    @property
+    def sink_column(self) -> int:
+        """Idle rows write column 0 of the sink block (:meth:`free_rows`)."""
+        return 0
+
+    def reset_for_call(self) -> None:
+        """A continuous call starts with every row idle and every block free (:meth:`reset`)."""
+        self.reset()
+
+    def clear_rows(self, rows: Sequence[int]) -> None:
+        """Free ``rows``' blocks (:meth:`free_rows`; each is zeroed when handed out again)."""
+        self.free_rows(rows)
+
+    def figures(self) -> dict[str, object]:
+        return {
+            "kv_cache_bytes": self.nbytes(),
+            "kv_layout": "blocks",
+            "kv_blocks_held": self.peak_held,
+            "kv_pool_growths": self.growths,
+        }
 
     def reset(self) -> None:
         """Every row idle, every block free (block contents are zeroed as they are reused):

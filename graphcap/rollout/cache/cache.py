@@ -17,6 +17,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -151,13 +152,19 @@ PrefillWriter = Callable[[PreallocatedLayer, torch.Tensor, torch.Tensor], None]
 class PreallocatedCache(Cache):
     """What the static cache and the block table share: one ``(B,)`` device write position
     (``write_pos``), a logical row length (``max_len``), layers of :class:`PreallocatedLayer`,
-    the prefill copy's checks and row choice, the swapped write and the release."""
+    the prefill copy's checks and row choice, the swapped write and the release; and the
+    answers the decode paths ask of a layout (``grows``, :attr:`sink_column`,
+    :meth:`step_tensors`, :meth:`set_lengths`, :meth:`reading`, :meth:`reset_for_call`,
+    :meth:`clear_rows`, :meth:`figures`), here the static cache's."""
 
     write_pos: torch.Tensor
     max_len: int
 
     #: where K/V buffers are allocated (a block pool's growth too): an engine's memory region
     memory: KVMemory = contextlib.nullcontext
+    #: whether rows are handed blocks between steps (:meth:`BlockKVCache.assign`, whose pools
+    #: grow); the static cache holds every row's columns from the start
+    grows: ClassVar[bool] = False
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         return tuple(LayerSpec.from_kv(layer.keys, layer.values) for layer in self.layers)
@@ -219,6 +226,43 @@ class PreallocatedCache(Cache):
     def advance(self, steps: int = 1) -> None:
         """Move every row's write position on (in place, so a replay moves it too)."""
         self.write_pos.add_(steps)
+
+    def step_tensors(self) -> list[torch.Tensor]:
+        """The cache's small buffers a decode step writes (a capture's snapshot restores them)."""
+        return [self.write_pos]
+
+    def set_lengths(self, furthest: torch.Tensor) -> None:
+        """Tell the cache the furthest column each row reads this step; the static cache reads
+        every column (the mask closes the rest), so nothing to do here."""
+
+    def reading(self, attention: str) -> contextlib.AbstractContextManager[None]:
+        """The context a forward with attention ``attention`` runs in: none for static K/V."""
+        return contextlib.nullcontext()
+
+    @property
+    def sink_column(self) -> int:
+        """Where an idle row writes, so it stays in bounds however long it waits: the last
+        column (no real token reaches it)."""
+        return self.max_len - 1
+
+    def reset_for_call(self) -> None:
+        """Ready the cache for a continuous call: nothing here, each slot is cleared as it is
+        filled (:meth:`clear_rows`)."""
+
+    def clear_rows(self, rows: Sequence[int]) -> None:
+        """Forget ``rows``' K/V: zero their columns (a stale NaN would poison the next
+        occupant's ``q @ k`` even where masked)."""
+        index = torch.tensor(list(rows), dtype=torch.long).to(self.write_pos.device)
+        for layer in self.layers:
+            layer.keys[index] = 0
+            layer.values[index] = 0
+
+    def figures(self) -> dict[str, object]:
+        """The cache's figures for a call's stats, by their ``RolloutStats`` names."""
+        return {"kv_cache_bytes": self.nbytes()}
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
 
     def release(self) -> None:
         """Drop the buffers so their memory can be returned; the cache is unusable afterwards."""

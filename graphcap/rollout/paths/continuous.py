@@ -24,7 +24,6 @@ from typing import NamedTuple
 import torch
 
 from graphcap.errors import DecodeStalledError
-from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, call_ladder, decode_runner
 from graphcap.rollout.paths.record import Record, begin
@@ -112,8 +111,7 @@ class ContinuousRollout:
         assert isinstance(step, ContinuousStep)
         step.state.set_stop_ids(settings.stop_ids)
         step.state.set_stop_sequences(settings.stop_sequences, settings.include_stop_str_in_output)
-        if isinstance(step.cache, BlockKVCache):
-            step.cache.reset()
+        step.cache.reset_for_call()
         clear_slots(step, range(slots))
         step.state.nan_draws.zero_()
         interval = config.eos_check_interval
@@ -260,7 +258,7 @@ class _Schedule:
         )
         width = queue.ids.shape[1]
         s = step.state
-        if isinstance(step.cache, BlockKVCache):
+        if step.cache.grows:
             columns = [width if slot in free else None for slot in range(len(table.request))]
             grow_blocks(self.holder, step, columns, self.interval, self.record)
             step.reach[rows] = width

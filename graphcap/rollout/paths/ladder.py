@@ -3,9 +3,9 @@ generating.
 
 In an RL round most rows end long before the longest one, and a step costs what its batch size
 costs whether its rows are live or not. Between two steps the caller learns which rows ended
-(the static path at each "all finished" check, :meth:`LadderRunner.check`; the continuous path
-from its slot table once its queue is empty); when the live ones fit a smaller size of the
-ladder, live rows from beyond that size swap places with ended rows inside it
+(the static path at each "all finished" check, :meth:`LadderRunner.check_and_shrink`; the
+continuous path from its slot table once its queue is empty); when the live ones fit a smaller
+size of the ladder, live rows from beyond that size swap places with ended rows inside it
 (:meth:`LadderRunner.shrink`: every per-row buffer, and the cache's own way: the static cache
 copies K/V rows, the block table swaps table rows), and the following steps replay the graph
 captured for that size over the first rows of the same buffers. Each size's graph is captured
@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.paths.record import Record
 from graphcap.rollout.paths.runners import BlockRunner, ReplayRunner, Runner, grow_blocks, replay
@@ -79,7 +78,7 @@ def decode_runner(
     blocks = BlockRunner(holder, step, plan, record, runner, columns, ahead)
     if sizes and (runner is step or isinstance(runner, ReplayRunner)):
         return LadderRunner(blocks, sizes)
-    return blocks if isinstance(step.cache, BlockKVCache) else runner
+    return blocks if step.cache.grows else runner
 
 
 class LadderRunner:
@@ -103,7 +102,7 @@ class LadderRunner:
         self.replaying = self.graph is not None
         self.slots = list(range(self.size))  # the original row each slot now holds
         self.done = 0
-        self.blocks = isinstance(self.full.cache, BlockKVCache)
+        self.blocks = self.full.cache.grows
         self.reads_columns = self.blocks or self.host_lengths  # else no host list a step
 
     def __call__(self) -> None:
@@ -126,7 +125,7 @@ class LadderRunner:
             return
         replay(self.holder, self.graph, self.record, columns if self.host_lengths else None)
 
-    def check(self) -> bool:
+    def check_and_shrink(self) -> bool:
         """Read the finished flags (one host read): whether every row ended; else move to the
         smallest ladder size that holds the live rows, if it is smaller than the current one."""
         finished = self.full.state.finished[: self.size].tolist()

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from graphcap.errors import NonFiniteLogitsWarning
-from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.holder import GraphHolder, GraphKey
 from graphcap.rollout.holder.agreement import PEER_RECAPTURE
 from graphcap.rollout.plan import Path, Plan, plan_call
@@ -128,15 +127,7 @@ def nan_draws(step: DecodeStep) -> int:
 def kv_figures(step: DecodeStep) -> dict[str, object]:
     """The call's K/V figures, by their ``RolloutStats`` names: layout, peak blocks held, pool
     growths, cache bytes."""
-    cache = step.cache
-    if not isinstance(cache, BlockKVCache):
-        return {"kv_cache_bytes": cache.nbytes()}
-    return {
-        "kv_cache_bytes": cache.nbytes(),
-        "kv_layout": "blocks",
-        "kv_blocks_held": cache.peak_held,
-        "kv_pool_growths": cache.growths,
-    }
+    return step.cache.figures()
 
 
 def begin(

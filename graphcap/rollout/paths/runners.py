@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from graphcap.rollout.cache.blocks import BlockKVCache, reads_blocks
+from graphcap.rollout.cache.blocks import reads_blocks
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.paths.record import Record
 from graphcap.rollout.plan import Path, Plan
@@ -112,7 +112,7 @@ def grow_blocks(
     ``ahead`` steps on; when the pools must grow, the graphs reading them are dropped first
     (the replacement pools are new tensors), with the reason in the ``record``."""
     cache = step.cache
-    if not isinstance(cache, BlockKVCache):
+    if not cache.grows:
         return
 
     def drop() -> None:

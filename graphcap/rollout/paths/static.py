@@ -115,7 +115,11 @@ def decode(
         runner()
         if step % every or step == max_steps:
             continue
-        if ladder.check() if ladder is not None else agreement.all_finished(state.all_finished):
+        if ladder is not None:
+            ended = ladder.check_and_shrink()
+        else:
+            ended = agreement.all_finished(state.all_finished)
+        if ended:
             return step
     return max_steps
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from graphcap.rollout.cache.blocks import BlockKVCache
 from graphcap.rollout.settings.sampling_params import SamplingParams
 from graphcap.rollout.step.step import DecodeState, DecodeStep
 
@@ -52,13 +51,12 @@ class ContinuousStep(DecodeStep):
         device = self.state.finished.device
         slots = self.state.finished.shape[0]
         self.limits = torch.zeros(slots, dtype=torch.long, device=device)
-        blocks = isinstance(self.cache, BlockKVCache)
-        sink = 0 if blocks else self.cache.max_len - 1
-        self.sink = torch.full((), sink, dtype=torch.long, device=device)
+        self.sink = torch.full((), self.cache.sink_column, dtype=torch.long, device=device)
         #: block table only: the column the host's ``SlotTable.column`` holds for each busy slot
         #: (it runs on past EOS, capped like the host's), 0 for idle ones; the kernel's lengths
         #: follow it, so a backend taking lengths as host values gets them without a device read
-        self.reach = torch.zeros(slots, dtype=torch.long, device=device) if blocks else None
+        grows = self.cache.grows
+        self.reach = torch.zeros(slots, dtype=torch.long, device=device) if grows else None
 
     allocate_state = staticmethod(allocate_state)
     #: slots hold requests of any length: the pool follows the tokens held, growing as needed
@@ -176,13 +174,9 @@ def clear_slots(step: ContinuousStep, slots: Sequence[int]) -> None:
     """
     s, cache = step.state, step.cache
     rows = torch.tensor(list(slots), dtype=torch.long).to(s.finished.device)
-    if isinstance(cache, BlockKVCache):
-        cache.free_rows(slots)
+    cache.clear_rows(slots)
+    if step.reach is not None:
         step.reach[rows] = 0
-    else:
-        for layer in cache.layers:
-            layer.keys[rows] = 0
-            layer.values[rows] = 0
     step.masks.valid[rows] = False
     s.sequences[rows] = s.pad
     s.response[rows] = False

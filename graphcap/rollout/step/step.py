@@ -216,20 +216,22 @@ class DecodeState:
             index = torch.tensor(ids, dtype=torch.long).to(self.stop_vocab.device)
             self.stop_vocab[index] = True
 
-    def configure(self, plan: RowPlan, rows: torch.Tensor | None = None) -> None:
-        """Write ``plan``'s sampling settings into rows ``rows`` (all when ``None``; then
-        ``plan`` has one entry per row) and its stop ids; outside any graph."""
-        self.rows.write(plan.params, plan.samples, rows)
-        self.set_stop_ids(plan.stop_ids)
-        self.set_stop_sequences(plan.stop_sequences, plan.keep_stop_sequences)
+    def configure(self, row_plan: RowPlan, rows: torch.Tensor | None = None) -> None:
+        """Write ``row_plan``'s sampling settings into rows ``rows`` (all when ``None``; then
+        ``row_plan`` has one entry per row) and its stop ids; outside any graph."""
+        self.rows.write(row_plan.params, row_plan.samples, rows)
+        self.set_stop_ids(row_plan.stop_ids)
+        self.set_stop_sequences(row_plan.stop_sequences, row_plan.keep_stop_sequences)
 
-    def reset(self, prompt_ids: torch.Tensor, next_positions: torch.Tensor, plan: RowPlan) -> None:
+    def reset(
+        self, prompt_ids: torch.Tensor, next_positions: torch.Tensor, row_plan: RowPlan
+    ) -> None:
         """Start a call: prompt in the first columns, pad after, counters and flags cleared,
-        each row's sampling settings from ``plan``.
+        each row's sampling settings from ``row_plan``.
 
-        Rows from ``plan.active`` on (bucket padding) start finished: they only ever emit pad.
+        Rows from ``row_plan.active`` on (bucket padding) start finished: they only ever emit pad.
         """
-        self.configure(plan)
+        self.configure(row_plan)
         width = prompt_ids.shape[-1]
         self.sequences.copy_(self.pad.expand_as(self.sequences))
         self.sequences[:, :width].copy_(prompt_ids)
@@ -242,7 +244,7 @@ class DecodeState:
         self.tokens.zero_()
         self.generated.zero_()
         self.finished.zero_()
-        self.finished[plan.active :] = True
+        self.finished[row_plan.active :] = True
         self.all_finished.zero_()
         self.nan_draws.zero_()
         if self.stop_hit is not None:
@@ -334,12 +336,11 @@ class DecodeStep:
             s.finished,
             s.all_finished,
             s.nan_draws,
-            self.cache.write_pos,
+            *self.cache.step_tensors(),
             self.masks.valid,
             *self.masks.outputs.values(),
             *([s.stop_hit] if s.stop_hit is not None else []),
             *([s.top_values, s.top_ids] if s.top_values is not None else []),
-            *([self.cache.lengths] if isinstance(self.cache, BlockKVCache) else []),
         ]
 
     def commit(self, logits: torch.Tensor) -> None:
@@ -398,10 +399,8 @@ class DecodeStep:
         """One decode step: forward the latest token, then choose and record the next one."""
         s = self.state
         mask, cache = self._view(self.prepare())
-        reading = contextlib.nullcontext()
-        if isinstance(cache, BlockKVCache):  # the attention a capture swaps in decides
-            reading = cache.reading(attention_implementation(self.model))
-        with reading:
+        # the attention a capture swaps in decides whether a block table is read as blocks
+        with self.cache.reading(attention_implementation(self.model)):
             out = self.model(
                 input_ids=s.tokens,
                 attention_mask=mask,
@@ -417,8 +416,7 @@ class DecodeStep:
         on a block table, set the columns each row's kernel reads (``lengths``)."""
         column = self.cache.write_pos
         self.masks.attend(column)
-        if isinstance(self.cache, BlockKVCache):
-            self.cache.set_lengths(self.furthest())
+        self.cache.set_lengths(self.furthest())
         return self.masks.render(column)
 
     def furthest(self) -> torch.Tensor:
