@@ -262,7 +262,7 @@ PLANTS = (
     Plant(
         "projections never joined by default",
         "graphcap/rollout/settings/rollout_config.py",
-        "            return self.enable_graph_capture"
+        "            return self.wants_graphs(backend)"
         " and backend.capabilities.fuse_projections_by_default\n",
         "            return False\n",
         (
@@ -296,7 +296,7 @@ PLANTS = (
     Plant(
         "projections joined by default in eager engines",
         "graphcap/rollout/settings/rollout_config.py",
-        "            return self.enable_graph_capture"
+        "            return self.wants_graphs(backend)"
         " and backend.capabilities.fuse_projections_by_default\n",
         "            return backend.capabilities.fuse_projections_by_default\n",
         (
@@ -503,7 +503,8 @@ PLANTS = (
     Plant(
         "non-resident parameters joined",
         "graphcap/rollout/plan/fusion.py",
-        "        if scan.non_resident is not None:\n            return False\n",
+        "        if scan.non_resident is not None or scan.sharded is not None:\n"
+        "            return False\n",
         "",
         ("tests/test_rollout_fusion.py",),
     ),
@@ -1101,8 +1102,8 @@ PLANTS = (
     Plant(
         "a call's records widen the sampler for every later call",
         "graphcap/rollout/sampling.py",
-        "            record_scores=any(p.output_scores for p in rows),",
-        "            record_scores=self.record_scores or any(p.output_scores for p in rows),",
+        "        record_scores = any(p.output_scores for p in rows)",
+        "        record_scores = self.record_scores or any(p.output_scores for p in rows)",
         (RECORDS_PER_CALL,),
     ),
     Plant(
