@@ -254,7 +254,7 @@ class RolloutConfig:
         if self.trainer_exact:
             return False
         if self.fuse_projections is None:
-            return False
+            return self.wants_graphs(backend) and backend.capabilities.fuse_projections_by_default
         return self.fuse_projections
 
     def _check_trainer_exact(self) -> None:
