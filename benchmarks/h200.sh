@@ -15,6 +15,11 @@
 #                    and the static path, 3 rounds each back to back, after a sleep and a
 #                    training step, and after every parameter moved (not in the default list)
 #   iteration-llama-8b  the same for llama-8b (up to 512 new tokens)
+#   iteration-hf     HF generate in the same loop: llama-1b and llama-8b, one round after a
+#                    training step (not in the default list)
+#   sharded          ZeRO-3's gather and FSDP2 at one rank through the drop-in: every round from
+#                    the first round's graphs, tokens equal a never-sharded twin's (not in the
+#                    default list)
 #   sleep-checks     the device tests of sleeps that keep the graphs and the conformance
 #                    suite's memory-region checks (not in the default list)
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
@@ -209,6 +214,18 @@ iteration() {
 }
 part_iteration_llama_1b() { iteration llama-1b 1024 60; }
 part_iteration_llama_8b() { iteration llama-8b 512 90; }
+# iteration-hf: HF generate in the same loop (a round after a training step; generate holds
+# nothing between calls, so it has no sleep), one steady round: llama-1b then llama-8b
+part_iteration_hf() {
+    bench iteration-llama-1b-hf 240 --workload rl-round --model llama-1b --new-tokens 1024 \
+        --modes hf-eager --hf-repeats 1 --between sleep-train
+    bench iteration-llama-8b-hf 240 --workload rl-round --model llama-8b --new-tokens 512 \
+        --modes hf-eager --hf-repeats 1 --between sleep-train
+}
+# sharded: ZeRO-3's gather and FSDP2 through the drop-in at one rank (benchmarks/sharded_check.py)
+part_sharded() {
+    run sharded-check 150 "$py" benchmarks/sharded_check.py "$OUT/sharded-check.json"
+}
 # sleep-checks: the device tests of sleeps that keep the graphs and the conformance suite's
 # memory-region checks
 part_sleep_checks() {
@@ -424,7 +441,7 @@ for part in "${PARTS[@]}"; do
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
-        iteration-llama-1b | iteration-llama-8b | sleep-checks)
+        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded)
         parts=("${part//-/_}")
         ;;
     *)

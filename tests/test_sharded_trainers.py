@@ -31,6 +31,7 @@ import torch.distributed as dist
 from rollout_models import prompts, tiny_model
 from spawned_ranks import WORLD, records, spawn_ranks
 
+from graphcap import Backend
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams, accelerate_generate
 
@@ -71,7 +72,7 @@ def _averaged_grads(model, sequences: torch.Tensor) -> list[torch.Tensor]:
     grads = []
     for p in model.parameters():
         dist.all_reduce(p.grad)
-        grads.append(p.grad.div_(WORLD))
+        grads.append(p.grad.div_(dist.get_world_size()))
         p.grad = None
     return grads
 
@@ -84,15 +85,11 @@ def _twin_step(twin, sequences: torch.Tensor) -> None:
             p.add_(grad, alpha=-0.5)
 
 
-def _drop_ins(model, twin):
+def _drop_ins(model, twin, backend: Backend):
     """The drop-in on ``model`` (sleeping after each call; returned) and on its twin (never
     sleeping)."""
-    served = accelerate_generate(
-        model, RolloutConfig(enable_graph_capture=True, backend=CPUBackend())
-    )
-    reference = accelerate_generate(
-        twin, RolloutConfig(enable_graph_capture=True, backend=CPUBackend())
-    )
+    served = accelerate_generate(model, RolloutConfig(enable_graph_capture=True, backend=backend))
+    reference = accelerate_generate(twin, RolloutConfig(enable_graph_capture=True, backend=backend))
     reference.sleep_between_calls = False
     return served
 
@@ -120,30 +117,38 @@ def _partition(model, rank: int) -> None:
     for i, p in enumerate(model.parameters()):
         flat = p.data.flatten()
         p.ds_id, p.ds_shape, p.ds_numel = i, p.shape, flat.numel()
-        p.ds_tensor = flat.chunk(WORLD)[rank].clone()
+        p.ds_tensor = flat.chunk(dist.get_world_size())[rank].clone()
         _release(p)
 
 
 def _release(p) -> None:
-    p.data = torch.empty(0, dtype=p.dtype)
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def _gather(model) -> None:
     """Every parameter all-gathered into new storage (ZeRO-3's ``GatheredParameters``)."""
     for p in model.parameters():
-        parts = [torch.empty_like(p.ds_tensor) for _ in range(WORLD)]
+        parts = [torch.empty_like(p.ds_tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, p.ds_tensor)
         p.data = torch.cat(parts)[: p.ds_numel].view(p.ds_shape)
         p.ds_status = ZeroParamStatus.AVAILABLE
 
 
-def _zero3(rank: int) -> dict:
-    model = tiny_model("llama", fresh=True)
+def _on(backend: Backend | None, rank: int):
+    """The backend (CPU by default), a fresh tiny llama and this rank's prompts on its device."""
+    backend = backend or CPUBackend()
+    model = tiny_model("llama", fresh=True).to(backend.device)
+    ids, mask = (t.to(backend.device) for t in prompts(ROWS, seed=rank))
+    return backend, model, ids, mask
+
+
+def zero3(rank: int, backend: Backend | None = None) -> dict:
+    """The ZeRO-3 scenario on ``backend`` (CPU by default), at the process group's size."""
+    backend, model, ids, mask = _on(backend, rank)
     twin = copy.deepcopy(model)
     _partition(model, rank)
-    served = _drop_ins(model, twin)
-    ids, mask = prompts(ROWS, seed=rank)
+    served = _drop_ins(model, twin, backend)
     weight_bytes = sum(p.ds_numel * p.element_size() for p in model.parameters())
     rounds, held = [], []
     for _ in range(ROUNDS):
@@ -159,7 +164,7 @@ def _zero3(rank: int) -> dict:
         with torch.no_grad():
             for p, grad in zip(model.parameters(), grads, strict=True):
                 _release(p)
-                p.ds_tensor.add_(grad.flatten().chunk(WORLD)[rank], alpha=-0.5)
+                p.ds_tensor.add_(grad.flatten().chunk(dist.get_world_size())[rank], alpha=-0.5)
         _twin_step(twin, tokens)
     return {
         "rounds": rounds,
@@ -170,17 +175,17 @@ def _zero3(rank: int) -> dict:
 
 
 # ---- FSDP2 -------------------------------------------------------------------------------------
-def _fsdp2(rank: int) -> dict:
+def fsdp2(rank: int, backend: Backend | None = None) -> dict:
+    """The FSDP2 scenario on ``backend`` (CPU by default), at the process group's size."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    model = tiny_model("llama", fresh=True)
+    backend, model, ids, mask = _on(backend, rank)
     twin = copy.deepcopy(model)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    served = _drop_ins(model, twin)
-    ids, mask = prompts(ROWS, seed=rank)
+    served = _drop_ins(model, twin, backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     gathers = {"count": 0}
     all_gather_single = dist.all_gather_single
@@ -214,7 +219,7 @@ def _fsdp2(rank: int) -> dict:
     finally:
         dist.all_gather_single = all_gather_single
     # FSDP reallocates its unsharded storage in place: served from a copy whatever the mode
-    config = RolloutConfig(enable_graph_capture=True, backend=CPUBackend(), weights="model")
+    config = RolloutConfig(enable_graph_capture=True, backend=backend, weights="model")
     asked_model = RolloutEngine(model, config).generate(ids, mask, SamplingParams(max_new_tokens=3))
     return {
         "rounds": rounds,
@@ -226,7 +231,7 @@ def _fsdp2(rank: int) -> dict:
     }
 
 
-SCENARIOS = {"zero3": _zero3, "fsdp2": _fsdp2}
+SCENARIOS = {"zero3": zero3, "fsdp2": fsdp2}
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +240,9 @@ def ranks(tmp_path_factory) -> list[dict]:
     return spawn_ranks(__name__, tmp_path_factory.mktemp("ranks"), DEADLINE_S, timeout_s=60)
 
 
-def _served_from_the_first_rounds_graphs(rec: dict) -> None:
+def check_served_from_the_first_rounds_graphs(rec: dict) -> None:
+    """Every round replayed the first round's graphs on one weight copy, tokens equal to the
+    never-sharded twin's, nothing held while the trainer trained."""
     first = rec["rounds"][0]
     for i, rnd in enumerate(rec["rounds"]):
         assert rnd["path"] == "static_graph", (i, rnd["fallbacks"])
@@ -252,7 +259,7 @@ def _served_from_the_first_rounds_graphs(rec: dict) -> None:
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_zero3_gathered_rounds_replay_the_first_rounds_graphs(ranks, rank):
     rec = records(ranks, "zero3")[rank]
-    _served_from_the_first_rounds_graphs(rec)
+    check_served_from_the_first_rounds_graphs(rec)
     # the engine's copy lives in its memory region (given back at each sleep)
     assert all(held >= rec["weight_bytes"] for held in rec["held"]), rec["held"]
 
@@ -260,7 +267,7 @@ def test_zero3_gathered_rounds_replay_the_first_rounds_graphs(ranks, rank):
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp2_rounds_replay_the_first_rounds_graphs_with_one_unshard_a_round(ranks, rank):
     rec = records(ranks, "fsdp2")[rank]
-    _served_from_the_first_rounds_graphs(rec)
+    check_served_from_the_first_rounds_graphs(rec)
     # one all-gather per FSDP module (2 layers and the root) a round, whatever its length;
     # generate gathers every layer for every token
     assert rec["gathered"] == [3] * ROUNDS, rec["gathered"]
