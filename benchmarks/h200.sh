@@ -20,6 +20,9 @@
 #   sharded          ZeRO-3's gather and FSDP2 at one rank through the drop-in: every round from
 #                    the first round's graphs, tokens equal a never-sharded twin's (not in the
 #                    default list)
+#   sampler          the fused sampler: kernel alone (sampler_h200.py), decode steps at each
+#                    truncation (profile_decode.py), the llama-1b round at top-p 0.95 and T=1
+#                    (not in the default list)
 #   sleep-checks     the device tests of sleeps that keep the graphs and the conformance
 #                    suite's memory-region checks (not in the default list)
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
@@ -221,6 +224,28 @@ part_iteration_hf() {
         --modes hf-eager --hf-repeats 1 --between sleep-train
     bench iteration-llama-8b-hf 240 --workload rl-round --model llama-8b --new-tokens 512 \
         --modes hf-eager --hf-repeats 1 --between sleep-train
+}
+# sampler: the fused truncate-and-draw kernel alone against the core's math at llama-1b's and
+# llama-8b's decode shapes, a decode step at each truncation (profile_decode.py's cases, with the
+# kernel then with the core's math), and the llama-1b round at top-p 0.95 beside T=1 (one run)
+SAMPLED=(t1 topp95 topk50 minp05 topk50-topp95)
+part_sampler() {
+    local cases="llama-1b:bf16:256" s
+    for s in "${SAMPLED[@]}"; do cases+=",llama-1b:bf16:256:$s"; done
+    cases+=",llama-8b:bf16:64,llama-8b:bf16:64:t1,llama-8b:bf16:64:topp95"
+    run sampler-kernels 90 "$py" benchmarks/sampler_h200.py "$OUT/sampler-kernels.json" \
+        --shapes 256x128256,64x128256
+    run sampler-steps 200 "$py" benchmarks/profile_decode.py "$OUT/sampler-steps.json" \
+        --new-tokens 128 --cases "$cases"
+    run sampler-steps-core 90 "$py" benchmarks/profile_decode.py \
+        "$OUT/sampler-steps-core.json" --new-tokens 128 --core-sampler \
+        --cases llama-1b:bf16:256:t1,llama-1b:bf16:256:topp95
+    cold_caches
+    bench round-llama-1b-t1 60 --workload rl-round --model llama-1b --new-tokens 1024 \
+        --repeats 3 --modes graphcap-graph --compile-cache "$COMPILE_CACHE"
+    bench round-llama-1b-topp95 60 --workload rl-round --model llama-1b --new-tokens 1024 \
+        --repeats 3 --modes graphcap-graph,graphcap-drop-in --top-p 0.95 \
+        --compile-cache "$COMPILE_CACHE"
 }
 # sharded: ZeRO-3's gather and FSDP2 through the drop-in at one rank (benchmarks/sharded_check.py)
 part_sharded() {
@@ -441,7 +466,7 @@ for part in "${PARTS[@]}"; do
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
-        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded)
+        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler)
         parts=("${part//-/_}")
         ;;
     *)
