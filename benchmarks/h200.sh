@@ -230,12 +230,14 @@ part_iteration_hf() {
 # kernel then with the core's math), and the llama-1b round at top-p 0.95 beside T=1 (one run)
 SAMPLED=(t1 topp95 topk50 minp05 topk50-topp95)
 part_sampler() {
-    local cases="llama-1b:bf16:256,llama-8b:bf16:64" s
-    for s in "${SAMPLED[@]}"; do cases+=",llama-1b:bf16:256:$s,llama-8b:bf16:64:$s"; done
+    local small="llama-1b:bf16:256" large="llama-8b:bf16:64" s
+    for s in "${SAMPLED[@]}"; do small+=",llama-1b:bf16:256:$s" large+=",llama-8b:bf16:64:$s"; done
     run sampler-kernels 90 "$py" benchmarks/sampler_h200.py "$OUT/sampler-kernels.json" \
         --shapes 256x128256,64x128256
-    run sampler-steps 260 "$py" benchmarks/profile_decode.py "$OUT/sampler-steps.json" \
-        --new-tokens 128 --cases "$cases"
+    run sampler-steps-llama-1b 150 "$py" benchmarks/profile_decode.py \
+        "$OUT/sampler-steps-llama-1b.json" --new-tokens 128 --cases "$small"
+    run sampler-steps-llama-8b 150 "$py" benchmarks/profile_decode.py \
+        "$OUT/sampler-steps-llama-8b.json" --new-tokens 128 --cases "$large"
     run sampler-steps-core 90 "$py" benchmarks/profile_decode.py \
         "$OUT/sampler-steps-core.json" --new-tokens 128 --core-sampler \
         --cases llama-1b:bf16:256:t1,llama-1b:bf16:256:topp95

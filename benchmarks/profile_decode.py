@@ -29,6 +29,7 @@ compiled step's kernels can add up to more than the step.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 from dataclasses import replace
@@ -87,6 +88,15 @@ SAMPLINGS: dict[str, dict[str, Any]] = {
 }
 
 
+@functools.cache
+def preset_model(preset: str, dtype: str) -> torch.nn.Module:
+    """One model per preset and dtype for every case of a run (cases differ in how they run it)."""
+    backend = graphcap.get_backend()
+    return build_model(
+        preset, dtype=DTYPES[dtype], device=backend.device, backend_seed=backend.manual_seed
+    )
+
+
 def profile_case(
     preset: str,
     dtype: str,
@@ -100,9 +110,7 @@ def profile_case(
     draws: str = "per_row",
 ) -> dict[str, Any]:
     backend = graphcap.get_backend()
-    model = build_model(
-        preset, dtype=DTYPES[dtype], device=backend.device, backend_seed=backend.manual_seed
-    )
+    model = preset_model(preset, dtype)
     ids, mask = make_prompts(model.config.vocab_size, batch, prompt, 0, backend.device)
     params = SamplingParams(
         max_new_tokens=new, eos_token_id=[], pad_token_id=0, **SAMPLINGS[sampling]
