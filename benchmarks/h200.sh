@@ -14,9 +14,9 @@
 #   iteration-llama-1b  the round as a trainer lives it (graphcap bench --between): the drop-in
 #                    and the static path, 3 rounds each back to back, after a sleep and a
 #                    training step, and after every parameter moved (not in the default list)
-#   iteration-llama-8b  the same for llama-8b (up to 512 new tokens)
-#   iteration-hf     HF generate in the same loop: llama-1b and llama-8b, one round after a
-#                    training step (not in the default list)
+#   iteration-llama-8b  the same for llama-8b (up to 512 new tokens), the static path
+#   iteration-hf     HF generate in the same loop: llama-1b, one round after a training step
+#                    (not in the default list)
 #   sharded          ZeRO-3's gather and FSDP2 at one rank through the drop-in: every round from
 #                    the first round's graphs, tokens equal a never-sharded twin's (not in the
 #                    default list)
@@ -203,26 +203,23 @@ part_round_llama_8b() {
     bench round-llama-8b 150 --workload rl-round --model llama-8b --new-tokens 512 \
         --repeats 2 --hf-repeats 0 --compile-cache "$COMPILE_CACHE"
 }
-# iteration MODEL NEW LONGEST: the round as a trainer lives it, for the drop-in and the engine's
-# static path: steady rounds back to back, then each round after a sleep and a training step,
-# then each after every parameter moved (graphcap bench --between).
+# iteration MODEL NEW LONGEST MODES: the round as a trainer lives it: steady rounds back to back,
+# then each round after a sleep and a training step, then each after every parameter moved
+# (graphcap bench --between).
 iteration() {
     cold_caches
     local between
     for between in nothing sleep-train move; do
         bench "iteration-$1-$between" "$3" --workload rl-round --model "$1" --new-tokens "$2" \
-            --repeats 3 --modes graphcap-drop-in,graphcap-graph --between "$between" \
-            --compile-cache "$COMPILE_CACHE"
+            --repeats 3 --modes "$4" --between "$between" --compile-cache "$COMPILE_CACHE"
     done
 }
-part_iteration_llama_1b() { iteration llama-1b 1024 60; }
-part_iteration_llama_8b() { iteration llama-8b 512 90; }
+part_iteration_llama_1b() { iteration llama-1b 1024 60 graphcap-drop-in,graphcap-graph; }
+part_iteration_llama_8b() { iteration llama-8b 512 90 graphcap-graph; }
 # iteration-hf: HF generate in the same loop (a round after a training step; generate holds
-# nothing between calls, so it has no sleep), one steady round: llama-1b then llama-8b
+# nothing between calls, so it has no sleep), one steady round, llama-1b
 part_iteration_hf() {
-    bench iteration-llama-1b-hf 240 --workload rl-round --model llama-1b --new-tokens 1024 \
-        --modes hf-eager --hf-repeats 1 --between sleep-train
-    bench iteration-llama-8b-hf 240 --workload rl-round --model llama-8b --new-tokens 512 \
+    bench iteration-llama-1b-hf 200 --workload rl-round --model llama-1b --new-tokens 1024 \
         --modes hf-eager --hf-repeats 1 --between sleep-train
 }
 # sampler: the fused truncate-and-draw kernel alone against the core's math at llama-1b's and
