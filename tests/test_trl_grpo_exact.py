@@ -5,8 +5,8 @@ Llama trained by TRL's own GRPOTrainer for four optimizer steps (two rollouts, e
 twice, so TRL recomputes every rollout's log-probs before its first update), with
 ``graphcap.rollout.trl_trainer_exact`` around ``trainer.train()``. Every completion token's
 log-prob TRL recomputes equals the rollout's bit for bit; without the trainer's side (the
-drop-in alone in exact mode) they are not, so the comparison can fail. Skipped where ``trl`` is
-not installed.
+drop-in alone in exact mode) they are not, so the comparison can fail. fp32, bf16, and a LoRA
+adapter through PEFT. Skipped where ``trl`` is not installed.
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ def run_example(tmp_path: Path, *args: str) -> dict:
     return json.loads(report.read_text())
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_trls_recomputed_logprobs_equal_the_rollouts_bit_for_bit(tmp_path, dtype):
-    result = run_example(tmp_path, "--dtype", dtype)
+@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp32-lora"])
+def test_trls_recomputed_logprobs_equal_the_rollouts_bit_for_bit(tmp_path, policy):
+    """fp32 and bf16 weights; a PEFT LoRA adapter (TRL's fused head on the base model)."""
+    dtype, *lora = policy.split("-")
+    result = run_example(tmp_path, "--dtype", dtype, *(f"--{x}" for x in lora))
     assert result["bitwise_equal"] == result["tokens"], result
     assert result["max_abs_dlogp"] == 0
     assert result["completions"] == 16 and result["ended_early"] > 0  # padding on both sides
