@@ -123,7 +123,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=42,
         use_cpu=backend.device.type == "cpu",
         bf16=False,  # the weights are already in --dtype: no autocast around each forward
-        gradient_checkpointing=False,  # its recomputation would leave the exact forward
         report_to="none",
         logging_strategy="no",
         save_strategy="no",

@@ -58,7 +58,8 @@ def test_trls_recomputed_logprobs_equal_the_rollouts_bit_for_bit(tmp_path, polic
     assert result["completions"] == 16 and result["ended_early"] > 0  # padding on both sides
     assert result["served"] == 2 and not result["fallbacks"]  # both rollouts on graphs
     assert result["path"] == "static_graph"
-    assert result["updated"]  # the loss backpropagated through the exact forward
+    assert result["updated"]  # the loss backpropagated through the exact forward, whose layers
+    # TRL checkpoints (GRPOConfig's default): recomputed in backward under trainer_exact
 
 
 def test_without_the_trainers_side_trls_logprobs_differ(tmp_path):
@@ -98,7 +99,7 @@ def grpo_trainer(tmp_path: Path, **fields: object) -> trl.GRPOTrainer:
         num_generations=2,
         use_cpu=True,
         report_to="none",
-        **{"bf16": False, "gradient_checkpointing": False} | fields,
+        **{"bf16": False} | fields,
     )
     return trl.GRPOTrainer(
         model=example.policy("tiny", torch.float32, torch.device("cpu")),
@@ -111,10 +112,6 @@ def grpo_trainer(tmp_path: Path, **fields: object) -> trl.GRPOTrainer:
 
 def test_what_trl_trainer_exact_cannot_make_exact_is_refused_with_the_reason(tmp_path):
     with pytest.raises(TypeError, match=r"trl\.GRPOTrainer"), trl_trainer_exact(object()):
-        pass
-    checkpointed = grpo_trainer(tmp_path, gradient_checkpointing=True)
-    refused = pytest.raises(ValueError, match="gradient_checkpointing=False")
-    with refused, trl_trainer_exact(checkpointed):
         pass
     trainer = grpo_trainer(tmp_path, cast_lm_head_to_fp32=True)
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32"), trl_trainer_exact(trainer):

@@ -55,8 +55,7 @@ def trl_trainer_exact(
 
     Refused with the reason: another trainer, vLLM generation, autocast (``bf16=True`` /
     ``fp16=True``: load the model in the dtype instead), ``cast_lm_head_to_fp32`` (the rollout's
-    head computes in the model's dtype), gradient checkpointing (its recomputation in backward
-    would run the model's own forward), a model :func:`trainer_exact` does not cover, and a TRL
+    head computes in the model's dtype), a model :func:`trainer_exact` does not cover, and a TRL
     that does not install its fused LM head."""
     model = checked_policy(trainer)
     fused = vars(model)["forward"]
@@ -95,12 +94,6 @@ def checked_policy(trainer: Any) -> torch.nn.Module:
         raise ValueError(
             f"{ASKED_BY}: cast_lm_head_to_fp32=True computes the trainer's LM head in float32 "
             "and the rollout's in the model's dtype: leave it False"
-        )
-    if args.gradient_checkpointing:
-        raise ValueError(
-            f"{ASKED_BY}: gradient checkpointing (GRPOConfig's default) recomputes each layer "
-            "during backward, outside the trainer-exact forward, which then fails: pass "
-            "gradient_checkpointing=False"
         )
     model = generating_model(trainer.model)
     check_exact_model(model, ASKED_BY)
