@@ -1,9 +1,9 @@
 """TRL's GRPOTrainer with trainer-exact rollouts: its log-probs are the rollout's, bit for bit.
 
-    python examples/trl_grpo_exact.py                  # tiny random Llama, fp32, CPU reference
+    python examples/trl_grpo_exact.py                     # tiny random Llama, fp32, CPU
     python examples/trl_grpo_exact.py --dtype bf16
-    python examples/trl_grpo_exact.py --lora               # a PEFT LoRA adapter trained
-    python examples/trl_grpo_exact.py --trainer-side off   # the rollout alone is exact: not equal
+    python examples/trl_grpo_exact.py --lora              # a PEFT LoRA adapter trained
+    python examples/trl_grpo_exact.py --trainer-side off  # the rollout alone exact: not equal
 
 The trainer is TRL's own. :func:`graphcap.rollout.trl_trainer_exact` puts the drop-in, in exact
 mode, under the policy's ``generate`` and runs TRL's log-prob forward under
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import trl
 from datasets import Dataset
-from trl_grpo import policy, prompts, word_tokenizer
+from trl_grpo import policy, prompts, word_tokenizer  # the tiny policy of examples/trl_grpo.py
 
 import graphcap
 from graphcap.preset_models import DTYPES

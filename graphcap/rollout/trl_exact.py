@@ -139,8 +139,9 @@ def exact_log_prob_forward(
                 f"{ASKED_BY}: the trainer's forward runs under autocast, the rollout's does "
                 "not: load the model in the dtype autocast would compute in instead"
             )
+        kwargs["use_cache"] = False  # as TRL's head: a full-sequence forward keeps no cache
         with trainer_exact(model):  # re-enters this forward without fused_lm_head
-            logits = model(*args, use_cache=False, **kwargs).logits
+            logits = model(*args, **kwargs).logits
         if shift_labels is None:
             logits, labels = logits[:, :-1], labels[:, 1:]
         else:
