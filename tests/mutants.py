@@ -84,6 +84,12 @@ EXACT_ROW = EXACT + "::test_a_rows_logprobs_do_not_depend_on_its_batch_padding_s
 EXACT_DROP_IN = (
     EXACT + "::test_the_drop_in_serves_trainer_exact_calls_and_hands_generate_the_same_forward"
 )
+EXACT_CHECKPOINT = (
+    EXACT + "::test_gradient_checkpointed_layers_recompute_the_exact_forward_in_backward"
+)
+TRL_EXACT = (
+    "tests/test_trl_grpo_exact.py::test_trls_recomputed_logprobs_equal_the_rollouts_bit_for_bit"
+)
 DROP_IN_EAGER = "tests/test_drop_in_faults.py"
 WEIGHT_PAIRS = (
     "tests/test_rollout_units.py::test_load_weights_in_place_takes_vllms_name_tensor_pairs"
@@ -124,6 +130,27 @@ PLANTS = (
         "if self.engine.config.trainer_exact:  # generate's forwards",
         "if False:  # generate's forwards",
         (EXACT_DROP_IN,),
+    ),
+    Plant(
+        "a checkpointed layer recomputes the model's own forward in backward",
+        "graphcap/rollout/exact.py",
+        'checkpoint = vars(module).get("_gradient_checkpointing_func")',
+        "checkpoint = None",
+        (EXACT_CHECKPOINT,),
+    ),
+    Plant(
+        "TRL's exact log-probs forget the trainer's temperature",
+        "graphcap/rollout/trl_exact.py",
+        "token_logprobs(logits, labels.masked_fill(~mask, 0), temperature)",
+        "token_logprobs(logits, labels.masked_fill(~mask, 0))",
+        (TRL_EXACT,),
+    ),
+    Plant(
+        "TRL's log-prob forward runs the model's own forward, not the exact one",
+        "graphcap/rollout/trl_exact.py",
+        "with trainer_exact(model):  # re-enters",
+        "with contextlib.nullcontext():  # re-enters",
+        (TRL_EXACT,),
     ),
     Plant(
         "the drop-in serves calls the engine runs eagerly",

@@ -201,6 +201,29 @@ def test_gradients_under_trainer_exact_agree_with_the_default_forward():
     )
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointed_layers_recompute_the_exact_forward_in_backward(reentrant):
+    """transformers' gradient checkpointing recomputes each layer in backward, after the
+    ``trainer_exact`` block has ended: the recomputation runs under it again, so the gradients
+    are the unchecked forward's, bit for bit, and the layers keep their own checkpoint
+    function afterwards."""
+
+    def gradients(checkpointed: bool) -> torch.Tensor:
+        model = model_of("llama", "fp32").train()
+        if checkpointed:
+            kwargs = {"use_reentrant": reentrant}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        own = [vars(m).get("_gradient_checkpointing_func") for m in model.modules()]
+        ids, mask = prompts(3, 8)
+        with trainer_exact(model):
+            logits = model(ids, attention_mask=mask).logits
+        assert [vars(m).get("_gradient_checkpointing_func") for m in model.modules()] == own
+        (-(token_logprobs(logits[:, :-1], ids[:, 1:]) * mask[:, 1:]).sum()).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    assert torch.equal(gradients(checkpointed=True), gradients(checkpointed=False))
+
+
 def test_the_drop_in_serves_trainer_exact_calls_and_hands_generate_the_same_forward():
     """``accelerate_generate`` in exact mode: a served call's logits and a call handed to
     ``generate`` (graphs off) both give the trainer's log-probs bit for bit."""

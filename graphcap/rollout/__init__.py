@@ -5,7 +5,8 @@ Public API: :class:`RolloutEngine`, :class:`RolloutConfig`, :class:`SamplingPara
 weight updates that keep a captured graph valid and :func:`generate_data_parallel` for
 data-parallel rollouts under torchrun, and :func:`accelerate_generate` to serve an existing
 model's ``generate`` (docs/trainers.md; its default config: :func:`drop_in_default_config`), and
-:func:`trainer_exact` / :func:`token_logprobs`, the trainer's side of trainer-exact rollouts.
+:func:`trainer_exact` / :func:`token_logprobs`, the trainer's side of trainer-exact rollouts
+(both sides for TRL's GRPOTrainer: :func:`trl_trainer_exact`).
 See docs/rollout.md and docs/continuous.md.
 """
 
@@ -25,6 +26,7 @@ from graphcap.rollout.engine import RolloutEngine
 from graphcap.rollout.exact import token_logprobs, trainer_exact
 from graphcap.rollout.results import RolloutResult, RolloutStats
 from graphcap.rollout.settings import RolloutConfig, SamplingParams
+from graphcap.rollout.trl_exact import trl_trainer_exact
 from graphcap.rollout.weights import WeightsLoaded, load_weights_in_place
 
 __all__ = [
@@ -45,4 +47,5 @@ __all__ = [
     "restore_generate",
     "token_logprobs",
     "trainer_exact",
+    "trl_trainer_exact",
 ]

@@ -17,7 +17,9 @@ by the key's position alone (docs/decisions.md, decision 85):
 - SiLU as ``x / (1 + exp(-x))`` (torch's own SiLU rounds the tail of a vectorised loop
   differently from its body, so a value depended on where it sat in the tensor);
 - position ids counted over the real tokens, as ``generate`` counts them, where the trainer
-  passes none.
+  passes none;
+- a layer's gradient-checkpointing function (transformers' ``_gradient_checkpointing_func``),
+  so the layer's recomputation in backward, after the block, runs under the context again.
 
 RMSNorm, RoPE and ``log_softmax`` are the model's own: measured row-invariant on the CPU
 (decision 85). The engine runs its calls under the same context (``RolloutConfig.trainer_exact``)
@@ -224,7 +226,29 @@ def _swaps(model: torch.nn.Module) -> list[tuple[object, str, object]]:
         act = getattr(module, "act_fn", None)
         if isinstance(act, torch.nn.Module):
             swaps.append((act, "forward", exact_silu))
+        checkpoint = vars(module).get("_gradient_checkpointing_func")
+        if checkpoint is not None:
+            swaps.append(
+                (module, "_gradient_checkpointing_func", _recomputed_exactly(model, checkpoint))
+            )
     return swaps
+
+
+def _recomputed_exactly(model: torch.nn.Module, checkpoint: Callable[..., Any]) -> Callable:
+    """A layer's gradient-checkpointing function whose recomputation in backward, after the
+    block has ended, runs under :func:`trainer_exact` again, as its forward did (otherwise it
+    recomputes another forward, which torch's checkpoint refuses)."""
+
+    def checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def exact(*inner: Any, **named: Any) -> Any:
+            if model.config._attn_implementation == EXACT_ATTENTION:  # inside the block
+                return function(*inner, **named)
+            with trainer_exact(model):
+                return function(*inner, **named)
+
+        return checkpoint(exact, *args, **kwargs)
+
+    return checkpointed
 
 
 def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
