@@ -450,6 +450,26 @@ def get_backend(name: str | None = None) -> Backend:
     return registry.instance(record)
 
 
+def backend_for_device(device_type: str) -> Backend:
+    """The available backend of highest priority that runs on ``device_type`` (the backend a
+    tensor on that device is served by, whatever ``$GRAPHCAP_BACKEND`` selects for engines).
+
+    Raises :class:`BackendSelectionError` naming the installed backends when none does."""
+    registry = discover()
+    records = sorted(registry.backends.values(), key=lambda r: -r.cls.priority)
+    for record in records:
+        if record.cls.device_type != device_type or not registry.availability(record).ok:
+            continue
+        try:
+            return registry.instance(record)
+        except BackendSelectionError:
+            continue  # reported; try the next one
+    raise BackendSelectionError(
+        f"no available graphcap backend runs on {device_type!r}{_install_hint(device_type)}."
+        f"\nInstalled backends:\n{registry.describe()}"
+    )
+
+
 def _cannot_use(registry: Registry, name: str) -> BackendSelectionError:
     failure = registry.failure_for(name)
     why = (

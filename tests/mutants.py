@@ -92,21 +92,21 @@ WEIGHT_PAIRS = (
 PLANTS = (
     Plant(
         "trainer-exact attention sums its keys in an order that follows the row's length",
-        "graphcap/rollout/exact.py",
+        "graphcap/exact_ops.py",
         "return x.cumsum(dim).select(dim, -1)",
         "return x.sum(dim)",
         (EXACT_PATHS,),
     ),
     Plant(
         "trainer-exact products take as many rows as they are given (the kernel follows M)",
-        "graphcap/rollout/exact.py",
+        "graphcap/exact_ops.py",
         "pad = -count % ROW_TILE",
         "pad = 0",
         (EXACT_ROW,),
     ),
     Plant(
         "trainer-exact SiLU is torch's, whose vectorised loop rounds its tail differently",
-        "graphcap/rollout/exact.py",
+        "graphcap/exact_ops.py",
         "return x / (1 + torch.exp(-x))",
         "return F.silu(x)",
         (EXACT_PATHS,),
