@@ -227,15 +227,20 @@ def trainer_exact(
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` at ``tokens``, computed as the rollout records it
-    (float32, one division, the last dimension's ``log_softmax``: the one the backend of
-    ``logits``' device offers for trainer-exact calls, else torch's): ``logits`` (..., V),
-    ``tokens`` (...). ``temperature=1`` is ``logprobs_mode="raw"``, the call's temperature
-    ``"temperature"`` (``"sampling"`` too, without truncation or penalties)."""
+    (float32, one division, the last dimension's ``log_softmax``: the one ``backend`` offers
+    for trainer-exact calls, by default the backend of ``logits``' device, else torch's):
+    ``logits`` (..., V), ``tokens`` (...). ``temperature=1`` is ``logprobs_mode="raw"``, the
+    call's temperature ``"temperature"`` (``"sampling"`` too, without truncation or
+    penalties). Differentiable."""
     divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
-    ops = backend_for_device(logits.device.type).exact_ops()
+    chosen = backend if backend is not None else backend_for_device(logits.device.type)
+    ops = chosen.exact_ops()
     source = logits.float() / divisor
     if ops is not None and ops.log_softmax is not None:
         dist = ops.log_softmax(source)
