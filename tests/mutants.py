@@ -84,6 +84,17 @@ EXACT_ROW = EXACT + "::test_a_rows_logprobs_do_not_depend_on_its_batch_padding_s
 EXACT_DROP_IN = (
     EXACT + "::test_the_drop_in_serves_trainer_exact_calls_and_hands_generate_the_same_forward"
 )
+EXACT_KERNELS = "backends/cuda/tests/test_exact_kernels.py"
+EXACT_KERNEL_ROWS = (
+    EXACT_KERNELS + "::test_a_rows_product_is_the_same_bits_whatever_the_number_of_rows"
+)
+EXACT_KERNEL_PADDING = (
+    EXACT_KERNELS + "::test_attention_matches_softmax_attention_and_ignores_padding_and_companions"
+)
+EXACT_KERNEL_REDUCTIONS = EXACT_KERNELS + "::test_rms_norm_and_log_softmax_are_row_kernels"
+EXACT_KERNEL_ENGINE = (
+    EXACT_KERNELS + "::test_the_engines_logprobs_equal_the_trainers_on_these_kernels"
+)
 DROP_IN_EAGER = "tests/test_drop_in_faults.py"
 WEIGHT_PAIRS = (
     "tests/test_rollout_units.py::test_load_weights_in_place_takes_vllms_name_tensor_pairs"
@@ -124,6 +135,35 @@ PLANTS = (
         "if self.engine.config.trainer_exact:  # generate's forwards",
         "if False:  # generate's forwards",
         (EXACT_DROP_IN,),
+    ),
+    Plant(
+        "the CUDA exact product takes a tile from the number of rows (one row sums K in 32s)",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS",
+        "block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS if count > 1 else (64,) * 2"
+        " + (32, 4, 3)",
+        (EXACT_KERNEL_ROWS,),
+    ),
+    Plant(
+        "the CUDA exact attention's key blocks start at column 0, not at the row's position 0",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "origin = (top - position).clamp(min=0)",
+        "origin = torch.zeros_like(top)",
+        (EXACT_KERNEL_PADDING,),
+    ),
+    Plant(
+        "the CUDA exact log_softmax reads a lone row in other chunks",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "BLOCK=SOFTMAX_BLOCK,",
+        "BLOCK=SOFTMAX_BLOCK if rows.shape[0] > 1 else 1024,",
+        (EXACT_KERNEL_REDUCTIONS,),
+    ),
+    Plant(
+        "the rollout records torch's log_softmax, not the backend's exact one",
+        "graphcap/rollout/sampling.py",
+        "return row_log_softmax(source)",
+        "return torch.log_softmax(source, dim=-1)",
+        (EXACT_KERNEL_ENGINE,),
     ),
     Plant(
         "the drop-in serves calls the engine runs eagerly",

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from graphcap.cpu.backend import CPUBackend
 from graphcap.rollout import (
     RolloutConfig,
     RolloutEngine,
@@ -25,7 +26,6 @@ from graphcap.rollout import (
     token_logprobs,
     trainer_exact,
 )
-from graphcap.cpu.backend import CPUBackend
 from graphcap.rollout.exact import check_exact_backend
 from graphcap.tiny_models import PAD, prompts, tiny_model
 
