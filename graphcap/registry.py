@@ -451,11 +451,20 @@ def get_backend(name: str | None = None) -> Backend:
 
 
 def backend_for_device(device_type: str) -> Backend:
-    """The available backend of highest priority that runs on ``device_type`` (the backend a
-    tensor on that device is served by, whatever ``$GRAPHCAP_BACKEND`` selects for engines).
+    """The backend a tensor on ``device_type`` is served by: the one ``$GRAPHCAP_BACKEND``
+    names where it runs on that device (as engines select it), else the available backend of
+    highest priority that does.
 
     Raises :class:`BackendSelectionError` naming the installed backends when none does."""
     registry = discover()
+    requested = os.environ.get(ENV_VAR, "").strip()
+    if requested:
+        try:
+            named = get_backend(requested)
+        except BackendSelectionError:
+            named = None
+        if named is not None and named.device_type == device_type:
+            return named
     records = sorted(registry.backends.values(), key=lambda r: -r.cls.priority)
     for record in records:
         if record.cls.device_type != device_type or not registry.availability(record).ok:
