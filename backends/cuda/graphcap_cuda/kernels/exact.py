@@ -68,10 +68,20 @@ def _linear(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # programs in groups of GROUP_M row tiles per column tile, for the cache's reuse of both
+    # operands; which program computes a tile changes nothing in it
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(rows, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(cols, BLOCK_N)
+    first = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(row_tiles - first, GROUP_M)
+    tile_m = first + (pid % per_group) % group_rows
+    tile_n = (pid % per_group) // group_rows
+    rm = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, depth, BLOCK_K):
@@ -104,7 +114,7 @@ def _launch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((count, cols), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS
     if count:
-        _linear[(triton.cdiv(count, block_m), triton.cdiv(cols, block_n))](
+        _linear[(triton.cdiv(count, block_m) * triton.cdiv(cols, block_n),)](
             rows,
             weight,
             out,
@@ -117,6 +127,7 @@ def _launch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            GROUP_M=8,
             PRECISION=_precision(x.dtype),
             num_warps=warps,
             num_stages=stages,
