@@ -126,8 +126,8 @@ def row_log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def exact_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' SDPA mask, never skipped for a causal flag (:func:`exact_attention` reads
-    the mask)."""
+    """transformers' SDPA mask, never skipped for a causal flag (the trainer-exact attention
+    reads the mask)."""
     from transformers.masking_utils import sdpa_mask
 
     kwargs["allow_is_causal_skip"] = False

@@ -155,7 +155,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` through the one-configuration kernel; the bias is added
     after the product, elementwise."""
     if x.dtype != weight.dtype:
-        raise TypeError(f"trainer-exact linear: input {x.dtype} and weight {weight.dtype} differ")
+        raise TypeError(
+            f"trainer-exact linear: input {x.dtype} and weight {weight.dtype} differ (autocast?): "
+            "trainer-exact forwards run in the weights' dtype, as the rollout does; give the "
+            "model its weights in the dtype to train in and run it without autocast"
+        )
     out = _Linear.apply(x, weight)
     return out if bias is None else out + bias
 
