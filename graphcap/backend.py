@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from graphcap.errors import GraphcapError, GraphCaptureError, GraphUnsupportedError
+from graphcap.exact_ops import ExactOps
 
 MaskForm = Literal["additive", "bool"]
 #: Capture error modes of the ``graph`` context managers of torch's CUDA and NPU device modules.
@@ -240,6 +241,14 @@ class Backend:
         all, NaN marks a sampled row whose scores held a NaN). It keeps the set ``generate``
         keeps (ties at top-p's cut aside) and draws what the reference draws from the same
         key; the conformance suite checks both."""
+        return None
+
+    def exact_ops(self) -> ExactOps | None:
+        """The operations a trainer-exact forward runs on this device
+        (:class:`~graphcap.exact_ops.ExactOps`: a product, an attention and the row reductions
+        whose order follows neither the number of rows nor the padding), or ``None`` (the
+        default): the backend offers none, and ``RolloutConfig(trainer_exact=True)`` and
+        :func:`graphcap.rollout.trainer_exact` refuse it with that reason."""
         return None
 
     def compile_options(self) -> dict[str, Any]:

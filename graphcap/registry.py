@@ -450,6 +450,35 @@ def get_backend(name: str | None = None) -> Backend:
     return registry.instance(record)
 
 
+def backend_for_device(device_type: str) -> Backend:
+    """The backend a tensor on ``device_type`` is served by: the one ``$GRAPHCAP_BACKEND``
+    names where it runs on that device (as engines select it), else the available backend of
+    highest priority that does.
+
+    Raises :class:`BackendSelectionError` naming the installed backends when none does."""
+    registry = discover()
+    requested = os.environ.get(ENV_VAR, "").strip()
+    if requested:
+        try:
+            named = get_backend(requested)
+        except BackendSelectionError:
+            named = None
+        if named is not None and named.device_type == device_type:
+            return named
+    records = sorted(registry.backends.values(), key=lambda r: -r.cls.priority)
+    for record in records:
+        if record.cls.device_type != device_type or not registry.availability(record).ok:
+            continue
+        try:
+            return registry.instance(record)
+        except BackendSelectionError:
+            continue  # reported; try the next one
+    raise BackendSelectionError(
+        f"no available graphcap backend runs on {device_type!r}{_install_hint(device_type)}."
+        f"\nInstalled backends:\n{registry.describe()}"
+    )
+
+
 def _cannot_use(registry: Registry, name: str) -> BackendSelectionError:
     failure = registry.failure_for(name)
     why = (

@@ -89,6 +89,16 @@ EXACT_CHECKPOINT = (
 )
 TRL_EXACT = (
     "tests/test_trl_grpo_exact.py::test_trls_recomputed_logprobs_equal_the_rollouts_bit_for_bit"
+EXACT_KERNELS = "backends/cuda/tests/test_exact_kernels.py"
+EXACT_KERNEL_ROWS = (
+    EXACT_KERNELS + "::test_a_rows_product_is_the_same_bits_whatever_the_number_of_rows"
+)
+EXACT_KERNEL_PADDING = (
+    EXACT_KERNELS + "::test_attention_matches_softmax_attention_and_ignores_padding_and_companions"
+)
+EXACT_KERNEL_REDUCTIONS = EXACT_KERNELS + "::test_rms_norm_and_log_softmax_are_row_kernels"
+EXACT_KERNEL_ENGINE = (
+    EXACT_KERNELS + "::test_the_engines_logprobs_equal_the_trainers_on_these_kernels"
 )
 DROP_IN_EAGER = "tests/test_drop_in_faults.py"
 WEIGHT_PAIRS = (
@@ -98,21 +108,21 @@ WEIGHT_PAIRS = (
 PLANTS = (
     Plant(
         "trainer-exact attention sums its keys in an order that follows the row's length",
-        "graphcap/rollout/exact.py",
+        "graphcap/exact_ops.py",
         "return x.cumsum(dim).select(dim, -1)",
         "return x.sum(dim)",
         (EXACT_PATHS,),
     ),
     Plant(
         "trainer-exact products take as many rows as they are given (the kernel follows M)",
-        "graphcap/rollout/exact.py",
+        "graphcap/exact_ops.py",
         "pad = -count % ROW_TILE",
         "pad = 0",
         (EXACT_ROW,),
     ),
     Plant(
         "trainer-exact SiLU is torch's, whose vectorised loop rounds its tail differently",
-        "graphcap/rollout/exact.py",
+        "graphcap/exact_ops.py",
         "return x / (1 + torch.exp(-x))",
         "return F.silu(x)",
         (EXACT_PATHS,),
@@ -151,6 +161,33 @@ PLANTS = (
         "with trainer_exact(model):  # re-enters",
         "with contextlib.nullcontext():  # re-enters",
         (TRL_EXACT,),
+        "the CUDA exact product takes a tile from the number of rows (one row sums K in 32s)",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS",
+        "block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS if count > 1 else (64,) * 2"
+        " + (32, 4, 3)",
+        (EXACT_KERNEL_ROWS,),
+    ),
+    Plant(
+        "the CUDA exact attention's key blocks start at column 0, not at the row's position 0",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "origin = (top - position).clamp(min=0)",
+        "origin = torch.zeros_like(top)",
+        (EXACT_KERNEL_PADDING,),
+    ),
+    Plant(
+        "the CUDA exact log_softmax reads a lone row in other chunks",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "BLOCK=SOFTMAX_BLOCK,",
+        "BLOCK=SOFTMAX_BLOCK if rows.shape[0] > 1 else 1024,",
+        (EXACT_KERNEL_REDUCTIONS,),
+    ),
+    Plant(
+        "the rollout records torch's log_softmax, not the backend's exact one",
+        "graphcap/rollout/sampling.py",
+        "return row_log_softmax(source)",
+        "return torch.log_softmax(source, dim=-1)",
+        (EXACT_KERNEL_ENGINE,),
     ),
     Plant(
         "the drop-in serves calls the engine runs eagerly",

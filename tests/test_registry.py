@@ -44,6 +44,21 @@ def test_entry_point_plugin_is_discovered_and_wins_by_priority(plugin_dir, monke
     assert graphcap.get_backend().name == "cpu"
 
 
+def test_the_backend_of_a_device_is_the_named_one_else_the_highest_priority(
+    plugin_dir, monkeypatch
+):
+    """What serves a tensor on a device (trainer_exact's default): the backend
+    GRAPHCAP_BACKEND names where it runs there, else the highest-priority one; a device nothing
+    runs on is refused naming the installed backends."""
+    install_plugin(plugin_dir, "fake-accel", "fake_accel", backend_source("fakeaccel", 1000))
+    registry.discover(refresh=True)
+    assert registry.backend_for_device("cpu").name == "fakeaccel"  # a CPU plugin, priority 1000
+    monkeypatch.setenv(registry.ENV_VAR, "cpu")
+    assert registry.backend_for_device("cpu").name == "cpu"
+    with pytest.raises(BackendSelectionError, match="no available graphcap backend runs on 'xpu'"):
+        registry.backend_for_device("xpu")
+
+
 def test_unavailable_backend_is_skipped_by_auto_and_refused_by_name(plugin_dir, monkeypatch):
     monkeypatch.setattr(registry, "visible_accelerator", lambda: None)
     install_plugin(

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from graphcap.cpu.backend import CPUBackend
 from graphcap.rollout import (
     RolloutConfig,
     RolloutEngine,
@@ -45,6 +46,13 @@ PATHS = {
     ),
 }
 TEMPERATURE = 0.7
+
+
+class NoExactOps(CPUBackend):
+    """A backend that offers no trainer-exact operations."""
+
+    def exact_ops(self) -> None:
+        return None
 
 
 def model_of(family: str, dtype: str) -> torch.nn.Module:
@@ -265,8 +273,10 @@ def test_models_and_settings_trainer_exact_cannot_serve_are_refused_with_the_rea
             RolloutConfig(trainer_exact=True, enable_graph_capture=True, **{field: True})
     with pytest.raises(ValueError, match="graph_attention"):
         RolloutConfig(trainer_exact=True, graph_attention="sdpa")
-    with pytest.raises(ValueError, match="CPU reference backend only"):
-        check_exact_backend("cuda")
+    with pytest.raises(ValueError, match="offers no trainer-exact operations"):
+        check_exact_backend(NoExactOps())
+    with pytest.raises(ValueError, match="offers no trainer-exact operations"):
+        RolloutEngine(tiny_model("llama"), RolloutConfig(trainer_exact=True, backend=NoExactOps()))
 
 
 def test_trainer_exact_restores_the_models_own_forward():

@@ -78,6 +78,8 @@ class BenchConfig:
     fuse_projections: bool | None = option("join q/k/v and gate/up (default: the backend's)",
         action=argparse.BooleanOptionalAction)  # fmt: skip
     compile_cache: str = option("auto, a directory, or none", "auto")
+    trainer_exact: bool = option("graphcap modes run RolloutConfig(trainer_exact=True)", False,
+        action="store_true")  # fmt: skip
 
 
 def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -74,11 +74,15 @@ class Workload:
         self.generate_kwargs = {**greedy, **self.sampling}  # a ``generate`` call's keywords
 
 
-def engine_settings(attention: str, fuse: bool | None, cache: str, draws: str | None) -> dict:
+def engine_settings(
+    attention: str, fuse: bool | None, cache: str, draws: str | None, exact: bool = False
+) -> dict:
     """RolloutConfig keywords from the bench's options (``draws``: the engine's default when
-    ``None``)."""
+    ``None``; ``exact``: trainer-exact calls, which run their own attention)."""
     settings = {"graph_attention": None if attention == "model" else attention}
     settings.update(fuse_projections=fuse, compile_cache=None if cache == "none" else cache)
+    if exact:
+        settings.update(trainer_exact=True, graph_attention="auto")
     return settings if draws is None else {**settings, "draws": draws}
 
 

@@ -109,6 +109,7 @@ def _prepare(
             model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=device))
         backend.synchronize()
     settings = (cfg.graph_attention, cfg.fuse_projections, cfg.compile_cache, cfg.draws)
+    settings += (cfg.trainer_exact,)
     settings, vocab = modes.engine_settings(*settings), model.config.vocab_size
     if cfg.workload == "rl-round":
         ids, mask = models.round_prompts(vocab, cfg.prompts, cfg.prompt_widths, seed, device)

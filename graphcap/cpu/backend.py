@@ -11,6 +11,7 @@ from typing import ClassVar
 from graphcap.backend import Availability, Backend, GraphBackend, MemoryRegion
 from graphcap.cpu.graph import ReferenceGraphs
 from graphcap.cpu.region import ReferenceRegion
+from graphcap.exact_ops import REFERENCE, ExactOps
 from graphcap.hookspecs import PLUGIN_API_VERSION, hookimpl
 
 
@@ -39,6 +40,10 @@ class CPUBackend(GraphBackend):
     def memory_region(self) -> MemoryRegion:
         """Regions that model a device's release and remap (:mod:`graphcap.cpu.region`)."""
         return ReferenceRegion()
+
+    def exact_ops(self) -> ExactOps:
+        """The reference trainer-exact operations (:mod:`graphcap.exact_ops`)."""
+        return REFERENCE
 
 
 class CPUPlugin:

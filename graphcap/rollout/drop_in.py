@@ -118,7 +118,7 @@ class AcceleratedGenerate:
         if reason is not None:
             self._fall_back(reason)
         if self.engine.config.trainer_exact:  # generate's forwards are the trainer's too
-            with trainer_exact(self.model):
+            with trainer_exact(self.model, self.engine.backend):
                 return self.original(*args, **kwargs)
         return self.original(*args, **kwargs)
 

@@ -76,7 +76,7 @@ class RolloutEngine:
         check_graph_attention(self.config.graph_attention)
         if self.config.trainer_exact:
             check_exact_model(model, "RolloutConfig(trainer_exact=True)")
-            check_exact_backend(self.backend.device_type)
+            check_exact_backend(self.backend)
         agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None
         cache = CompileCache(resolve_directory(self.config.compile_cache))
@@ -159,7 +159,7 @@ class RolloutEngine:
                 request_max_new_tokens,
             )
             if self.config.trainer_exact:  # the prefill, every step and the capture alike
-                stack.enter_context(trainer_exact(self.model))
+                stack.enter_context(trainer_exact(self.model, self.backend))
             with (
                 torch.no_grad(),
                 without_checkpointing(self.model),

@@ -7,24 +7,26 @@ length and padding), so the two disagree in the last bits and training is slight
 :func:`trainer_exact` makes every reduction of the forward run in an order fixed by the row and
 by the key's position alone (docs/decisions.md, decision 85):
 
-- every ``nn.Linear`` (q/k/v/o, the MLP, ``lm_head``) multiplies its rows in tiles of
-  :data:`ROW_TILE` rows, zero-padded: each row goes through the same fixed-shape product
-  whatever the number of rows (:func:`tiled_linear`);
-- attention is :func:`exact_attention`, registered as :data:`EXACT_ATTENTION`: each query's dot
-  products, softmax denominator and weighted sum of values are running sums over the key
-  columns in position order, in double precision, with exact zeros for masked keys, so left
-  padding, a cache's unused columns and the batch add nothing;
-- SiLU as ``x / (1 + exp(-x))`` (torch's own SiLU rounds the tail of a vectorised loop
-  differently from its body, so a value depended on where it sat in the tensor);
+The operations are the backend's (:meth:`graphcap.backend.Backend.exact_ops`, an
+:class:`~graphcap.exact_ops.ExactOps`; docs/decisions.md, decision 90): the context swaps, for
+the block,
+
+- every ``nn.Linear`` (q/k/v/o, the MLP, ``lm_head``) to ``ops.linear``, a product whose sum
+  over K runs in an order independent of the number of rows;
+- attention to :data:`EXACT_ATTENTION`, which calls ``ops.attention``: each query's sums over
+  its keys run in position order, masked keys adding exact zeros, so left padding, a cache's
+  unused columns and the batch add nothing;
+- the MLP's SiLU and the RMSNorms to ``ops.silu`` / ``ops.rms_norm`` where the backend offers
+  them (``None``: the model's own, measured row-invariant there);
 - position ids counted over the real tokens, as ``generate`` counts them, where the trainer
   passes none;
 - a layer's gradient-checkpointing function (transformers' ``_gradient_checkpointing_func``),
   so the layer's recomputation in backward, after the block, runs under the context again.
 
-RMSNorm, RoPE and ``log_softmax`` are the model's own: measured row-invariant on the CPU
-(decision 85). The engine runs its calls under the same context (``RolloutConfig.trainer_exact``)
-and the trainer computes its log-probs with :func:`token_logprobs`. CPU reference only: the
-functions are differentiable torch operations, no device kernel is written yet (docs/trainers.md).
+The engine runs its calls under the same context (``RolloutConfig.trainer_exact``), its
+recorded log-probs through :func:`row_log_softmax`, and the trainer computes its log-probs with
+:func:`token_logprobs` (``ops.log_softmax``). The CPU reference backend offers the reference
+functions of :mod:`graphcap.exact_ops`; the CUDA plugin offers Triton kernels.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from graphcap.backend import Backend
+from graphcap.exact_ops import ExactOps
+from graphcap.registry import backend_for_device
 from graphcap.rollout.cache.swap import attributes_swapped
 
 #: The attention implementation name trainer-exact forwards run under.
@@ -45,8 +50,6 @@ EXACT_ATTENTION = "graphcap_exact"
 #: Model types whose every layer :func:`trainer_exact` covers (decoder layers of RMSNorm, RoPE,
 #: linear projections, SiLU MLP, full or sliding-window attention).
 EXACT_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
-#: Rows per product tile: every linear layer multiplies ``ROW_TILE`` rows at a time.
-ROW_TILE = 16
 
 
 def exact_refusal(model: torch.nn.Module) -> str | None:
@@ -76,102 +79,57 @@ def check_exact_model(model: torch.nn.Module, asked_by: str = "trainer_exact") -
         raise ValueError(f"{asked_by}: {reason}")
 
 
-def check_exact_backend(device_type: str) -> None:
-    """Refuse a device: the orders these functions rely on (torch's sequential CPU ``cumsum``,
-    the CPU BLAS per tile shape) are measured on the CPU only, and no device kernel exists."""
-    if device_type != "cpu":
+def exact_ops_of(backend: Backend) -> ExactOps:
+    """``backend``'s trainer-exact operations; refuses a backend that offers none."""
+    ops = backend.exact_ops()
+    if ops is None:
         raise ValueError(
-            f"trainer_exact=True is built for the CPU reference backend only; on "
-            f"{device_type!r} no trainer-exact kernels exist yet and the CPU reference's "
-            "reduction orders are not guaranteed there: use the default mode"
+            f"trainer_exact=True: backend {backend.name!r} offers no trainer-exact operations "
+            "(Backend.exact_ops() is None): run on a backend that does (cpu, cuda) or use the "
+            "default mode"
         )
+    return ops
 
 
-def tiled_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear`` whose every row goes through one ``(ROW_TILE, K)`` product, zero-padded.
-
-    A BLAS picks its kernel (and so the order of the sum over K) from the number of rows: on
-    the CPU a one-row fp32 product differs from a many-row one in the last bit. A fixed tile
-    shape fixes the kernel; a row's result does not depend on the other rows of its tile. The
-    bias is added after the product, elementwise."""
-    rows = x.reshape(-1, x.shape[-1])
-    count = rows.shape[0]
-    pad = -count % ROW_TILE
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[-1])])
-    out = torch.cat([F.linear(tile, weight) for tile in rows.split(ROW_TILE)])[:count]
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+def check_exact_backend(backend: Backend) -> None:
+    """Refuse a backend that offers no trainer-exact operations, with the reason."""
+    exact_ops_of(backend)
 
 
-def exact_silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU from operations that round the same wherever an element sits in the tensor."""
-    return x / (1 + torch.exp(-x))
+def _model_backend(model: torch.nn.Module) -> Backend:
+    """The backend of the device ``model``'s parameters are on."""
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    return backend_for_device(device.type)
 
 
-def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The sum over ``dim`` in index order, accumulated in double: the last element of torch's
-    CPU cumulative sum, a sequential loop per output (decision 85). Exact zeros anywhere in the
-    dimension leave the result unchanged, so padding columns cost nothing but time."""
-    return x.cumsum(dim).select(dim, -1)
+#: The operations of the innermost :func:`trainer_exact` block (the attention and the
+#: rollout's log-prob step read them; ``None`` outside any block).
+_ACTIVE: ContextVar[ExactOps | None] = ContextVar("graphcap_exact_ops", default=None)
 
 
-def attended_keys(
-    attention_mask: torch.Tensor | None, queries: int, keys: int, device: torch.device
-) -> torch.Tensor:
-    """Which key columns each query attends, as a bool tensor broadcastable to
-    ``(B, H, queries, keys)``: the 4-D mask the model was given (bool, or additive with 0 for
-    attended), or causal when it was given none."""
-    if attention_mask is None:
-        query_columns = torch.arange(keys - queries, keys, device=device)
-        return torch.arange(keys, device=device)[None, :] <= query_columns[:, None]
-    mask = attention_mask[..., -queries:, :keys]
-    return mask if mask.dtype == torch.bool else mask == 0
+def dispatched_attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention registered as :data:`EXACT_ATTENTION`: the active block's backend's."""
+    ops = _ACTIVE.get()
+    if ops is None:
+        raise RuntimeError(
+            f"attention {EXACT_ATTENTION!r} runs only inside graphcap.rollout.trainer_exact(model)"
+        )
+    return ops.attention(*args, **kwargs)
 
 
-def exact_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention whose every sum runs over the key columns in order, in float32 products and
-    double running sums (:func:`ordered_sum`), masked keys adding exact zeros.
-
-    Keys are in position order in a trainer's batch and in the rollout's cache alike (padding
-    and unused columns are masked), so a query's result depends on its own keys only, not on
-    where they sit, how many columns surround them or the batch. A sliding window arrives in
-    the mask (transformers' and graphcap's alike). ``query`` (B, H, Q, D), ``key``/``value``
-    (B, Hkv, S, D); returns (B, Q, H, D) in the query's dtype."""
-    if dropout:
-        raise ValueError("trainer-exact attention takes no dropout (set attention_dropout=0)")
-    groups = query.shape[1] // key.shape[1]
-    q = query.float()
-    k = key.float().repeat_interleave(groups, dim=1)
-    v = value.float().repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    allowed = attended_keys(attention_mask, q.shape[2], k.shape[2], q.device)
-    scores = ordered_sum(q[:, :, :, None, :] * k[:, :, None, :, :], -1) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    top = scores.amax(-1, keepdim=True).detach()
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a query of no keys
-    weights = torch.exp(scores - top)
-    total = ordered_sum(weights, -1)[..., None]
-    out = ordered_sum(weights[..., None] * v[:, :, None], -2)
-    out = out / torch.where(total > 0, total, torch.ones_like(total))
-    return out.transpose(1, 2).contiguous().to(query.dtype), None
+def row_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dimension: the active trainer-exact block's backend's
+    where it offers one, else torch's (the rollout's recorded log-probs go through it)."""
+    ops = _ACTIVE.get()
+    if ops is not None and ops.log_softmax is not None:
+        return ops.log_softmax(x)
+    return torch.log_softmax(x, dim=-1)
 
 
 def exact_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' SDPA mask, never skipped for a causal flag (:func:`exact_attention` reads
-    the mask)."""
+    """transformers' SDPA mask, never skipped for a causal flag (the trainer-exact attention
+    reads the mask)."""
     from transformers.masking_utils import sdpa_mask
 
     kwargs["allow_is_causal_skip"] = False
@@ -184,7 +142,7 @@ def register_exact_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(EXACT_ATTENTION, exact_attention)
+    AttentionInterface.register(EXACT_ATTENTION, dispatched_attention)
     AttentionMaskInterface.register(EXACT_ATTENTION, exact_mask)
 
 
@@ -217,15 +175,16 @@ def _with_positions(model: torch.nn.Module) -> Callable[..., Any]:
     return positioned
 
 
-def _swaps(model: torch.nn.Module) -> list[tuple[object, str, object]]:
+def _swaps(model: torch.nn.Module, ops: ExactOps) -> list[tuple[object, str, object]]:
     swaps: list[tuple[object, str, object]] = [(model, "forward", _with_positions(model))]
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            forward = functools.partial(_linear_forward, module)
-            swaps.append((module, "forward", forward))
+            swaps.append((module, "forward", functools.partial(_linear_forward, ops, module)))
+        if ops.rms_norm is not None and _is_rms_norm(module):
+            swaps.append((module, "forward", functools.partial(_norm_forward, ops, module)))
         act = getattr(module, "act_fn", None)
-        if isinstance(act, torch.nn.Module):
-            swaps.append((act, "forward", exact_silu))
+        if ops.silu is not None and isinstance(act, torch.nn.Module):
+            swaps.append((act, "forward", ops.silu))
         checkpoint = vars(module).get("_gradient_checkpointing_func")
         if checkpoint is not None:
             swaps.append(
@@ -251,36 +210,64 @@ def _recomputed_exactly(model: torch.nn.Module, checkpoint: Callable[..., Any]) 
     return checkpointed
 
 
-def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    """The covered families' RMSNorm (decoder norms, Qwen3's q/k norms)."""
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def _linear_forward(ops: ExactOps, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # the parameters are read at call time: an engine may bind other tensors to them
-    return tiled_linear(x, module.weight, module.bias)
+    return ops.linear(x, module.weight, module.bias)
+
+
+def _norm_forward(ops: ExactOps, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    assert ops.rms_norm is not None
+    return ops.rms_norm(x, module.weight, module.variance_epsilon)
 
 
 @contextlib.contextmanager
-def trainer_exact(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+def trainer_exact(
+    model: torch.nn.Module, backend: Backend | None = None
+) -> Iterator[torch.nn.Module]:
     """Within the block, ``model``'s forward computes what a trainer-exact rollout computes:
     wrap the trainer's ``model(input_ids, attention_mask=...)`` in it and take the log-probs
     with :func:`token_logprobs`; they equal the rollout's bit for bit. Differentiable (a
-    GRPO/PPO loss backpropagates through it). Refuses the models it does not cover. Restores
-    the model's own forwards and attention implementation afterwards."""
+    GRPO/PPO loss backpropagates through it). The operations are ``backend``'s (default: the
+    backend of the device the model's parameters are on). Refuses the models it does not
+    cover and backends that offer no trainer-exact operations. Restores the model's own
+    forwards and attention implementation afterwards."""
     check_exact_model(model)
+    ops = exact_ops_of(backend if backend is not None else _model_backend(model))
     register_exact_attention()
     own = getattr(model.config, "_attn_implementation", None) or "eager"
     model.set_attn_implementation(EXACT_ATTENTION)
+    token = _ACTIVE.set(ops)
     try:
-        with attributes_swapped(_swaps(model)):
+        with attributes_swapped(_swaps(model, ops)):
             yield model
     finally:
+        _ACTIVE.reset(token)
         model.set_attn_implementation(own)
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` at ``tokens``, computed as the rollout records it
-    (float32, one division, the last dimension's ``log_softmax``): ``logits`` (..., V),
-    ``tokens`` (...). ``temperature=1`` is ``logprobs_mode="raw"``, the call's temperature
-    ``"temperature"`` (``"sampling"`` too, without truncation or penalties)."""
+    (float32, one division, the last dimension's ``log_softmax``: the one ``backend`` offers
+    for trainer-exact calls, by default the backend of ``logits``' device, else torch's):
+    ``logits`` (..., V), ``tokens`` (...). ``temperature=1`` is ``logprobs_mode="raw"``, the
+    call's temperature ``"temperature"`` (``"sampling"`` too, without truncation or
+    penalties). Differentiable."""
     divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
-    dist = torch.log_softmax(logits.float() / divisor, dim=-1)
+    chosen = backend if backend is not None else backend_for_device(logits.device.type)
+    ops = chosen.exact_ops()
+    source = logits.float() / divisor
+    if ops is not None and ops.log_softmax is not None:
+        dist = ops.log_softmax(source)
+    else:
+        dist = torch.log_softmax(source, dim=-1)
     return dist.gather(-1, tokens[..., None]).squeeze(-1)

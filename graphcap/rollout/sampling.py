@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from graphcap.rollout.exact import row_log_softmax
 from graphcap.rollout.settings.sampling_params import LOGPROBS_MODES, SamplingParams
 
 if TYPE_CHECKING:
@@ -555,11 +556,12 @@ def logprob_distribution(
 ) -> torch.Tensor:
     """(B, V) log-probs under the row's ``logprobs_mode``: the distribution the token was
     drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides by 1
-    (exact), so one division and one selection serve the three modes."""
+    (exact), so one division and one selection serve the three modes. Trainer-exact calls
+    take the backend's ``log_softmax`` (:func:`graphcap.rollout.exact.row_log_softmax`)."""
     mode = rows.logprobs_mode[:, None]
     divisor = torch.where(mode == 1, rows.logprob_temperature[:, None], 1.0)
     source = torch.where(mode == 0, drawn_from, logits.float() / divisor)
-    return torch.log_softmax(source, dim=-1)
+    return row_log_softmax(source)
 
 
 @contextmanager

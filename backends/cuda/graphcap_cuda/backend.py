@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from graphcap.backend import Availability, GraphBackend, MemoryRegion, TruncatedDraw
+from graphcap.exact_ops import ExactOps
 from graphcap_cuda.attention import DEFAULT_ATTENTION
 from graphcap_cuda.kernels import launch
 from graphcap_cuda.memory import SleepableRegion, memory_saver
@@ -121,6 +122,16 @@ class CUDABackend(GraphBackend):
         except ImportError:  # a torch build without Triton
             return None
         return sampler.truncated_draw
+
+    def exact_ops(self) -> ExactOps | None:
+        """graphcap_cuda.kernels.exact's Triton kernels where Triton is installed: products,
+        attention and row reductions whose order follows neither the number of rows nor the
+        padding (docs/decisions.md, decision 90)."""
+        try:
+            from graphcap_cuda.kernels import exact
+        except ImportError:  # a torch build without Triton
+            return None
+        return exact.OPS
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import sys
 
 import torch
 import triton
-from graphcap_cuda.kernels import gemv, launch, sampler, split_kv
+from graphcap_cuda.kernels import exact, gemv, launch, sampler, split_kv
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
@@ -150,6 +150,26 @@ def _sampler_cases() -> None:
             )  # fmt: skip
 
 
+def _exact_cases() -> None:
+    """The trainer-exact kernels at llama-1b's and llama-8b's shapes, one row and many."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, (n, k) in itertools.product((1, 64, 4096), ((2048, 2048), (512, 4096), (70, 96))):
+            exact.linear(_random(dtype, rows, k), _random(dtype, n, k))
+        for width in (2048, 4096, 128):
+            exact.rms_norm(_random(dtype, 3, width), _random(dtype, width), 1e-5)
+        for batch, queries, keys, heads, kv_heads, head_dim in (
+            (4, 1, 300, 32, 8, 64),  # decode steps reading a cache
+            (2, 96, 96, 32, 8, 128),  # a trainer's forward
+            (1, 5, 5, 4, 2, 16),
+        ):
+            q = _random(dtype, batch, heads, queries, head_dim)
+            k, v = (_random(dtype, batch, kv_heads, keys, head_dim) for _ in range(2))
+            mask = torch.ones(batch, 1, queries, keys, dtype=torch.bool).tril(keys - queries)
+            positions = torch.arange(queries)[None].expand(batch, -1)
+            exact.attention(None, q, k, v, mask, position_ids=positions)
+    exact.log_softmax(torch.randn(3, 128256))
+
+
 def main() -> None:
     launches: list = []
     launch.dependent = lambda device: True  # compile the dependent-launch code too
@@ -157,9 +177,12 @@ def main() -> None:
     gemv._gemv = Recorder(gemv._gemv, launches)
     split_kv._split_kv_partial = Recorder(split_kv._split_kv_partial, launches)
     sampler._truncated_draw = Recorder(sampler._truncated_draw, launches)
+    for name in ("_linear", "_ordered_attention", "_rms_norm", "_log_softmax"):
+        setattr(exact, name, Recorder(getattr(exact, name), launches))
     _gemv_cases()
     _split_kv_cases()
     _sampler_cases()
+    _exact_cases()
     seen = set()
     for kernel, args, kwargs in launches:
         key = (

@@ -27,11 +27,13 @@ def test_every_launch_compiles_for_hopper_and_fits_its_shared_memory():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in run.stdout.splitlines()]
-    assert {r["kernel"] for r in records} == {"_gemv", "_split_kv_partial", "_truncated_draw"}
+    dependent = {"_gemv", "_split_kv_partial", "_truncated_draw"}
+    exact = {"_linear", "_ordered_attention", "_rms_norm", "_log_softmax"}  # launched plainly
+    assert {r["kernel"] for r in records} == dependent | exact
     assert len(records) >= 40  # every form of both kernels, not one
     normed = [r["constexprs"] for r in records if r["constexprs"].get("NORM")]
     assert {c["NORM_ROW"] > 0 for c in normed} == {True, False}  # one load and block by block
-    assert all(r["constexprs"]["PDL"] for r in records)  # the dependent-launch code too
+    assert all(r["constexprs"]["PDL"] for r in records if r["kernel"] in dependent)  # its code too
     paged = {r["constexprs"]["PAGED"] for r in records if r["kernel"] == "_split_kv_partial"}
     assert paged == {True, False}  # contiguous K/V and pools read through a block table
     failed = [r for r in records if "error" in r]

@@ -124,7 +124,8 @@ class RolloutConfig:
     each recorded log-prob equals, bit for bit, the one a trainer computes under that context
     (docs/trainers.md, "Trainer-exact rollouts"). Llama, Mistral and Qwen2/3 models only;
     ``compile`` and ``fuse_projections`` stay off (they round differently), ``graph_attention``
-    is the exact attention. CPU reference backend only: no device kernels yet.
+    is the exact attention. On backends that offer trainer-exact operations
+    (``Backend.exact_ops()``: the CPU reference, CUDA with Triton); others are refused.
     """
 
     enable_graph_capture: bool | None = None

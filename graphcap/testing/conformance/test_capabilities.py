@@ -6,8 +6,9 @@ stream (``capture_needs_side_stream`` and the explicit ``stream=`` the engine pa
 ``collectives_in_graph`` (a one-rank group of the backend's own distributed backend, captured and
 replayed), the plugin's attention (``graph_attention`` and every implementation the plugin
 offers, run by the engine's decode step with masks in the declared ``mask_form``, against SDPA),
-the backend's one-row product (against ``F.linear``, eagerly and replayed), and its fused
-sampler (against the core's truncation and keyed draw).
+the backend's one-row product (against ``F.linear``, eagerly and replayed), its fused
+sampler (against the core's truncation and keyed draw), and its trainer-exact operations (a
+row's bits independent of its company).
 """
 
 from __future__ import annotations
@@ -207,3 +208,46 @@ def test_truncated_draw_matches_the_reference(gc_backend: Backend) -> None:
     kept = truncated(scaled, table) > -float("inf")
     ours = scaled >= cut[:, None]
     assert torch.equal(ours[:-1].cpu(), kept[:-1].cpu()), "the kept sets differ from the core's"
+
+
+def test_exact_ops_give_a_row_the_same_bits_whatever_its_company(gc_backend: Backend) -> None:
+    """A backend's trainer-exact operations (float32): the product of one row alone equals the
+    same row among 37; a decode query reading a left-padded cache equals the same position of
+    a full causal forward; the row reductions it offers give a lone row a batch row's bits; all
+    within float32 tolerance of the plain math."""
+    backend = gc_backend
+    ops = backend.exact_ops()
+    if ops is None:
+        pytest.skip(f"backend {backend.name!r} offers no trainer-exact operations")
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(backend.device)
+
+    x, weight = randn(37, 96), randn(70, 96)
+    out = ops.linear(x, weight, None)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
+    assert torch.equal(ops.linear(x[5:6], weight, None)[0], out[5])
+    length, pad, cache = 70, 9, 100
+    q, k, v = randn(1, 4, length, 16), randn(1, 2, length, 16), randn(1, 2, length, 16)
+    causal = torch.ones(length, length, dtype=torch.bool, device=backend.device).tril()
+    positions = torch.arange(length, device=backend.device)[None]
+    full = ops.attention(None, q, k, v, causal[None, None], position_ids=positions)[0]
+    keys = torch.zeros(1, 2, cache, 16, device=backend.device)
+    values = torch.zeros_like(keys)
+    keys[:, :, pad : pad + length], values[:, :, pad : pad + length] = k, v
+    columns = torch.arange(cache, device=backend.device)
+    for t in (0, 40, length - 1):
+        mask = ((columns >= pad) & (columns <= pad + t))[None, None, None]
+        step = ops.attention(
+            None, q[:, :, t : t + 1], keys, values, mask, position_ids=positions[:, t : t + 1]
+        )[0]
+        assert torch.equal(step[0, 0], full[0, t]), f"decode query {t}"
+    if ops.rms_norm is not None:
+        normed = ops.rms_norm(x, weight[0], 1e-6)
+        assert torch.equal(ops.rms_norm(x[5:6], weight[0], 1e-6)[0], normed[5])
+    if ops.log_softmax is not None:
+        scores = randn(5, 3000) * 4
+        dist = ops.log_softmax(scores)
+        torch.testing.assert_close(dist, torch.log_softmax(scores, -1), rtol=1e-5, atol=1e-5)
+        assert torch.equal(ops.log_softmax(scores[3:4])[0], dist[3])

@@ -1,0 +1,519 @@
+"""Trainer-exact operations on CUDA: Triton kernels whose sums run in an order fixed by the row
+and by the key's position, never by the number of rows (docs/decisions.md, decision 90).
+
+A rollout's decode step multiplies as many rows as are live, the trainer's forward batch x
+sequence rows; cuBLAS and torch's reductions pick their kernel (split-K, split reductions, tile
+shapes) from those sizes, so a row's result changes in the last bits with its company. Each
+kernel here has one launch configuration, whatever the number of rows:
+
+- :func:`linear`: one tile shape (:data:`LINEAR_BLOCKS`), no split-K, no autotuning; every
+  output tile sums over K in ``BLOCK_K`` steps in order, accumulating in float32, and stores
+  the input dtype. A row's output is the same bits at M=1 and M=16384.
+- :func:`attention`: each query's keys in blocks of :data:`ATTENTION_BLOCK_N` whose boundaries
+  are fixed by key *position* (the column of the row's position 0 is the block origin), so a
+  left-padded trainer batch, a right-padded one, the rollout's left-padded cache and caches of
+  any length give the same blocks; an online softmax over the blocks in position order, masked
+  keys exact zeros, grouped-query heads read unrepeated, a sliding window through the mask.
+  Queries go in blocks of :data:`ATTENTION_BLOCK_M` (a decode step's one query per row is
+  padded to it), so the decode step and the trainer's causal forward run the same matrix
+  shapes. Requires the row's attended keys at consecutive columns in position order: true of
+  a trainer's batch padded on either side and of graphcap's caches.
+- :func:`rms_norm` and :func:`log_softmax`: one program per row, the row in fixed blocks.
+
+Each is differentiable: the backward is ordinary torch math (matrix products, a recomputed
+softmax attention, the norm's formula), which needs only agree within the dtype's tolerance.
+No host value depends on the data, so the forwards capture in a CUDA graph. The trainer must
+not ``torch.compile`` a model under ``trainer_exact``: fusion rounds differently on one side.
+With ``TRITON_INTERPRET=1`` set before import they run on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from graphcap.exact_ops import ExactOps, attended_keys
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of every product: one configuration,
+#: never chosen from the number of rows.
+LINEAR_BLOCKS = (64, 64, 64, 4, 3)
+#: Queries per attention program (a decode step's single query is padded to it).
+ATTENTION_BLOCK_M = 64
+#: Keys per attention block: block ``j`` holds the row's key positions ``[j*N, (j+1)*N)``.
+ATTENTION_BLOCK_N = 64
+ATTENTION_WARPS = 4
+#: Columns of a row ``log_softmax`` reads at once.
+SOFTMAX_BLOCK = 4096
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    """Float32 products in full precision (TF32 would round the inputs); others as they come."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _linear(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    rows,
+    cols,
+    depth,
+    stride_x,
+    stride_w,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # programs in groups of GROUP_M row tiles per column tile, for the cache's reuse of both
+    # operands; which program computes a tile changes nothing in it
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(rows, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(cols, BLOCK_N)
+    first = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(row_tiles - first, GROUP_M)
+    tile_m = first + (pid % per_group) % group_rows
+    tile_n = (pid % per_group) // group_rows
+    rm = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, depth, BLOCK_K):
+        k = start + rk
+        a = tl.load(
+            x_ptr + rm[:, None] * stride_x + k[None, :],
+            mask=(rm[:, None] < rows) & (k[None, :] < depth),
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + rn[None, :] * stride_w + k[:, None],
+            mask=(rn[None, :] < cols) & (k[:, None] < depth),
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    tl.store(
+        out_ptr + rm[:, None] * stride_out + rn[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rm[:, None] < rows) & (rn[None, :] < cols),
+    )
+
+
+def _launch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    count, depth = rows.shape
+    cols = weight.shape[0]
+    out = torch.empty((count, cols), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS
+    if count:
+        _linear[(triton.cdiv(count, block_m) * triton.cdiv(cols, block_n),)](
+            rows,
+            weight,
+            out,
+            count,
+            cols,
+            depth,
+            rows.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            GROUP_M=8,
+            PRECISION=_precision(x.dtype),
+            num_warps=warps,
+            num_stages=stages,
+        )
+    return out.reshape(*x.shape[:-1], cols)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return _launch_linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_w
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the one-configuration kernel; the bias is added
+    after the product, elementwise."""
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"trainer-exact linear: input {x.dtype} and weight {weight.dtype} differ (autocast?): "
+            "trainer-exact forwards run in the weights' dtype, as the rollout does; give the "
+            "model its weights in the dtype to train in and run it without autocast"
+        )
+    out = _Linear.apply(x, weight)
+    return out if bias is None else out + bias
+
+
+@triton.jit(do_not_specialize=["queries", "keys"])
+def _ordered_attention(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    allowed_ptr,
+    anchor_ptr,
+    reach_ptr,
+    out_ptr,
+    heads,
+    groups,
+    queries,
+    keys,
+    sq_b,
+    sq_h,
+    sq_q,
+    sk_b,
+    sk_h,
+    sk_s,
+    sv_b,
+    sv_h,
+    sv_s,
+    sa_b,
+    sa_q,
+    sa_s,
+    so_b,
+    so_q,
+    so_h,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = (bh // heads).to(tl.int64)
+    h = bh % heads
+    kv = h // groups
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = rows < queries
+    d = tl.arange(0, BLOCK_D)
+    dims = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_q + d[None, :],
+        mask=live[:, None] & dims[None, :],
+        other=0.0,
+    )
+    reach = tl.load(reach_ptr + b * queries + rows, mask=live, other=-1)
+    blocks = (tl.max(reach, axis=0) + BLOCK_N) // BLOCK_N
+    anchor = tl.load(anchor_ptr + b)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for j in range(0, blocks):
+        cols = anchor + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = (cols >= 0) & (cols < keys)
+        kv_mask = inside[:, None] & dims[None, :]
+        k = tl.load(
+            k_ptr + b * sk_b + kv * sk_h + cols[:, None] * sk_s + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + b * sv_b + kv * sv_h + cols[:, None] * sv_s + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        ok = tl.load(
+            allowed_ptr + b * sa_b + rows[:, None] * sa_q + cols[None, :] * sa_s,
+            mask=live[:, None] & inside[None, :],
+            other=0,
+        )
+        s = tl.where(ok != 0, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # exactly 1 where the maximum stays: a block of masked keys leaves the sums as they were
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_safe))
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + b * so_b + rows[:, None] * so_q + h * so_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=live[:, None] & dims[None, :],
+    )
+
+
+def row_origin(
+    allowed: torch.Tensor, position_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's block origin (the column of its position 0) and each query's reach (the
+    position of the last key it attends, -1 for none), from ``allowed`` (B, Q, S).
+
+    The origin comes from the row's latest real query: the first query attending the row's
+    last attended column (its own column, causal attention attends itself; a right-padded
+    trainer batch's padding queries come after it) minus its position. ``position_ids``
+    (1 or B, Q), else the count of keys it attends minus one (right without a window).
+    Device math only: no host read, so it captures."""
+    batch, queries, keys = allowed.shape
+    columns = torch.arange(keys, device=allowed.device)
+    last = torch.where(allowed, columns, -1).amax(-1)  # (B, Q)
+    top = last.amax(-1, keepdim=True)
+    latest = (last == top).to(torch.int8).argmax(-1, keepdim=True)
+    if position_ids is not None:
+        position = position_ids.to(torch.long).expand(batch, queries).gather(-1, latest)
+    else:
+        position = allowed.gather(1, latest[:, :, None].expand(-1, -1, keys)).sum(-1) - 1
+    origin = (top - position).clamp(min=0)  # a row with no keys at all reads nothing
+    reach = torch.where(last >= 0, last - origin, -1)
+    return origin.reshape(batch).to(torch.int32), reach.to(torch.int32).contiguous()
+
+
+def _launch_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    origin: torch.Tensor,
+    reach: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    batch, heads, queries, head_dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = torch.empty((batch, queries, heads, head_dim), dtype=query.dtype, device=query.device)
+    flags = allowed.view(torch.uint8)
+    if batch and queries:
+        grid = (batch * heads, triton.cdiv(queries, ATTENTION_BLOCK_M))
+        _ordered_attention[grid](
+            query,
+            key,
+            value,
+            flags,
+            origin,
+            reach,
+            out,
+            heads,
+            heads // kv_heads,
+            queries,
+            keys,
+            *query.stride()[:3],
+            *key.stride()[:3],
+            *value.stride()[:3],
+            *flags.stride(),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            scale,
+            HEAD_DIM=head_dim,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_M=ATTENTION_BLOCK_M,
+            BLOCK_N=ATTENTION_BLOCK_N,
+            PRECISION=_precision(query.dtype),
+            num_warps=ATTENTION_WARPS,
+        )
+    return out
+
+
+def softmax_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain softmax attention in float32 (the backward's recomputation, and the tests'
+    reference): ``allowed`` (B, Q, S); returns (B, Q, H, D) in the query's dtype."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(groups, dim=1)
+    v = value.float().repeat_interleave(groups, dim=1)
+    scores = (query.float() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query of no keys: zeros
+    return (weights @ v).transpose(1, 2).to(query.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        allowed: torch.Tensor,
+        origin: torch.Tensor,
+        reach: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(query, key, value, allowed)
+        ctx.scale = scale
+        return _launch_attention(query, key, value, allowed, origin, reach, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, allowed = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+            out = softmax_attention(*inputs, allowed, ctx.scale)
+            grads = torch.autograd.grad(out, inputs, grad)
+        return (*grads, None, None, None, None)
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function (module docstring): ``query`` (B, H, Q, D),
+    ``key``/``value`` (B, Hkv, S, D), the 4-D mask (bool or additive) or ``None`` (causal);
+    returns (B, Q, H, D) in the query's dtype. Reads ``position_ids`` from ``kwargs`` where
+    the model passes them (the covered families do)."""
+    if dropout:
+        raise ValueError("trainer-exact attention takes no dropout (set attention_dropout=0)")
+    batch, _, queries, head_dim = query.shape
+    keys = key.shape[2]
+    allowed = attended_keys(attention_mask, queries, keys, query.device)
+    if allowed.dim() == 4:
+        if allowed.shape[1] != 1:
+            raise ValueError("trainer-exact attention takes one mask for all heads")
+        allowed = allowed[:, 0]
+    allowed = allowed.expand(batch, queries, keys)
+    origin, reach = row_origin(allowed, kwargs.get("position_ids"))
+    scale = scaling if scaling is not None else head_dim**-0.5
+    return _Attention.apply(query, key, value, allowed, origin, reach, scale), None
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, width, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < width
+    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / width
+    scaled = (x * tl.div_rn(1.0, tl.sqrt_rn(variance + eps))).to(x_ptr.dtype.element_ty)
+    weight = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    out = weight * scaled.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The covered families' RMSNorm, as transformers writes it."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        width = rows.shape[1]
+        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+        block = triton.next_power_of_2(width)
+        if rows.shape[0]:
+            _rms_norm[(rows.shape[0],)](
+                rows,
+                weight,
+                out,
+                width,
+                rows.stride(0),
+                out.stride(0),
+                eps,
+                BLOCK=block,
+                num_warps=min(16, max(1, block // 256)),
+            )
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_(), weight.detach().requires_grad_()]
+            out = _norm_reference(*inputs, ctx.eps)
+            grads = torch.autograd.grad(out, inputs, grad)
+        return (*grads, None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, one program per row."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+@triton.jit
+def _log_softmax(x_ptr, out_ptr, width, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    source = x_ptr + row * stride_x
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(source + cols, mask=cols < width, other=float("-inf")))
+    largest = tl.max(top, axis=0)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(source + cols, mask=cols < width, other=float("-inf"))
+        total += tl.exp(x - largest)
+    log_total = tl.log(tl.sum(total, axis=0))
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(source + cols, mask=cols < width, other=0.0)
+        tl.store(out_ptr + row * stride_out + cols, (x - largest) - log_total, mask=cols < width)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+        if rows.shape[0]:
+            _log_softmax[(rows.shape[0],)](
+                rows,
+                out,
+                rows.shape[1],
+                rows.stride(0),
+                out.stride(0),
+                BLOCK=SOFTMAX_BLOCK,
+                num_warps=8,
+            )
+        out = out.reshape(x.shape)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        return grad - out.exp() * grad.sum(-1, keepdim=True)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dimension of float32 ``x``, one program per row."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"trainer-exact log_softmax takes float32 scores, not {x.dtype}")
+    return _LogSoftmax.apply(x)
+
+
+#: What :meth:`graphcap_cuda.backend.CUDABackend.exact_ops` offers. SiLU stays torch's: a CUDA
+#: elementwise kernel applies one functor to every element, vectorised or not.
+OPS = ExactOps(linear=linear, attention=attention, rms_norm=rms_norm, log_softmax=log_softmax)
