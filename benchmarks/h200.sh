@@ -23,6 +23,8 @@
 #   sampler          the fused sampler: kernel alone (sampler_h200.py), decode steps at each
 #                    truncation (profile_decode.py), the llama-1b round at top-p 0.95 and T=1
 #                    (not in the default list)
+#   trainer-exact    the device test of trainer-exact rollouts and trainer_exact_h200.py (its
+#                    cost and the mismatch table), llama-1b (not in the default list)
 #   sleep-checks     the device tests of sleeps that keep the graphs and the conformance
 #                    suite's memory-region checks (not in the default list)
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
@@ -245,6 +247,13 @@ part_sampler() {
         --repeats 3 --modes graphcap-graph,graphcap-drop-in --top-p 0.95 \
         --compile-cache "$COMPILE_CACHE"
 }
+# trainer-exact: the device test of trainer-exact rollouts (bf16 log-probs equal to the trainer's
+# bit for bit, a small llama and llama-1b, gradients) and benchmarks/trainer_exact_h200.py (the
+# mode's cost and the mismatch table), llama-1b
+part_trainer_exact() {
+    run exact-device-test 150 "$py" -m pytest -q -x -s tests/test_device_trainer_exact.py
+    run exact-llama-1b 330 "$py" benchmarks/trainer_exact_h200.py "$OUT/trainer-exact-llama-1b.json"
+}
 # sharded: ZeRO-3's gather and FSDP2 through the drop-in at one rank (benchmarks/sharded_check.py)
 part_sharded() {
     run sharded-check 150 "$py" benchmarks/sharded_check.py "$OUT/sharded-check.json"
@@ -464,7 +473,7 @@ for part in "${PARTS[@]}"; do
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
-        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler)
+        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact)
         parts=("${part//-/_}")
         ;;
     *)
