@@ -358,8 +358,8 @@ PLANTS = (
     Plant(
         "finished flag not read before the first step",
         "graphcap/rollout/paths/static.py",
-        "    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):\n",
-        "    if False:\n",
+        "    if interval == 1 and max_steps and ladder.agreement.all_finished(state.all_finished):",
+        "    if False:",
         ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
     ),
     Plant(
@@ -388,7 +388,7 @@ PLANTS = (
     Plant(
         "budget-finished slots wait for the refill check",
         "graphcap/rollout/paths/continuous.py",
-        "            if check or schedule.due(steps, ladder):\n",
+        "            if check or self.due(steps):\n",
         "            if check:\n",
         (
             "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
@@ -406,8 +406,8 @@ PLANTS = (
     Plant(
         "budget refills read the device flags",
         "graphcap/rollout/paths/continuous.py",
-        "schedule.service(steps, read=check)",
-        "schedule.service(steps, read=True)",
+        "self.service(steps, read=check)",
+        "self.service(steps, read=True)",
         (
             "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
         ),
@@ -804,15 +804,15 @@ PLANTS = (
     Plant(
         "the block table is not grown between steps",
         "graphcap/rollout/paths/runners.py",
-        "        grow_blocks(self.holder, self.step, columns, self.ahead, self.record)\n",
-        "        pass\n",
+        "            grow_blocks(self.holder, self.full, live, self.ahead, self.record)\n",
+        "            pass\n",
         (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
     ),
     Plant(
-        "the ladder's block table is not grown between steps",
-        "graphcap/rollout/paths/ladder.py",
-        "            grow_blocks(self.holder, self.full, live, self.ahead, self.record)\n",
-        "            pass\n",
+        "the ladder's step keeps reading the pools a growth replaced",
+        "graphcap/rollout/paths/runners.py",
+        "                self.step = self.full.leading(self.size)  # views of the new pools\n",
+        "                pass\n",
         (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
     ),
     Plant(
