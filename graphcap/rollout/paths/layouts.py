@@ -1,8 +1,9 @@
 """The continuous path's eager-only layouts, ``align_decode_fronts`` and ``trim_cache``
-(docs/continuous.md, "Layout modes of the eager loop"): they move slots' cache columns between steps, so their calls
-run eagerly on the static cache (a graph replays on fixed addresses), and each eager step
-attends over the span of columns some busy slot reads. The default path never enters this
-module: a call's schedule holds a :class:`ColumnLayout` only where one of the two is set.
+(docs/continuous.md, "Layout modes of the eager loop"): they move slots' cache columns between
+steps, so their calls run eagerly on the static cache (a graph replays on fixed addresses),
+and each eager step attends over the span of columns some busy slot reads. The default path
+never enters this module: a call's schedule holds a :class:`ColumnLayout` only where one of
+the two is set.
 """
 
 from __future__ import annotations
