@@ -813,7 +813,7 @@ PLANTS = (
         "graphcap/rollout/paths/runners.py",
         "                self.step = self.full.leading(self.size)  # views of the new pools\n",
         "                pass\n",
-        (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
+        (KV_BLOCKS + "::test_a_growth_after_a_move_down_the_ladder_replays_over_the_new_pools",),
     ),
     Plant(
         "the static path's block pool sized to the first call",
