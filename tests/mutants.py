@@ -1381,6 +1381,20 @@ PLANTS = (
         "        if False:",
         (TRAINING_LOOP + "::test_a_replay_never_reads_released_memory",),
     ),
+    Plant(
+        "importing the rollout loads dynamo",
+        "graphcap/rollout/sampling.py",
+        "def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:\n",
+        "@torch.compiler.disable\ndef cumulative_sum(probs: torch.Tensor) -> torch.Tensor:\n",
+        ("tests/test_import_cost.py",),
+    ),
+    Plant(
+        "importing the rollout loads FSDP",
+        "graphcap/rollout/plan/scan.py",
+        "import torch\n",
+        "import torch\nimport torch.distributed.fsdp\n",
+        ("tests/test_import_cost.py",),
+    ),
 )
 
 
