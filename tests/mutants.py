@@ -1382,6 +1382,20 @@ PLANTS = (
         (TRAINING_LOOP + "::test_a_replay_never_reads_released_memory",),
     ),
     Plant(
+        "a sample's layout reads another prompt's padding",
+        "graphcap/rollout/paths/layouts.py",
+        "for real in mask.sum(-1).tolist() for _ in range(repeats)]",
+        "for real in mask.sum(-1).tolist()] * repeats",
+        ("tests/test_rollout_continuous.py::test_eager_layouts_read_each_samples_prompt_padding",),
+    ),
+    Plant(
+        "the trimmed front drops a column a busy slot reads",
+        "graphcap/rollout/paths/layouts.py",
+        "        lead = min(table.start[i] + self.pads[table.request[i]] for i in busy)\n",
+        "        lead = min(table.start[i] + self.pads[table.request[i]] for i in busy) + 1\n",
+        ("tests/test_rollout_continuous.py::test_eager_layout_modes_match_plain_eager",),
+    ),
+    Plant(
         "importing the rollout loads dynamo",
         "graphcap/rollout/sampling.py",
         "def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:\n",

@@ -50,7 +50,6 @@ class _Queue:
     mask: torch.Tensor  # (P, W)
     repeats: int
     limits: list[int]  # per request
-    pads: list[int]  # left-pad columns per prompt (host copy, taken before decoding)
     next: int = 0
 
     def __post_init__(self) -> None:
@@ -59,19 +58,14 @@ class _Queue:
     @classmethod
     def of(cls, call: Call) -> _Queue:
         """The call's requests: each prompt row ``num_return_sequences`` times."""
-        settings, ids, mask = call.settings, call.input_ids, call.attention_mask
-        prompts, width = ids.shape
+        settings, ids = call.settings, call.input_ids
         repeats = settings.num_return_sequences
-        limits = _limits(call.request_max_new_tokens, prompts, repeats, settings)
-        return cls(ids, mask, repeats, limits, (width - mask.sum(-1)).tolist())
+        limits = _limits(call.request_max_new_tokens, ids.shape[0], repeats, settings)
+        return cls(ids, call.attention_mask, repeats, limits)
 
     @property
     def width(self) -> int:
         return self.ids.shape[1]
-
-    def request_pads(self) -> list[int]:
-        """Each request's left-pad columns."""
-        return [self.pads[self.prompt(r)] for r in range(len(self.limits))]
 
     def prompt(self, request: int) -> int:
         return request // self.repeats
@@ -123,7 +117,7 @@ class ContinuousRollout:
             config.eos_check_interval,
             total,
             Ladder.for_call(config, plan, step, record, holder.agreement),
-            ColumnLayout.for_call(config, step, table, width, queue.request_pads()),
+            ColumnLayout.for_call(config, step, table, queue.mask, queue.repeats),
         )
         schedule.start(first, prefill)
         prefill_s = time.perf_counter() - start
@@ -293,7 +287,7 @@ class _Schedule:
         sources = torch.tensor(
             [list(dict.fromkeys(prompts)).index(p) for p in prompts], device=device
         )
-        width = queue.ids.shape[1]
+        width = queue.width
         s = step.state
         if step.cache.grows:
             columns = [width if slot in free else None for slot in range(len(table.request))]
@@ -377,7 +371,7 @@ class _Schedule:
         """Copy the ``done`` slots' requests into the outputs and free the slots."""
         out_seq, out_resp, out_logp, out_hit = self.outputs
         table, queue = self.table, self.queue
-        width, max_new = queue.ids.shape[1], out_resp.shape[1]
+        width, max_new = queue.width, out_resp.shape[1]
         s = self.step.state
         for slot in done:
             request = table.request[slot]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from graphcap.rollout.paths.runners import Runner
 from graphcap.rollout.settings.rollout_config import RolloutConfig
 from graphcap.rollout.step.slots import ContinuousStep, SlotTable, shift_row
@@ -42,12 +44,16 @@ class ColumnLayout:
         config: RolloutConfig,
         step: ContinuousStep,
         table: SlotTable,
-        width: int,
-        pads: Sequence[int],
+        mask: torch.Tensor,
+        repeats: int,
     ) -> ColumnLayout | None:
-        """The call's layout, ``None`` where neither layout is set (the default path)."""
+        """The layout of a call whose prompts' ``mask`` each stand for ``repeats`` requests;
+        ``None`` where neither layout is set (the default path, which so never reads the
+        prompts' padding on the host)."""
         if config.eager_layout is None:
             return None
+        width = mask.shape[1]
+        pads = [width - int(real) for real in mask.sum(-1).tolist() for _ in range(repeats)]
         return cls(step, table, width, pads, config.align_decode_fronts, config.trim_cache)
 
     def arrange(self, refilling: bool) -> int | None:
