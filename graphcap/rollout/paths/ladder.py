@@ -9,11 +9,11 @@ size of the ladder, live rows from beyond that size swap places with ended rows 
 (:meth:`Ladder.shrink`: every per-row buffer, and the cache's own way: the static cache
 copies K/V rows, the block table swaps table rows), and the following steps replay the graph
 captured for that size over the first rows of the same buffers (the step runner follows
-:attr:`Ladder.size`). Each size's graph is captured
-once per held signature and kept across calls. A row's tokens do not depend on where it sits:
-its settings, key, counters and buffers move with it, and a step's per-row math is the same at
-every batch size. At the end the static path puts the rows back in their own places; the
-continuous path's slot table follows its requests instead.
+:attr:`Ladder.size`). Each size's graph is captured once per held signature and kept across
+calls. A row's tokens do not depend on where it sits: its settings, key, counters and buffers
+move with it, and a step's per-row math is the same at every batch size. At the end the
+static path puts the rows back in their own places; the continuous path's slot table follows
+its requests instead.
 """
 
 from __future__ import annotations
