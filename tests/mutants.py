@@ -811,9 +811,16 @@ PLANTS = (
     Plant(
         "the ladder's step keeps reading the pools a growth replaced",
         "graphcap/rollout/paths/runners.py",
-        "                self.step = self.full.leading(self.size)  # views of the new pools\n",
-        "                pass\n",
+        "            self.step = self.full.leading(self.size)  # views of the new pools\n",
+        "            pass\n",
         (KV_BLOCKS + "::test_a_growth_after_a_move_down_the_ladder_replays_over_the_new_pools",),
+    ),
+    Plant(
+        "a graph the pools' growth dropped is replayed",
+        "graphcap/rollout/paths/runners.py",
+        "        self.graph = None\n        if self.size < self.batch:",
+        "        if self.size < self.batch:",
+        (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
     ),
     Plant(
         "the static path's block pool sized to the first call",

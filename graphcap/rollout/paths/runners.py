@@ -59,6 +59,7 @@ class StepRunner:
         self.size = self.batch = step.state.finished.shape[0]
         self.done = 0
         self.blocks = step.cache.grows
+        self.growths = step.cache.growths if self.blocks else 0
         caps = holder.backend.capabilities
         self.host_lengths = (
             self.blocks and caps.graph_kv_lengths_on_host and reads_blocks(plan.attention)
@@ -71,11 +72,10 @@ class StepRunner:
         self.done += 1
         if self.blocks:
             live = columns + [None] * (self.batch - self.size)
-            growths = self.full.cache.growths
             grow_blocks(self.holder, self.full, live, self.ahead, self.record)
-            if self.full.cache.growths != growths and self.size < self.batch:
-                self.step = self.full.leading(self.size)  # views of the new pools
-        if self.replaying and (self.graph is None or self.holder.graph(self.key) is None):
+            if self.full.cache.growths != self.growths:  # here or at a refill between steps
+                self.regrown()
+        if self.replaying and self.graph is None:
             # (re)captured; after a failure the rest of the call runs eagerly, on the same ladder
             self.graph = self.record.capture(self.holder, self.step, self.plan, key=self.key)
             self.replaying = self.graph is not None
@@ -84,6 +84,14 @@ class StepRunner:
             self.step()
             return
         replay(self.holder, self.graph, self.record, columns if self.host_lengths else None)
+
+    def regrown(self) -> None:
+        """The block pools grew: they are new tensors, which the graphs read no more (the
+        growth dropped them, :func:`grow_blocks`) and a smaller size's step views no more."""
+        self.growths = self.full.cache.growths
+        self.graph = None
+        if self.size < self.batch:
+            self.step = self.full.leading(self.size)  # views of the new pools
 
     def follow(self, size: int) -> None:
         """Run at ``size`` rows from this step on: the step over the leading rows, and its
