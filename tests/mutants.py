@@ -422,8 +422,8 @@ PLANTS = (
     Plant(
         "finished flag not read before the first step",
         "graphcap/rollout/paths/static.py",
-        "    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):\n",
-        "    if False:\n",
+        "    if interval == 1 and max_steps and ladder.agreement.all_finished(state.all_finished):",
+        "    if False:",
         ("tests/test_drop_in.py::test_sampled_rows_that_all_end_early_draw_what_generate_draws",),
     ),
     Plant(
@@ -452,7 +452,7 @@ PLANTS = (
     Plant(
         "budget-finished slots wait for the refill check",
         "graphcap/rollout/paths/continuous.py",
-        "            if check or schedule.due(steps, ladder):\n",
+        "            if check or self.due(steps):\n",
         "            if check:\n",
         (
             "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
@@ -470,8 +470,8 @@ PLANTS = (
     Plant(
         "budget refills read the device flags",
         "graphcap/rollout/paths/continuous.py",
-        "schedule.service(steps, read=check)",
-        "schedule.service(steps, read=True)",
+        "self.service(steps, read=check)",
+        "self.service(steps, read=True)",
         (
             "tests/test_rollout_continuous.py::test_budget_finishes_refill_at_their_step_whatever_the_check_interval",
         ),
@@ -868,15 +868,22 @@ PLANTS = (
     Plant(
         "the block table is not grown between steps",
         "graphcap/rollout/paths/runners.py",
-        "        grow_blocks(self.holder, self.step, columns, self.ahead, self.record)\n",
-        "        pass\n",
+        "            grow_blocks(self.holder, self.full, live, self.ahead, self.record)\n",
+        "            pass\n",
         (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
     ),
     Plant(
-        "the ladder's block table is not grown between steps",
-        "graphcap/rollout/paths/ladder.py",
-        "            grow_blocks(self.holder, self.full, live, self.ahead, self.record)\n",
+        "the ladder's step keeps reading the pools a growth replaced",
+        "graphcap/rollout/paths/runners.py",
+        "            self.step = self.full.leading(self.size)  # views of the new pools\n",
         "            pass\n",
+        (KV_BLOCKS + "::test_a_growth_after_a_move_down_the_ladder_replays_over_the_new_pools",),
+    ),
+    Plant(
+        "a graph the pools' growth dropped is replayed",
+        "graphcap/rollout/paths/runners.py",
+        "        self.graph = None\n        if self.size < self.batch:",
+        "        if self.size < self.batch:",
         (KV_BLOCKS + "::test_pool_growth_between_replays_recaptures_with_the_reason",),
     ),
     Plant(
@@ -1444,6 +1451,34 @@ PLANTS = (
         "        if RELEASED_STORAGES and _released(self._storages):",
         "        if False:",
         (TRAINING_LOOP + "::test_a_replay_never_reads_released_memory",),
+    ),
+    Plant(
+        "a sample's layout reads another prompt's padding",
+        "graphcap/rollout/paths/layouts.py",
+        "for real in mask.sum(-1).tolist() for _ in range(repeats)]",
+        "for real in mask.sum(-1).tolist()] * repeats",
+        ("tests/test_rollout_continuous.py::test_eager_layouts_read_each_samples_prompt_padding",),
+    ),
+    Plant(
+        "the trimmed front drops a column a busy slot reads",
+        "graphcap/rollout/paths/layouts.py",
+        "        lead = min(table.start[i] + self.pads[table.request[i]] for i in busy)\n",
+        "        lead = min(table.start[i] + self.pads[table.request[i]] for i in busy) + 1\n",
+        ("tests/test_rollout_continuous.py::test_eager_layout_modes_match_plain_eager",),
+    ),
+    Plant(
+        "importing the rollout loads dynamo",
+        "graphcap/rollout/sampling.py",
+        "def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:\n",
+        "@torch.compiler.disable\ndef cumulative_sum(probs: torch.Tensor) -> torch.Tensor:\n",
+        ("tests/test_import_cost.py",),
+    ),
+    Plant(
+        "importing the rollout loads FSDP",
+        "graphcap/rollout/plan/scan.py",
+        "import torch\n",
+        "import torch\nimport torch.distributed.fsdp\n",
+        ("tests/test_import_cost.py",),
     ),
 )
 

@@ -114,6 +114,26 @@ def test_pool_growth_between_replays_recaptures_with_the_reason(ladder):
     assert torch.equal(again.sequences, static.sequences)
 
 
+def test_a_growth_after_a_move_down_the_ladder_replays_over_the_new_pools():
+    """The pool grows after the busy slots moved to a smaller size: that size's step is taken
+    again over the new pools and recaptured (the old view would write the pools replaced)."""
+    model = tiny_model("llama")
+    ids, mask = prompts(3)
+    params = SamplingParams(max_new_tokens=40, eos_token_id=[])
+    limits = [40, 2, 3]  # two short requests leave one slot busy for most of the call
+    engine = make_engine(
+        model, True, kv_block_size=2, eos_check_interval=2, continuous_batch_size=3
+    )
+    result = engine.generate(ids, mask, params, request_max_new_tokens=limits)
+    eager = make_engine(model, False, kv_block_size=None, continuous_batch_size=3)
+    reference = eager.generate(ids, mask, params, request_max_new_tokens=limits)
+    assert torch.equal(result.sequences, reference.sequences)
+    assert result.stats.batch_steps[1] > 30 and result.stats.kv_pool_growths >= 1
+    # the smallest size was captured, then again after the growth dropped the graphs
+    assert result.stats.capture_reasons.index("batch_ladder size 1 first reached") < 3
+    assert len(result.stats.capture_reasons) == 4
+
+
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_continuous_blocks_graph_equals_eager_and_static_with_refills(family):
     model = tiny_model(family)

@@ -213,6 +213,28 @@ def test_eager_layout_modes_match_plain_eager(modes):
     assert moved.finish_reasons == plain.finish_reasons
 
 
+def test_eager_layouts_read_each_samples_prompt_padding():
+    """With ``num_return_sequences`` each request is a sample of a prompt: the layouts' span
+    and trim read that prompt's left padding (prompts padded differently; one slot, so each
+    request is trimmed to its own first real token)."""
+    model = tiny_model("qwen2")
+    ids, mask = prompts(4, seed=9)
+    ids = torch.cat([torch.full((4, 2), PAD), ids], dim=1)  # every prompt has dead columns
+    mask = torch.cat([torch.zeros((4, 2), dtype=mask.dtype), mask], dim=1)
+    params = SamplingParams(
+        max_new_tokens=NEW, eos_token_id=[], num_return_sequences=2, do_sample=True, seed=3
+    )
+    limits = [4, 9, 2, 7]
+    runs = [
+        engine_for(model, graph=False, slots=1, **modes).generate(
+            ids, mask, params, request_max_new_tokens=limits
+        )
+        for modes in ({}, {"trim_cache": True})
+    ]
+    assert runs[1].stats.moved_columns > 0
+    assert torch.equal(runs[1].sequences, runs[0].sequences)
+
+
 @pytest.mark.parametrize(
     "settings",
     [

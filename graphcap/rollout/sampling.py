@@ -373,11 +373,12 @@ def process_scores(
     return scores
 
 
-@torch.compiler.disable
 def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:
-    """``probs.cumsum(-1)``, never compiled: torch 2.11's inductor fails to generate the split
-    scan it picks for rows over 128 columns when the scan is fused with a broadcast (the
-    softmax before it; pytorch issue 180221, fixed after 2.11). Eager, it is one kernel."""
+    """``probs.cumsum(-1)``, never compiled (compiled steps run it through
+    :func:`~graphcap.rollout.plan.regions.eager_cumulative_sum`): torch 2.11's inductor fails to
+    generate the split scan it picks for rows over 128 columns when the scan is fused with a
+    broadcast (the softmax before it; pytorch issue 180221, fixed after 2.11). Eager, it is one
+    kernel."""
     return probs.cumsum(dim=-1)
 
 

@@ -1,5 +1,5 @@
 """Request path, holder: buffers and graphs kept across calls, capture, rank agreement."""
 
-from graphcap.rollout.holder.holder import GraphHolder, GraphKey
+from graphcap.rollout.holder.holder import FULL_STEP, GraphHolder, GraphKey
 
-__all__ = ["GraphHolder", "GraphKey"]
+__all__ = ["FULL_STEP", "GraphHolder", "GraphKey"]

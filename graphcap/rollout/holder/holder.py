@@ -4,12 +4,12 @@ One holder per engine. It drops what it holds when a call's signature differs (b
 replacement is allocated), captures through the one capture routine
 (:func:`~graphcap.rollout.holder.capture.timed_capture`) with the process group's agreement, and
 keeps graphs off for the engine after a failed capture. The static path holds one graph (key
-``None``) and one per size of the live-row ladder it reached; per-position graphs are keyed by
-position. Each key has a graph per sampler shape the engine's calls ran (the shapes differ in
-what each call decides for itself, truncation; :class:`~graphcap.rollout.sampling.SamplerShape`):
-the holder serves one call at a time, and :meth:`GraphHolder.sampler_for` sets the call's shape,
-whose graphs the other methods then mean. Keyed graphs, and every graph captured while another
-is held, share one memory pool.
+:data:`FULL_STEP`) and one per size of the live-row ladder it reached; per-position graphs are
+keyed by position (:class:`GraphKey`). Each key has a graph per sampler shape the engine's
+calls ran (the shapes differ in what each call decides for itself, truncation;
+:class:`~graphcap.rollout.sampling.SamplerShape`): the holder serves one call at a time, and
+:meth:`GraphHolder.sampler_for` sets the call's shape, whose graphs the other methods then
+mean. Keyed graphs, and every graph captured while another is held, share one memory pool.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -41,9 +42,23 @@ from graphcap.rollout.sampling import SamplerShape
 from graphcap.rollout.settings.sampling_params import SamplingParams
 from graphcap.rollout.step import DecodeStep
 
-#: A held graph's key: ``None`` the static step, an int a per-position graph, ``("rows", n)``
-#: the live-row ladder's graph of batch size ``n`` (the step over the first ``n`` rows).
-GraphKey = int | tuple[str, int] | None
+
+class GraphKey(NamedTuple):
+    """A held graph's key: the full step (neither field set), the live-row ladder's step over
+    the first ``rows`` rows, or the per-position graph of decode ``position``."""
+
+    rows: int | None = None
+    position: int | None = None
+
+    def describe(self) -> str:
+        """Why this graph is captured when it is missing (with a graph of this shape held)."""
+        if self.rows is not None:
+            return f"batch_ladder size {self.rows} first reached"
+        return "per-position graph" if self.position is not None else "no full-size graph"
+
+
+#: The key of the full step's graph.
+FULL_STEP = GraphKey()
 
 
 #: What a step's builder is handed: a context in which to allocate the K/V buffers, whose
@@ -211,7 +226,7 @@ class GraphHolder:
         them, so they count as available to it."""
         return 0 if self._held is None else self._held.step.cache.nbytes()
 
-    def graph(self, key: GraphKey = None) -> object | None:
+    def graph(self, key: GraphKey = FULL_STEP) -> object | None:
         """The call's sampler shape's graph ``key``, ``None`` when not captured."""
         return None if self._held is None else self._held.graphs.get((self.sampler, key))
 
@@ -221,16 +236,14 @@ class GraphHolder:
         held = () if self._held is None else self._held.graphs
         return sum(shape == self.sampler for shape, _ in held)
 
-    def capture_reason(self, key: GraphKey = None) -> str:
+    def capture_reason(self, key: GraphKey = FULL_STEP) -> str:
         """Why graph ``key`` of the call's sampler shape is missing (and so captured)."""
         held = {} if self._held is None else self._held.graphs
         if not held:
             return "no graph held (a new signature: see recapture_reason)"
         if not any(shape == self.sampler for shape, _ in held):
             return f"sampler shape first met ({self.sampler.describe()})"
-        if isinstance(key, tuple):
-            return f"batch_ladder size {key[1]} first reached"
-        return "per-position graph" if isinstance(key, int) else "no full-size graph"
+        return key.describe()
 
     def agree(self, use_graph: bool, capture: bool) -> GraphVerdict:
         """The process group's graph decision for this call (local without a group): use graphs
@@ -245,7 +258,7 @@ class GraphHolder:
         self,
         step: DecodeStep,
         attention: str,
-        key: GraphKey = None,
+        key: GraphKey = FULL_STEP,
         compiled: bool = False,
     ) -> CaptureOutcome:
         """Capture ``step`` as graph ``key`` and agree on the outcome with the group; the
@@ -265,7 +278,7 @@ class GraphHolder:
             # a compiled step's graph keeps its memory's contents across a sleep: measured on
             # an H100, its replays after a wake differed from an engine's that never slept
             memory = functools.partial(region.capturing, keep=compiled)
-        elif key is not None or self._held.graphs:  # a set of graphs shares one pool
+        elif key != FULL_STEP or self._held.graphs:  # a set of graphs shares one pool
             pool = self._held.pool = self._held.pool or self.backend.graph_pool_handle()
         cache, warmup_s = None, 0.0
         try:

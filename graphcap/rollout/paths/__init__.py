@@ -1,8 +1,8 @@
 """Request path, runner and collect: the static and continuous paths, and the runners they
 drive.
 
-:data:`ROLLOUTS` names the object serving each :class:`~graphcap.rollout.plan.Path`, as
-:data:`~graphcap.rollout.paths.runners.RUNNERS` names the runner of each graph path.
+:data:`ROLLOUTS` names the object serving each :class:`~graphcap.rollout.plan.Path`;
+:func:`~graphcap.rollout.paths.runners.start_runner` gives a call its runner.
 """
 
 from graphcap.rollout.paths.continuous import ContinuousRollout

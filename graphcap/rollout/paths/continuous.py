@@ -25,16 +25,18 @@ import torch
 
 from graphcap.errors import DecodeStalledError
 from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, call_ladder, decode_runner
+from graphcap.rollout.paths.ladder import Ladder
+from graphcap.rollout.paths.layouts import ColumnLayout, extra_columns
 from graphcap.rollout.paths.record import Record, begin
 from graphcap.rollout.paths.runners import Runner, grow_blocks, start_runner
+from graphcap.rollout.plan import Plan
 from graphcap.rollout.plan.inputs import Call
 from graphcap.rollout.prefill import Prefill, run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
 from graphcap.rollout.sampling import RowPlan
 from graphcap.rollout.settings.call import CallSettings
 from graphcap.rollout.settings.rollout_config import RolloutConfig
-from graphcap.rollout.step.slots import ContinuousStep, SlotTable, clear_slots, shift_row
+from graphcap.rollout.step.slots import ContinuousStep, SlotTable, clear_slots
 
 
 @dataclass
@@ -48,11 +50,22 @@ class _Queue:
     mask: torch.Tensor  # (P, W)
     repeats: int
     limits: list[int]  # per request
-    pads: list[int]  # left-pad columns per prompt (host copy, taken before decoding)
     next: int = 0
 
     def __post_init__(self) -> None:
         self.order = sorted(range(len(self.limits)), key=lambda r: -self.limits[r])
+
+    @classmethod
+    def of(cls, call: Call) -> _Queue:
+        """The call's requests: each prompt row ``num_return_sequences`` times."""
+        settings, ids = call.settings, call.input_ids
+        repeats = settings.num_return_sequences
+        limits = _limits(call.request_max_new_tokens, ids.shape[0], repeats, settings)
+        return cls(ids, call.attention_mask, repeats, limits)
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
 
     def prompt(self, request: int) -> int:
         return request // self.repeats
@@ -76,112 +89,58 @@ class ContinuousRollout:
 
     def run(self, call: Call, start: float) -> RolloutResult:
         """Run the call's rows (x samples) through the slots; results in request order."""
-        config, holder = self.config, self.holder
-        settings, generator = call.settings, call.generator
-        if settings.output_scores or settings.output_logits or settings.top_logprobs:
-            raise ValueError(
-                "output_scores / output_logits / top_logprobs are recorded per batch row, but "
-                "the continuous path reuses rows for other requests; drop "
-                "RolloutConfig.continuous_batch_size for calls that need them"
-            )
-        slots = int(config.continuous_batch_size)
-        repeats = settings.num_return_sequences
-        prompts, width = call.input_ids.shape
-        limits = _limits(call.request_max_new_tokens, prompts, repeats, settings)
-        max_new = settings.max_new_tokens
-        align, trim = config.align_decode_fronts, config.trim_cache
-        # the sink column is last; aligned fronts may place a row up to max_new further right
-        total = width + max_new + 1 + (max_new if align else 0)
+        config, holder, settings = self.config, self.holder, call.settings
+        _check_no_records(settings)
+        slots, max_new = int(config.continuous_batch_size), settings.max_new_tokens
+        queue = _Queue.of(call)
+        width = queue.width
+        # the sink column is last
+        total = width + max_new + 1 + extra_columns(config, max_new)
         total = config.total_length(self.model, total, holder.backend)
         plan, record = begin(self.model, config, holder, call, slots, total)
         total = plan.signature.total_len  # whole blocks on a block table
 
-        mask = call.attention_mask
-        queue = _Queue(call.input_ids, mask, repeats, limits, (width - mask.sum(-1)).tolist())
         first = queue.take(slots)
         prefill = _prefill(self.model, queue, first)
-        vocab = prefill.logits.shape[-1]
-        step = holder.step_for(
-            plan.signature,
-            prefill.specs,
-            lambda memory: ContinuousStep.build(
-                self.model, prefill.specs, plan, vocab, settings, generator, memory
-            ),
-        )
-        assert isinstance(step, ContinuousStep)
-        step.state.set_stop_ids(settings.stop_ids)
-        step.state.set_stop_sequences(settings.stop_sequences, settings.include_stop_str_in_output)
-        step.cache.reset_for_call()
-        clear_slots(step, range(slots))
-        step.state.nan_draws.zero_()
-        interval = config.eos_check_interval
+        step = self._step(call, plan, prefill)
+        table = SlotTable.empty(slots)
+        requests = len(queue.limits)
         schedule = _Schedule(
             self.model,
             holder,
             step,
             queue,
-            RowPlan.build(call.per_prompt, repeats, len(limits)),
+            RowPlan.build(call.per_prompt, queue.repeats, requests),
             record,
-            _Outputs.empty(
-                len(limits), width, max_new, settings.pad_token_id, holder.backend.device
-            ),
-            SlotTable.empty(slots),
-            interval,
-            align,
-            trim,
+            _Outputs.empty(requests, width, max_new, settings.pad_token_id, holder.backend.device),
+            table,
+            config.eos_check_interval,
+            total,
+            Ladder.for_call(config, plan, step, record, holder.agreement),
+            ColumnLayout.for_call(config, step, table, queue.mask, queue.repeats),
         )
-        table = schedule.table
-        schedule.fill(first, 0, prefill)
-        if table.due_by(0):  # budget-1 requests are done at their first token
-            schedule.service(0, read=False)
+        schedule.start(first, prefill)
         prefill_s = time.perf_counter() - start
 
-        runner: Runner = step
-        if config.wants_graphs(holder.backend) and max_new > 1:
-            runner = start_runner(holder, plan, step, record, max_new - 1)
-        # the layout modes move columns under a span the eager step reads: they keep the slots
-        runner = decode_runner(
+        runner = start_runner(
             holder,
             step,
             plan,
             record,
-            runner=runner,
-            sizes=() if align or trim else call_ladder(config, plan, slots),
+            graphs=config.wants_graphs(holder.backend),
+            decode_steps=max_new - 1,
+            ladder=schedule.ladder,
             columns=lambda _: _columns(table),
-            ahead=interval,
+            ahead=schedule.interval,
         )
-        ladder = runner if isinstance(runner, LadderRunner) else None
+        layout = schedule.layout
+        if layout is not None:
+            runner = layout.narrowing(runner, total)
         t_decode = time.perf_counter()
-        narrow = runner is step and (align or trim)
-        attended = steps = 0
-        # every request finishes within its limit and is seen within one interval after
-        bound = sum(limits) + interval * (len(limits) + 1)
-        while table.occupied():
-            if steps > bound:
-                raise DecodeStalledError(
-                    f"continuous decoding ran {steps} steps, more than its {len(limits)} "
-                    f"requests can take ({bound}), with requests still unfinished: the decode "
-                    f"step changes nothing (on backend {holder.backend.name!r}, path "
-                    f"{record.path}); run the conformance suite on this backend"
-                )
-            if ladder is not None and queue.empty:
-                schedule.compact(ladder)
-            if narrow:
-                step.span = schedule.span(total)
-            attended += step.span[1] - step.span[0] if narrow else total
-            runner()
-            steps += 1
-            for slot in table.occupied():
-                table.column[slot] = min(table.column[slot] + 1, total - 2)
-            # on the ladder, once no request waits, the flags are read as the static path
-            # reads them: each read may let the busy slots move to a smaller size
-            tail = ladder is not None and queue.empty
-            check = steps % (min(interval, CHECK_EVERY) if tail else interval) == 0
-            if check or schedule.due(steps, ladder):
-                schedule.service(steps, read=check)
+        steps = schedule.decode(runner)
         holder.backend.synchronize()
         decode_s = time.perf_counter() - t_decode
-        step.span = None
+        computed = record.row_steps if schedule.ladder.active else slots * steps
         stats = record.stats(
             step,
             slots,
@@ -191,12 +150,30 @@ class ContinuousRollout:
             decode_s,
             slots_refilled=table.refilled,
             moved_columns=table.moved_columns,
-            mean_span=attended / steps if steps else float(total),
-            occupancy=_occupancy(
-                schedule.outputs.response, record.row_steps if ladder is not None else slots * steps
-            ),
+            mean_span=float(total) if layout is None else layout.finish(steps, total),
+            occupancy=_occupancy(schedule.outputs.response, computed),
         )
         return _result(schedule.outputs, width, settings, stats)
+
+    def _step(self, call: Call, plan: Plan, prefill: Prefill) -> ContinuousStep:
+        """The held step of the call's signature, its slots cleared and the call's stop
+        conditions set."""
+        settings = call.settings
+        vocab = prefill.logits.shape[-1]
+        step = self.holder.step_for(
+            plan.signature,
+            prefill.specs,
+            lambda memory: ContinuousStep.build(
+                self.model, prefill.specs, plan, vocab, settings, call.generator, memory
+            ),
+        )
+        assert isinstance(step, ContinuousStep)
+        step.state.set_stop_ids(settings.stop_ids)
+        step.state.set_stop_sequences(settings.stop_sequences, settings.include_stop_str_in_output)
+        step.cache.reset_for_call()
+        clear_slots(step, range(step.state.finished.shape[0]))
+        step.state.nan_draws.zero_()
+        return step
 
 
 class _Outputs(NamedTuple):
@@ -220,7 +197,9 @@ class _Outputs(NamedTuple):
 @dataclass
 class _Schedule:
     """One call on the slots: its queue, the slot table, the requests' settings (``rows``, a
-    :class:`RowPlan` by request) and the output buffers the retired requests are copied into."""
+    :class:`RowPlan` by request), the output buffers the retired requests are copied into, the
+    live-row ladder it follows once the queue is empty, and its eager-only column layout
+    (``None`` on the default path)."""
 
     model: torch.nn.Module
     holder: GraphHolder
@@ -231,8 +210,60 @@ class _Schedule:
     outputs: _Outputs
     table: SlotTable
     interval: int
-    align: bool
-    trim: bool
+    total: int
+    ladder: Ladder
+    layout: ColumnLayout | None
+
+    def start(self, first: list[int], prefill: Prefill) -> None:
+        """Put the ``first`` requests (prefilled) into the slots; those of budget 1 are done at
+        their first token, so their slots are retired and refilled at once."""
+        self.fill(first, 0, prefill)
+        if self.table.due_by(0):
+            self.service(0, read=False)
+
+    def decode(self, runner: Runner) -> int:
+        """Run decode steps until every request is retired; the steps run."""
+        steps, bound = 0, self.step_bound()
+        while self.table.occupied():
+            if steps > bound:
+                raise self.stalled(steps, bound)
+            if self.queue.empty:
+                self.compact()
+            runner()
+            steps += 1
+            self.advance_columns()
+            check = self.check_due(steps)
+            if check or self.due(steps):
+                self.service(steps, read=check)
+        return steps
+
+    def step_bound(self) -> int:
+        """The most steps the call can take: every request finishes within its limit and is
+        seen within one interval after."""
+        return sum(self.queue.limits) + self.interval * (len(self.queue.limits) + 1)
+
+    def stalled(self, steps: int, bound: int) -> DecodeStalledError:
+        """The error of a call that ran more steps than its requests can take."""
+        return DecodeStalledError(
+            f"continuous decoding ran {steps} steps, more than its {len(self.queue.limits)} "
+            f"requests can take ({bound}), with requests still unfinished: the decode "
+            f"step changes nothing (on backend {self.holder.backend.name!r}, path "
+            f"{self.record.path}); run the conformance suite on this backend"
+        )
+
+    def advance_columns(self) -> None:
+        """Each busy slot writes one column further (host bookkeeping; the sink column stays
+        last)."""
+        table = self.table
+        for slot in table.occupied():
+            table.column[slot] = min(table.column[slot] + 1, self.total - 2)
+
+    def check_due(self, now: int) -> bool:
+        """Whether to read the slots' finished flags after decode step ``now``: every
+        ``interval`` steps; on the ladder, once no request waits, as often as the static path
+        reads them (each read may let the busy slots move to a smaller size)."""
+        every = self.ladder.check_every(self.interval) if self.queue.empty else self.interval
+        return now % every == 0
 
     def fill(
         self,
@@ -242,7 +273,7 @@ class _Schedule:
         front: int | None = None,
     ) -> None:
         """Put ``requests`` into free slots after decode step ``now`` (prefilled together,
-        first token chosen)."""
+        first token chosen); with ``front`` (aligned layout) they write at that column."""
         if not requests:
             return
         step, table, queue = self.step, self.table, self.queue
@@ -256,7 +287,7 @@ class _Schedule:
         sources = torch.tensor(
             [list(dict.fromkeys(prompts)).index(p) for p in prompts], device=device
         )
-        width = queue.ids.shape[1]
+        width = queue.width
         s = step.state
         if step.cache.grows:
             columns = [width if slot in free else None for slot in range(len(table.request))]
@@ -277,13 +308,13 @@ class _Schedule:
             table.column[slot] = width
             table.due[slot] = now + queue.limits[request] - 1  # the first token is chosen here
             if front is not None:
-                _shift(step, table, slot, front - width)
+                self.layout.place(slot, front)
         step.configure_rows(
             rows, [self.rows.params[r] for r in requests], [self.rows.samples[r] for r in requests]
         )
         step.commit_rows(prefill.logits[sources], rows)
 
-    def due(self, now: int, ladder: LadderRunner | None) -> bool:
+    def due(self, now: int) -> bool:
         """Whether to retire between checks: a slot's budget ran out and a queued request can
         take it, or every busy slot is done (the call ends without waiting for a check), or on
         the ladder the slots left busy fit a smaller size. With an empty queue and others still
@@ -292,15 +323,15 @@ class _Schedule:
         if not due:
             return False
         left = len(self.table.occupied()) - len(due)
-        shrinks = ladder is not None and ladder.target(left) is not None
+        shrinks = self.ladder.target(left) is not None
         return not self.queue.empty or not left or shrinks
 
-    def compact(self, ladder: LadderRunner) -> None:
+    def compact(self) -> None:
         """With no request waiting: when the busy slots fit a smaller size of the ladder, the
         busy ones beyond it move into free slots inside it (every per-row buffer, the cache's
         rows, the slot table's entries), the following steps run at that size, and the slots
         they left are cleared as retired ones are. Host bookkeeping, no device read."""
-        table = self.table
+        table, ladder = self.table, self.ladder
         target = ladder.target(len(table.occupied()))
         if target is None:
             return
@@ -329,11 +360,7 @@ class _Schedule:
             if done:
                 self.retire(done)
             requests = self.queue.take(len(table.free()))
-            front = None
-            if self.align:
-                front = self.align_front(bool(requests))
-            elif self.trim:
-                self.trim_front()
+            front = None if self.layout is None else self.layout.arrange(bool(requests))
             table.refilled += len(requests)
             self.fill(requests, now, front=front)
             done = table.due_by(now)
@@ -344,7 +371,7 @@ class _Schedule:
         """Copy the ``done`` slots' requests into the outputs and free the slots."""
         out_seq, out_resp, out_logp, out_hit = self.outputs
         table, queue = self.table, self.queue
-        width, max_new = queue.ids.shape[1], out_resp.shape[1]
+        width, max_new = queue.width, out_resp.shape[1]
         s = self.step.state
         for slot in done:
             request = table.request[slot]
@@ -360,46 +387,14 @@ class _Schedule:
             table.start[slot] = 0
         clear_slots(self.step, done)
 
-    def span(self, total: int) -> tuple[int, int]:
-        """Columns any busy slot may attend to: from the first real prompt token to the
-        furthest write column (host bookkeeping, no device read)."""
-        table, queue = self.table, self.queue
-        busy = table.occupied()
-        lo = min(table.start[i] + queue.pads[queue.prompt(table.request[i])] for i in busy)
-        hi = max(table.column[i] for i in busy) + 1
-        return max(lo, 0), min(hi, total - 1)
 
-    def trim_front(self) -> None:
-        """Drop the leading columns no active slot attends to (shift every active slot left):
-        columns left of every row's first real prompt token (left padding, dead space)."""
-        table, queue = self.table, self.queue
-        busy = table.occupied()
-        if not busy:
-            return
-        lead = min(table.start[i] + queue.pads[queue.prompt(table.request[i])] for i in busy)
-        for slot in busy:
-            _shift(self.step, table, slot, -lead)
-
-    def align_front(self, refilling: bool) -> int:
-        """Right-align every active slot at one write column; return it for the newcomers.
-
-        Rows only move right here, so without trimming the front never moves back; it compacts
-        (drops dead leading columns) only when a row could otherwise run into the sink.
-        """
-        if self.trim:
-            self.trim_front()
-        table = self.table
-        busy = table.occupied()
-        width = self.queue.ids.shape[1]
-        sink = self.step.cache.max_len - 1  # host int: no device read
-        max_new = (sink - width) // 2  # the buffers were sized W + 2 * max_new + 1
-        front = max([table.column[i] for i in busy] + ([width] if refilling else []), default=width)
-        if front + max_new >= sink:
-            self.trim_front()
-            front = max([table.column[i] for i in busy] + [width])
-        for slot in busy:
-            _shift(self.step, table, slot, front - table.column[slot])
-        return front
+def _check_no_records(settings: CallSettings) -> None:
+    if settings.output_scores or settings.output_logits or settings.top_logprobs:
+        raise ValueError(
+            "output_scores / output_logits / top_logprobs are recorded per batch row, but "
+            "the continuous path reuses rows for other requests; drop "
+            "RolloutConfig.continuous_batch_size for calls that need them"
+        )
 
 
 def _prefill(model: torch.nn.Module, queue: _Queue, requests: list[int]) -> Prefill:
@@ -471,10 +466,3 @@ def _limits(
 def _columns(table: SlotTable) -> list[int | None]:
     """Each slot's write column of the next step (host bookkeeping), ``None`` for free slots."""
     return [c if r >= 0 else None for r, c in zip(table.request, table.column, strict=True)]
-
-
-def _shift(step: ContinuousStep, table: SlotTable, slot: int, by: int) -> None:
-    shift_row(step, slot, by)
-    table.start[slot] += by
-    table.column[slot] += by
-    table.moved_columns += abs(by)

@@ -3,27 +3,27 @@ generating.
 
 In an RL round most rows end long before the longest one, and a step costs what its batch size
 costs whether its rows are live or not. Between two steps the caller learns which rows ended
-(the static path at each "all finished" check, :meth:`LadderRunner.check_and_shrink`; the
+(the static path at each "all finished" check, :meth:`Ladder.check_and_shrink`; the
 continuous path from its slot table once its queue is empty); when the live ones fit a smaller
 size of the ladder, live rows from beyond that size swap places with ended rows inside it
-(:meth:`LadderRunner.shrink`: every per-row buffer, and the cache's own way: the static cache
+(:meth:`Ladder.shrink`: every per-row buffer, and the cache's own way: the static cache
 copies K/V rows, the block table swaps table rows), and the following steps replay the graph
-captured for that size over the first rows of the same buffers. Each size's graph is captured
-once per held signature and kept across calls. A row's tokens do not depend on where it sits:
-its settings, key, counters and buffers move with it, and a step's per-row math is the same at
-every batch size. At the end the static path puts the rows back in their own places; the
-continuous path's slot table follows its requests instead.
+captured for that size over the first rows of the same buffers (the step runner follows
+:attr:`Ladder.size`). Each size's graph is captured once per held signature and kept across
+calls. A row's tokens do not depend on where it sits: its settings, key, counters and buffers
+move with it, and a step's per-row math is the same at every batch size. At the end the
+static path puts the rows back in their own places; the continuous path's slot table follows
+its requests instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from graphcap.rollout.holder import GraphHolder
+from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.paths.record import Record
-from graphcap.rollout.paths.runners import BlockRunner, ReplayRunner, Runner, grow_blocks, replay
 from graphcap.rollout.plan import Plan
 from graphcap.rollout.settings.rollout_config import RolloutConfig
 from graphcap.rollout.step import DecodeStep
@@ -50,84 +50,65 @@ def call_ladder(config: RolloutConfig, plan: Plan, batch: int) -> tuple[int, ...
     """The smaller batch sizes a call of ``batch`` rows may shrink to, eager or captured (none
     where moving rows would change what a step does: the shared generator's draws,
     per-position graphs, ranks that would have to agree on every move, records of every row's
-    scores at every step)."""
+    scores at every step, the eager-only layouts that move columns under a span the step
+    reads)."""
     sampler = plan.signature.sampler
     if plan.path.per_position or sampler.shared or sampler.records:
         return ()
-    if config.process_group is not None:
+    if config.process_group is not None or config.eager_layout is not None:
         return ()
     return ladder_sizes(config.batch_ladder, batch)
 
 
-def decode_runner(
-    holder: GraphHolder,
-    step: DecodeStep,
-    plan: Plan,
-    record: Record,
-    *,
-    runner: Runner,
-    sizes: tuple[int, ...],
-    columns: Callable[[int], Sequence[int | None]],
-    ahead: int,
-) -> Runner:
-    """What runs a call's decode steps, around ``runner`` (the eager step or the full size's
-    replay): the ladder's runner where ``sizes`` is not empty, else on a block table a runner
-    that hands blocks out between steps, else ``runner`` itself. ``columns(i)``: each row's
-    write column at the call's ``i``-th decode step, in the rows' current places (host values;
-    ``None`` for idle rows)."""
-    blocks = BlockRunner(holder, step, plan, record, runner, columns, ahead)
-    if sizes and (runner is step or isinstance(runner, ReplayRunner)):
-        return LadderRunner(blocks, sizes)
-    return blocks if step.cache.grows else runner
+class Ladder:
+    """One call's live-row ladder, the policy its decode loop reads: how often to read the
+    finished flags (:meth:`check_every`), the size the live rows fit (:meth:`target`), the
+    move to it (:meth:`shrink`) and the rows put back (:meth:`restore`). :attr:`size` is the
+    batch size the steps run at now, which the step runner follows; ``slots[i]`` the original
+    row that place ``i`` holds. Without ``sizes`` (``RolloutConfig.batch_ladder=None``, or a
+    call :func:`call_ladder` keeps off it) it never moves and the flags are read every
+    ``eos_check_interval`` steps, agreed over the process group.
 
-
-class LadderRunner:
-    """Runs the current batch size's step; :meth:`shrink` moves to a smaller size.
-
-    ``base``: the call's runner off the ladder, whose settings this one takes: the full
-    size's graph (captured by :func:`start_runner`), or ``None`` for an eager call, whose
-    steps follow the same ladder eagerly (so eager and graph calls compute every step at the
-    same batch size, bit for bit alike); ``columns(i)``, each row's write column at the call's
-    ``i``-th decode step, rows in their current places (``None`` for idle rows): block tables
-    hand blocks out ``ahead`` steps on for the rows the current size runs, and a backend taking
-    the kernel's lengths on the host gets them from it.
+    ``step``: the call's full-size step, whose buffers the moves swap rows of; ``record``:
+    where the steps at each size and the moved rows are counted.
     """
 
-    def __init__(self, base: BlockRunner, sizes: tuple[int, ...]):
-        self.holder, self.full, self.plan = base.holder, base.step, base.plan
-        self.record = base.record
-        self.columns, self.ahead, self.host_lengths = base.columns, base.ahead, base.host_lengths
-        self.sizes, self.size = sizes, base.step.state.finished.shape[0]
-        self.step, self.key, self.graph = base.step, None, base.graph
-        self.replaying = self.graph is not None
-        self.slots = list(range(self.size))  # the original row each slot now holds
-        self.done = 0
-        self.blocks = self.full.cache.grows
-        self.reads_columns = self.blocks or self.host_lengths  # else no host list a step
+    def __init__(
+        self, sizes: tuple[int, ...], step: DecodeStep, record: Record, agreement: RankAgreement
+    ):
+        self.sizes, self.full, self.record, self.agreement = sizes, step, record, agreement
+        self.size = step.state.finished.shape[0]
+        self.slots = list(range(self.size))  # the original row each place now holds
 
-    def __call__(self) -> None:
-        columns = list(self.columns(self.done))[: self.size] if self.reads_columns else []
-        self.done += 1
-        if self.blocks:
-            live = columns + [None] * (len(self.slots) - self.size)
-            growths = self.full.cache.growths
-            grow_blocks(self.holder, self.full, live, self.ahead, self.record)
-            if self.full.cache.growths != growths and self.key is not None:
-                self.step = self.full.leading(self.size)  # views of the new pools
-        if self.replaying and (self.graph is None or self.holder.graph(self.key) is None):
-            # after a failure the rest of the call runs eagerly, on the same ladder
-            self.graph = self.record.capture(self.holder, self.step, self.plan, key=self.key)
-            self.replaying = self.graph is not None
-        self.record.batch_steps[self.size] = self.record.batch_steps.get(self.size, 0) + 1
-        self.record.row_steps += self.size
-        if not self.replaying:
-            self.step()
-            return
-        replay(self.holder, self.graph, self.record, columns if self.host_lengths else None)
+    @classmethod
+    def for_call(
+        cls,
+        config: RolloutConfig,
+        plan: Plan,
+        step: DecodeStep,
+        record: Record,
+        agreement: RankAgreement,
+    ) -> Ladder:
+        """The ladder of a call on ``step``'s rows (:func:`call_ladder` says which sizes)."""
+        batch = step.state.finished.shape[0]
+        return cls(call_ladder(config, plan, batch), step, record, agreement)
+
+    @property
+    def active(self) -> bool:
+        """Whether the call may move to a smaller size (its steps are counted per size)."""
+        return bool(self.sizes)
+
+    def check_every(self, interval: int) -> int:
+        """Steps between two reads of the finished flags: ``interval`` (the config's
+        ``eos_check_interval``), at most :data:`CHECK_EVERY` on the ladder."""
+        return min(interval, CHECK_EVERY) if self.sizes else interval
 
     def check_and_shrink(self) -> bool:
-        """Read the finished flags (one host read): whether every row ended; else move to the
-        smallest ladder size that holds the live rows, if it is smaller than the current one."""
+        """Read the finished flags (one host read): whether every row ended; else, on the
+        ladder, move to the smallest size that holds the live rows, if it is smaller than the
+        current one. Off the ladder the read is agreed over the process group."""
+        if not self.sizes:
+            return self.agreement.all_finished(self.full.state.all_finished)
         finished = self.full.state.finished[: self.size].tolist()
         live = finished.count(False)
         if not live:
@@ -141,6 +122,12 @@ class LadderRunner:
         """The smallest ladder size that holds ``live`` rows, where it is below the current
         size (else ``None``)."""
         return min((s for s in self.sizes if live <= s < self.size), default=None)
+
+    def ran_step(self) -> None:
+        """Count one step at the current size (on the ladder only)."""
+        if self.sizes:
+            self.record.batch_steps[self.size] = self.record.batch_steps.get(self.size, 0) + 1
+            self.record.row_steps += self.size
 
     def shrink(self, ended: Sequence[bool], target: int) -> list[tuple[int, int]]:
         """Run at size ``target`` from the next step: the live rows (``ended[b]`` false, for
@@ -156,11 +143,9 @@ class LadderRunner:
             for a, b in zip(dst, src, strict=True):
                 self.slots[a], self.slots[b] = self.slots[b], self.slots[a]
             self.record.rows_moved += len(src)
-        if self.blocks:  # ended rows beyond the new size give their blocks back
+        if self.full.cache.grows:  # ended rows beyond the new size give their blocks back
             self.full.cache.free_rows(range(target, self.size))
-        self.size, self.key = target, ("rows", target)
-        self.step = self.full.leading(target)
-        self.graph = self.holder.graph(self.key) if self.replaying else None
+        self.size = target
         return list(zip(dst, src, strict=True))
 
     def restore(self) -> None:

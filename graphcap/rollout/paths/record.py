@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from graphcap.errors import NonFiniteLogitsWarning
-from graphcap.rollout.holder import GraphHolder, GraphKey
+from graphcap.rollout.holder import FULL_STEP, GraphHolder, GraphKey
 from graphcap.rollout.holder.agreement import PEER_RECAPTURE
 from graphcap.rollout.plan import Path, Plan, plan_call
 from graphcap.rollout.plan.inputs import Call, check_request
@@ -67,7 +67,7 @@ class Record:
         self.path, self.attention, self.compiled = plan.path, plan.attention, plan.compiled
 
     def capture(
-        self, holder: GraphHolder, step: DecodeStep, plan: Plan, key: GraphKey = None
+        self, holder: GraphHolder, step: DecodeStep, plan: Plan, key: GraphKey = FULL_STEP
     ) -> object | None:
         """Capture ``step`` as the holder's graph ``key``; ``None`` when it failed, after which
         the call's remaining steps run eagerly (its path the eager one, with the reason). The

@@ -8,14 +8,9 @@ import time
 import torch
 
 from graphcap.rollout.holder import GraphHolder
-from graphcap.rollout.holder.agreement import RankAgreement
-from graphcap.rollout.paths.ladder import CHECK_EVERY, LadderRunner, call_ladder, decode_runner
+from graphcap.rollout.paths.ladder import Ladder
 from graphcap.rollout.paths.record import begin
-from graphcap.rollout.paths.runners import (
-    Runner,
-    grow_blocks,
-    start_runner,
-)
+from graphcap.rollout.paths.runners import Runner, grow_blocks, start_runner
 from graphcap.rollout.plan.inputs import Call
 from graphcap.rollout.prefill import run_prefill
 from graphcap.rollout.results import RolloutResult, RolloutStats, finish_details
@@ -73,23 +68,21 @@ class StaticRollout:
         prefill_s = time.perf_counter() - start
 
         steps = settings.max_new_tokens - 1
-        runner: Runner = step
-        if self.config.wants_graphs(self.holder.backend) and steps > 0:
-            runner = start_runner(self.holder, plan, step, record, steps)
-        runner = decode_runner(
+        ladder = Ladder.for_call(self.config, plan, step, record, self.holder.agreement)
+        runner = start_runner(
             self.holder,
             step,
             plan,
             record,
-            runner=runner,
-            sizes=call_ladder(self.config, plan, padded_batch),
+            graphs=self.config.wants_graphs(self.holder.backend),
+            decode_steps=steps,
+            ladder=ladder,
             columns=lambda i: [width + i] * padded_batch,
             ahead=interval,
         )
         t_decode = time.perf_counter()
-        decoded = decode(runner, steps, step.state, interval, self.holder.agreement)
-        if isinstance(runner, LadderRunner):
-            runner.restore()
+        decoded = decode(runner, steps, step.state, interval, ladder)
+        ladder.restore()
         self.holder.backend.synchronize()
         decode_s = time.perf_counter() - t_decode
         if plan.path.per_position:  # its captures happen inside the decode loop
@@ -99,27 +92,22 @@ class StaticRollout:
 
 
 def decode(
-    runner: Runner, max_steps: int, state: DecodeState, interval: int, agreement: RankAgreement
+    runner: Runner, max_steps: int, state: DecodeState, interval: int, ladder: Ladder
 ) -> int:
-    """Run up to ``max_steps`` steps; stop early when the device says all rows finished (read
-    every ``interval`` steps, agreed over the process group). A runner on the live-row ladder
-    reads the flags itself, every :data:`CHECK_EVERY` steps at most, and moves to a smaller
-    size when the live rows fit one. With ``interval`` 1 the flag is also read before the first
-    step, so the call stops where ``generate`` stops (and draws as many random numbers) even
-    when the prefill's token ended every row."""
-    ladder = runner if isinstance(runner, LadderRunner) else None
-    every = min(interval, CHECK_EVERY) if ladder is not None else interval
-    if interval == 1 and max_steps and agreement.all_finished(state.all_finished):
+    """Run up to ``max_steps`` steps; stop early when the device says all rows finished, read
+    as the ``ladder`` says (:meth:`Ladder.check_every`, :meth:`Ladder.check_and_shrink`: every
+    ``interval`` steps, agreed over the process group; on the ladder more often, each read
+    letting the live rows move to a smaller size). With ``interval`` 1 the flag is also read
+    before the first step, so the call stops where ``generate`` stops (and draws as many random
+    numbers) even when the prefill's token ended every row."""
+    every = ladder.check_every(interval)
+    if interval == 1 and max_steps and ladder.agreement.all_finished(state.all_finished):
         return 0
     for step in range(1, max_steps + 1):
         runner()
         if step % every or step == max_steps:
             continue
-        if ladder is not None:
-            ended = ladder.check_and_shrink()
-        else:
-            ended = agreement.all_finished(state.all_finished)
-        if ended:
+        if ladder.check_and_shrink():
             return step
     return max_steps
 

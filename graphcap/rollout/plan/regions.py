@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from graphcap.rollout import sampling
 from graphcap.rollout.cache.cache import StaticKVCache, put_columns
 from graphcap.rollout.cache.swap import attributes_swapped, forwards_swapped
 from graphcap.rollout.plan.fusion import ProjectionFusion
@@ -162,5 +163,15 @@ def compiled_bookkeeping(
     (docs/decisions.md, decision 15)."""
     compiled = functools.partial(torch.compile, options={**(options or {}), **BOOKKEEPING_OPTIONS})
     swaps = [(step, name, compiled(getattr(step, name))) for name in ("prepare", "finish")]
+    swaps.append((sampling, "cumulative_sum", eager_cumulative_sum()))
     with attributes_swapped(swaps):
         yield
+
+
+@functools.cache
+def eager_cumulative_sum() -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`~graphcap.rollout.sampling.cumulative_sum` under ``torch.compiler.disable``, which
+    compiled steps call (an inductor bug, see there). Built at the first compiled capture, not
+    at import (the decorator imports dynamo, half a second), and once (a new wrapper would fail
+    the compiled code's guards and compile the step again)."""
+    return torch.compiler.disable(sampling.cumulative_sum)

@@ -8,18 +8,13 @@ walks the modules once and the parameters and buffers once.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from graphcap.rollout.plan.fingerprint import HostState, hook_name, host_state
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = FSDPModule = None  # type: ignore[assignment,misc]
 
 #: What :attr:`ModelScan.sharded` names.
 FSDP2 = "FSDP2"
@@ -75,9 +70,19 @@ def _facts(name: str, t: torch.Tensor) -> TensorFacts:
     return (name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
+def loaded_class(module: str, name: str) -> type | None:
+    """Class ``name`` of ``module`` where something imported that module, else ``None``: no
+    object is an instance of a class whose module nobody imported, so a model sharded with
+    ``DTensor`` or FSDP2 has them loaded, and graphcap does not import them itself (they cost
+    over half a second of ``import graphcap.rollout``; docs/architecture.md, "Import time")."""
+    loaded = sys.modules.get(module)
+    return None if loaded is None else getattr(loaded, name, None)
+
+
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ``DTensor`` (sharded or replicated over a device mesh)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
+    dtensor = loaded_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -101,7 +106,8 @@ def _attention_dtype(model: torch.nn.Module, parameters: list[torch.Tensor]) -> 
 
 def is_fsdp2(module: torch.nn.Module) -> bool:
     """Whether ``module`` is managed by FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
-    return FSDPModule is not None and isinstance(module, FSDPModule)
+    fsdp_module = loaded_class("torch.distributed.fsdp", "FSDPModule")
+    return fsdp_module is not None and isinstance(module, fsdp_module)
 
 
 def _sharded(
