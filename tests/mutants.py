@@ -89,6 +89,7 @@ EXACT_CHECKPOINT = (
 )
 TRL_EXACT = (
     "tests/test_trl_grpo_exact.py::test_trls_recomputed_logprobs_equal_the_rollouts_bit_for_bit"
+)
 EXACT_KERNELS = "backends/cuda/tests/test_exact_kernels.py"
 EXACT_KERNEL_ROWS = (
     EXACT_KERNELS + "::test_a_rows_product_is_the_same_bits_whatever_the_number_of_rows"
@@ -161,6 +162,8 @@ PLANTS = (
         "with trainer_exact(model):  # re-enters",
         "with contextlib.nullcontext():  # re-enters",
         (TRL_EXACT,),
+    ),
+    Plant(
         "the CUDA exact product takes a tile from the number of rows (one row sums K in 32s)",
         "backends/cuda/graphcap_cuda/kernels/exact.py",
         "block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS",
