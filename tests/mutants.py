@@ -262,8 +262,8 @@ PLANTS = (
     Plant(
         "the drop-in keeps its buffers when a call is too large and generate takes it",
         "graphcap/rollout/drop_in.py",
-        "self.engine.sleep()\n",
-        "pass\n",
+        "generate gets the memory the engine held\n                self.engine.sleep()\n",
+        "generate gets the memory the engine held\n                pass\n",
         (
             "tests/test_drop_in.py::test_a_call_too_large_for_the_device_frees_the_engines_buffers_for_generate",
         ),

@@ -275,7 +275,7 @@ FALLBACKS = {
 
 @pytest.mark.parametrize("name", list(FALLBACKS))
 def test_calls_graphcap_does_not_serve_go_to_generate_with_the_reason(name):
-    model = tiny_model("llama")
+    model = tiny_model("llama", fresh=True)  # generate may leave hooks (output_attentions)
     ids, mask = prompts(2)
     extra, reason = FALLBACKS[name]
     with torch.no_grad():
