@@ -30,7 +30,7 @@ from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.cache.cache import put_columns
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.paths import ROLLOUTS
-from graphcap.rollout.plan import Path
+from graphcap.rollout.plan import DecodePath
 from graphcap.rollout.plan import plan as plan_module
 from graphcap.rollout.plan.regions import (
     BOOKKEEPING_OPTIONS,
@@ -392,35 +392,37 @@ def test_an_unknown_graph_attention_is_refused_before_any_call():
 
 
 def test_each_path_is_its_stats_string_with_one_eager_fallback_and_one_server():
-    assert [str(p) for p in Path] == [
+    assert [str(p) for p in DecodePath] == [
         "eager",
         "static_graph",
         "per_position_graph",
         "continuous_eager",
         "continuous_graph",
     ]
-    assert set(ROLLOUTS) == set(Path)
-    for path in Path:
+    assert set(ROLLOUTS) == set(DecodePath)
+    for path in DecodePath:
         fallback = path.eager_fallback
         assert not fallback.is_graph and fallback.continuous == path.continuous
         assert ROLLOUTS[fallback] is ROLLOUTS[path]
     asked = {
-        Path.EAGER: RolloutConfig(enable_graph_capture=False),
-        Path.STATIC_GRAPH: RolloutConfig(),
-        Path.PER_POSITION_GRAPH: RolloutConfig(per_position_graphs=True),
-        Path.CONTINUOUS_EAGER: RolloutConfig(continuous_batch_size=2, enable_graph_capture=False),
-        Path.CONTINUOUS_GRAPH: RolloutConfig(continuous_batch_size=2),
+        DecodePath.EAGER: RolloutConfig(enable_graph_capture=False),
+        DecodePath.STATIC_GRAPH: RolloutConfig(),
+        DecodePath.PER_POSITION_GRAPH: RolloutConfig(per_position_graphs=True),
+        DecodePath.CONTINUOUS_EAGER: RolloutConfig(
+            continuous_batch_size=2, enable_graph_capture=False
+        ),
+        DecodePath.CONTINUOUS_GRAPH: RolloutConfig(continuous_batch_size=2),
     }
-    assert all(Path.asked(config, CPUBackend()) is path for path, config in asked.items())
+    assert all(DecodePath.asked(config, CPUBackend()) is path for path, config in asked.items())
     # the default asks for graphs where the backend can capture
-    assert Path.asked(RolloutConfig(), NoGraphBackend()) is Path.EAGER
-    assert Path.asked(RolloutConfig(enable_graph_capture=True), NoGraphBackend()).is_graph
+    assert DecodePath.asked(RolloutConfig(), NoGraphBackend()) is DecodePath.EAGER
+    assert DecodePath.asked(RolloutConfig(enable_graph_capture=True), NoGraphBackend()).is_graph
 
 
 def test_stats_report_the_path_as_a_plain_string():
     model = tiny_model("llama")
     ids, mask = prompts(2)
     stats = run(model, ids, mask, True, max_new_tokens=NEW).stats
-    assert type(stats.path) is str and stats.path == Path.STATIC_GRAPH
+    assert type(stats.path) is str and stats.path == DecodePath.STATIC_GRAPH
     assert json.loads(json.dumps(dataclasses.asdict(stats)))["path"] == "static_graph"
     assert "path='static_graph'" in repr(stats)

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, StoppingCriteria
 
 from graphcap.backend import Backend
 from graphcap.rollout import RolloutConfig, RolloutEngine, RolloutStats, SamplingParams, drop_in
-from graphcap.rollout.plan import Path
+from graphcap.rollout.plan import DecodePath
 
 
 def timed_call(call: Callable[[], Any], sync: Callable[[], None]) -> tuple[float, Any]:
@@ -131,7 +131,7 @@ class Mode:
     called directly or (``drop_in``) through ``model.generate`` after ``accelerate_generate``."""
 
     name: str
-    expected_path: Path | None = None
+    expected_path: DecodePath | None = None
     hf_kwargs: dict[str, Any] | None = None
     compile: bool | None = None
     drop_in: bool = False
@@ -141,7 +141,7 @@ class Mode:
         path, settings["compile"] = self.expected_path, self.compile if self.expected_path else None
         if self.drop_in:
             return replace(drop_in.drop_in_default_config(), **settings)
-        positions = path is Path.PER_POSITION_GRAPH
+        positions = path is DecodePath.PER_POSITION_GRAPH
         return RolloutConfig(
             enable_graph_capture=bool(path), per_position_graphs=positions, **settings
         )
@@ -175,7 +175,7 @@ class Mode:
             torch.manual_seed(work.seed)
             work.backend.manual_seed(work.seed)
         settings, rows = {"backend": work.backend, **work.settings}, work.batch_size
-        if path is Path.CONTINUOUS_GRAPH:  # one slot per row unless given fewer
+        if path is DecodePath.CONTINUOUS_GRAPH:  # one slot per row unless given fewer
             settings["continuous_batch_size"] = min(work.continuous_slots or rows, rows)
         try:
             if self.hf_kwargs is not None:
@@ -197,9 +197,9 @@ class Mode:
                 torch.compiler.reset()
 
 
-def _engine_call(work: Workload, engine: RolloutEngine, path: Path | None) -> CallOutput:
+def _engine_call(work: Workload, engine: RolloutEngine, path: DecodePath | None) -> CallOutput:
     # EOS is off in steps: pinning min_new_tokens (per-position graphs need it) changes no token.
-    pin = work.new_tokens if path is Path.PER_POSITION_GRAPH else 0
+    pin = work.new_tokens if path is DecodePath.PER_POSITION_GRAPH else 0
     sampling = SamplingParams(**{**work.lengths, "min_new_tokens": pin}, **work.sampling)
     out = engine.generate(work.input_ids, work.attention_mask, sampling=sampling)
     return CallOutput.of(out.sequences[:, work.prompt_width :], out.stats)
@@ -224,11 +224,11 @@ MODES: dict[str, Mode] = {
         Mode("hf-eager", hf_kwargs={"disable_compile": True}),
         Mode("hf-static-compile", hf_kwargs={"cache_implementation": "static"}),
         Mode("graphcap-eager"),
-        Mode("graphcap-graph", Path.STATIC_GRAPH),
-        Mode("graphcap-graph-uncompiled", Path.STATIC_GRAPH, compile=False),
-        Mode("graphcap-continuous", Path.CONTINUOUS_GRAPH),
-        Mode("graphcap-per-position", Path.PER_POSITION_GRAPH),
-        Mode("graphcap-drop-in", Path.STATIC_GRAPH, drop_in=True),
+        Mode("graphcap-graph", DecodePath.STATIC_GRAPH),
+        Mode("graphcap-graph-uncompiled", DecodePath.STATIC_GRAPH, compile=False),
+        Mode("graphcap-continuous", DecodePath.CONTINUOUS_GRAPH),
+        Mode("graphcap-per-position", DecodePath.PER_POSITION_GRAPH),
+        Mode("graphcap-drop-in", DecodePath.STATIC_GRAPH, drop_in=True),
     )
 }
 #: The rl-round workload's modes: transformers' generate, the drop-in, the engine's two paths.

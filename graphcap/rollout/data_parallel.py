@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import GenerationConfig
 
 from graphcap.rollout.engine import RolloutEngine
-from graphcap.rollout.plan import Path
+from graphcap.rollout.plan import DecodePath
 from graphcap.rollout.results import RolloutResult, RolloutStats
 from graphcap.rollout.settings.sampling_params import SamplingParams
 
@@ -84,7 +84,7 @@ def generate_data_parallel(
     start, stop = shard_bounds(rows, rank, world)
     sampling = rank_sampling(sampling, rank)
     part = None
-    stats = RolloutStats(path=Path.EAGER.value)
+    stats = RolloutStats(path=DecodePath.EAGER.value)
     if stop > start:
         result = engine.generate(
             input_ids[start:stop],

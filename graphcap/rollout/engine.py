@@ -29,7 +29,7 @@ from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
 from graphcap.rollout.holder.weights import Served
 from graphcap.rollout.paths import ROLLOUTS
-from graphcap.rollout.plan import Path, check_graph_attention, eager_reason
+from graphcap.rollout.plan import DecodePath, check_graph_attention, eager_reason
 from graphcap.rollout.plan.fusion import ProjectionFusion
 from graphcap.rollout.plan.inputs import Call, check_generator, check_prompts, check_vocab_ids
 from graphcap.rollout.plan.scan import ModelScan, scan_model
@@ -88,7 +88,7 @@ class RolloutEngine:
             keep_across_sleep=self.config.sleep_keeps_graphs,
             weights=self.config.weights,
         )
-        rollout = ROLLOUTS[Path.asked(self.config, self.backend)]
+        rollout = ROLLOUTS[DecodePath.asked(self.config, self.backend)]
         self._rollout = rollout(model, self.config, self._holder)
         self._lock = threading.Lock()
         self._caller: int | None = None  # the thread inside a call (see :meth:`_one_call`)

@@ -17,7 +17,7 @@ import torch
 from graphcap.errors import NonFiniteLogitsWarning
 from graphcap.rollout.holder import FULL_STEP, GraphHolder, GraphKey
 from graphcap.rollout.holder.agreement import PEER_RECAPTURE
-from graphcap.rollout.plan import Path, Plan, plan_call
+from graphcap.rollout.plan import DecodePath, Plan, plan_call
 from graphcap.rollout.plan.inputs import Call, check_request
 from graphcap.rollout.results import RolloutStats
 from graphcap.rollout.settings.rollout_config import RolloutConfig
@@ -28,7 +28,7 @@ from graphcap.rollout.step import DecodeStep
 class Record:
     """The path a call's steps took and what its runners counted (``RolloutStats``' names)."""
 
-    path: Path
+    path: DecodePath
     fallback_reason: str | None
     recapture_reason: list[str]
     sampler_shape: str = "greedy"

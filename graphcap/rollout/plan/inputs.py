@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from graphcap.errors import RequestTooLargeError, warn_once
 from graphcap.rollout.cache.blocks import full_pool_columns
-from graphcap.rollout.plan.plan import Path, kv_layout
+from graphcap.rollout.plan.plan import DecodePath, kv_layout
 from graphcap.rollout.plan.scan import ModelScan
 from graphcap.rollout.settings.call import CallSettings
 from graphcap.rollout.settings.rollout_config import RolloutConfig
@@ -334,7 +334,7 @@ def check_request(
     shards = dist.get_world_size(config.process_group) if config.process_group else 1
     # per-position graphs keep the static cache (the smaller estimate) when the call pins its
     # length; which the plan decides, so the estimate stays a lower bound
-    path = Path.PER_POSITION_GRAPH if config.per_position_graphs else Path.STATIC_GRAPH
+    path = DecodePath.PER_POSITION_GRAPH if config.per_position_graphs else DecodePath.STATIC_GRAPH
     block_size = kv_layout(config, backend, path)
     asked = {"output_scores": settings.output_scores, "output_logits": settings.output_logits}
     records = [name for name, on in asked.items() if on]

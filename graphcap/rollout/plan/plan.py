@@ -43,9 +43,9 @@ from graphcap.rollout.settings.rollout_config import GRAPHS_OFF, RolloutConfig
 UNSAFE_ATTENTION_MARKERS: tuple[str, ...] = ("flash_attention", "flex_attention", "paged")
 
 
-class Path(StrEnum):
+class DecodePath(StrEnum):
     """The path a call's decode steps take. The values are what ``RolloutStats.path`` reports
-    (a ``Path`` is its string: ``Path.EAGER == "eager"``)."""
+    (a ``DecodePath`` is its string: ``DecodePath.EAGER == "eager"``)."""
 
     EAGER = "eager"
     STATIC_GRAPH = "static_graph"
@@ -59,20 +59,20 @@ class Path(StrEnum):
 
     @property
     def continuous(self) -> bool:
-        return self in (Path.CONTINUOUS_EAGER, Path.CONTINUOUS_GRAPH)
+        return self in (DecodePath.CONTINUOUS_EAGER, DecodePath.CONTINUOUS_GRAPH)
 
     @property
-    def eager_fallback(self) -> Path:
+    def eager_fallback(self) -> DecodePath:
         """The eager path this one runs as when graphs cannot serve it (itself if eager)."""
-        return Path.CONTINUOUS_EAGER if self.continuous else Path.EAGER
+        return DecodePath.CONTINUOUS_EAGER if self.continuous else DecodePath.EAGER
 
     @property
     def per_position(self) -> bool:
         """A graph per decode position, captured while decoding (a host-given column span)."""
-        return self is Path.PER_POSITION_GRAPH
+        return self is DecodePath.PER_POSITION_GRAPH
 
     @classmethod
-    def asked(cls, config: RolloutConfig, backend: Backend) -> Path:
+    def asked(cls, config: RolloutConfig, backend: Backend) -> DecodePath:
         """The path ``config`` asks for on ``backend``, before any refusal."""
         graph = config.wants_graphs(backend)
         if config.continuous_batch_size is not None:
@@ -82,7 +82,9 @@ class Path(StrEnum):
         return cls.PER_POSITION_GRAPH if config.per_position_graphs else cls.STATIC_GRAPH
 
 
-_GRAPH_PATHS = frozenset({Path.STATIC_GRAPH, Path.PER_POSITION_GRAPH, Path.CONTINUOUS_GRAPH})
+_GRAPH_PATHS = frozenset(
+    {DecodePath.STATIC_GRAPH, DecodePath.PER_POSITION_GRAPH, DecodePath.CONTINUOUS_GRAPH}
+)
 
 
 def attention_refusal(model: torch.nn.Module) -> str | None:
@@ -269,7 +271,7 @@ def selected_attention(model: torch.nn.Module, backend: Backend, config: Rollout
     return choice or attention_implementation(model)
 
 
-def kv_layout(config: RolloutConfig, backend: Backend, path: Path) -> int | None:
+def kv_layout(config: RolloutConfig, backend: Backend, path: DecodePath) -> int | None:
     """The block size of the call's block KV table, or ``None`` for the static cache.
 
     ``RolloutConfig.kv_block_size`` ``"auto"`` follows the backend's declaration. The eager
@@ -289,8 +291,8 @@ def kv_layout(config: RolloutConfig, backend: Backend, path: Path) -> int | None
 class Plan:
     """How one call runs.
 
-    ``path``: the path graphs take (:class:`Path`: static, per-position or continuous graphs) or
-    the eager one (eager, continuous eager). ``reason``: why the
+    ``path``: the path graphs take (:class:`DecodePath`: static, per-position or continuous
+    graphs) or the eager one (eager, continuous eager). ``reason``: why the
     call does not take the path the config asked for (eager instead of a graph, or the static
     graph instead of per-position graphs, or uncompiled steps); ``None`` when it does.
     ``compiled``: captured steps run the blocks around attention compiled
@@ -299,7 +301,7 @@ class Plan:
     ``draw``: the backend's fused truncation and draw, ``None`` for the core's math.
     """
 
-    path: Path
+    path: DecodePath
     reason: str | None
     signature: GraphSignature
     windows: dict[str, int | None]
@@ -333,7 +335,7 @@ def plan_call(
     ``sampler``: the sampler shape the call's steps run (:meth:`GraphHolder.sampler_for`);
     ``disabled_reason``: why graphs are off for this engine (a failed capture earlier).
     """
-    asked = Path.asked(config, backend)
+    asked = DecodePath.asked(config, backend)
     path = asked.eager_fallback
     attention = attention_implementation(model)
     compiled = False
@@ -352,7 +354,7 @@ def plan_call(
         path = asked
         if path.per_position:
             reason = pinned_refusal(settings)
-            path = Path.STATIC_GRAPH if reason else path
+            path = DecodePath.STATIC_GRAPH if reason else path
     windows = layer_windows(model.config)
     block_size = kv_layout(config, backend, path)
     signature = signature_of(

@@ -24,7 +24,7 @@ from graphcap.rollout import (
     RolloutResult,
     SamplingParams,
 )
-from graphcap.rollout.plan import Path
+from graphcap.rollout.plan import DecodePath
 from graphcap.rollout.plan.fusion import joinable_groups
 from graphcap.testing import models
 
@@ -90,7 +90,7 @@ def test_static_graph_equals_eager_one_capture(
     if sample and not backend.capabilities.rng_in_graph:
         # Declared rng_in_graph=False: the engine must keep sampling out of graphs, and say so.
         for result in (first, second):
-            assert not Path(result.stats.path).is_graph, (
+            assert not DecodePath(result.stats.path).is_graph, (
                 "backend declares rng_in_graph=False, yet a sampled call replayed a graph"
             )
             assert result.stats.fallback_reason, "sampled call ran eagerly with no reason given"
