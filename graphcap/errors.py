@@ -75,4 +75,6 @@ class RequestTooLargeError(GraphcapError, ValueError):
 
 class DecodeStalledError(GraphcapError):
     """Decoding made no progress: rows that must finish within a known number of steps did not
-    (a backend whose graph replays do nothing, for one)."""
+    (neither the device's finished flags nor the host's budgets retired them: replays that
+    change nothing together with host bookkeeping out of step). A guard against looping
+    forever; the conformance suite finds the backends whose replays change nothing."""

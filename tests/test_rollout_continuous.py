@@ -17,6 +17,7 @@ from rollout_models import (
 )
 
 from graphcap.cpu import CPUBackend
+from graphcap.errors import DecodeStalledError
 from graphcap.rollout import (
     CaptureFallbackWarning,
     GraphUnsupportedModelError,
@@ -25,6 +26,7 @@ from graphcap.rollout import (
     load_weights_in_place,
 )
 from graphcap.rollout.holder.agreement import RankAgreement
+from graphcap.rollout.step.slots import SlotTable
 
 NEW = 10
 SLOTS = 3
@@ -453,3 +455,28 @@ def test_benchmark_staggered_workload_reaches_target_occupancy():
     # 16 x 143 = 2288 ran without it (occupancy 0.983)
     assert result.stats.row_steps == 2250
     assert result.stats.occupancy == useful / 2250 >= 0.9
+
+
+class _ReplaysNothing(CPUBackend):
+    """The CPU reference backend whose graph replays do nothing (a broken backend)."""
+
+    name = "replays-nothing"
+
+    def replay_graph(self, graph) -> None:
+        pass
+
+
+def test_a_decode_that_finishes_nothing_stops_with_the_backend_named(monkeypatch):
+    """Where neither the device's finished flags nor the host's budgets retire a row (replays
+    that change nothing, and host bookkeeping out of step), the call stops after the most steps
+    its requests can take, with an error naming the backend and what to run, instead of
+    looping forever."""
+    monkeypatch.setattr(SlotTable, "due_by", lambda self, step: [])
+    model = tiny_model("llama")
+    ids, mask = prompts(4)
+    engine = make_engine(
+        model, True, continuous_batch_size=2, eos_check_interval=2, backend=_ReplaysNothing()
+    )
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(DecodeStalledError, match=r"'replays-nothing'.*conformance suite"):
+        engine.generate(ids, mask, params, request_max_new_tokens=[4, 3, 2, 4])
