@@ -251,7 +251,7 @@ part_sampler() {
 # bit for bit, a small llama and llama-1b, gradients) and benchmarks/trainer_exact_h200.py (the
 # mode's cost and the mismatch table), llama-1b
 part_trainer_exact() {
-    run exact-device-test 150 "$py" -m pytest -q -x -s tests/test_device_trainer_exact.py
+    run exact-device-test 240 "$py" -m pytest -q -x -s tests/test_device_trainer_exact.py
     run exact-llama-1b 330 "$py" benchmarks/trainer_exact_h200.py "$OUT/trainer-exact-llama-1b.json"
 }
 # sharded: ZeRO-3's gather and FSDP2 through the drop-in at one rank (benchmarks/sharded_check.py)

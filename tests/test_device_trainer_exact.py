@@ -3,10 +3,11 @@ recorded log-probs equal the trainer's bit for bit, in bf16, on the backend's ow
 
 The CPU reference backend checks the same on every commit (tests/test_trainer_exact.py) and
 the CUDA kernels' orders under Triton's interpreter (backends/cuda/tests/test_exact_kernels.py);
-these tests confirm it where the kernels compile for the GPU: a small llama and the llama-1b
-preset, the eager loop and both graph paths, the trainer's batch right- and left-padded, and the
-gradients under ``trainer_exact`` within bf16 tolerance of the default forward's. Skipped, with
-the reason, unless an accelerator backend that offers trainer-exact operations is selected.
+these tests confirm it where the kernels compile for the GPU: a small llama (the eager loop and
+both graph paths) and the llama-1b and llama-8b presets (eager, static graph), the trainer's
+batch right- and left-padded, and the gradients under ``trainer_exact`` within bf16 tolerance
+of the default forward's. Skipped, with the reason, unless an accelerator backend that offers
+trainer-exact operations is selected.
 """
 
 from __future__ import annotations
@@ -62,10 +63,6 @@ def small_llama(backend: graphcap.Backend) -> torch.nn.Module:
         vocab_size=512,
     )
     return model.to(device=backend.device, dtype=torch.bfloat16)
-
-
-def llama_1b(backend: graphcap.Backend) -> torch.nn.Module:
-    return build_model("llama-1b", dtype=torch.bfloat16, device=backend.device)
 
 
 def left_padded(rows: int, vocab: int, device: torch.device, seed: int = 0):
@@ -143,8 +140,9 @@ def test_small_llama_rollout_logprobs_equal_the_trainers(backend, path):
 
 
 @pytest.mark.parametrize("path", ["eager", "static_graph"])
-def test_llama_1b_rollout_logprobs_equal_the_trainers(backend, path):
-    model = llama_1b(backend)
+@pytest.mark.parametrize("preset", ["llama-1b", "llama-8b"])
+def test_preset_rollout_logprobs_equal_the_trainers(backend, preset, path):
+    model = build_model(preset, dtype=torch.bfloat16, device=backend.device)
     try:
         check_rollout(model, backend, path, rows=8, new=48)
     finally:
