@@ -8,6 +8,8 @@ so rows move at several sizes, on the static cache and on the block table.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from rollout_models import assert_same_rows, generate_padded, prompts, tiny_model
@@ -109,6 +111,21 @@ def test_each_size_is_captured_once_and_kept_across_calls():
         out = e.generate(other_ids, other_mask, params)
         sizes |= set(out.stats.batch_steps)
         assert out.stats.captures == len(sizes)
+
+
+@pytest.mark.parametrize("slots", [None, 4], ids=["static", "continuous"])
+def test_captures_taken_mid_decode_count_once_in_the_calls_seconds(slots):
+    """A first call captures its smaller sizes inside the decode loop: they are in
+    ``capture_s``, not also in ``decode_s`` (its parts are disjoint spans of the call)."""
+    model = tiny_model("llama")
+    ids, mask = prompts(8, seed=1)
+    params = SamplingParams(max_new_tokens=NEW, eos_token_id=STOPS)
+    e = engine(model, eos_check_interval=2, continuous_batch_size=slots)
+    start = time.perf_counter()
+    stats = e.generate(ids, mask, params).stats
+    call_s = time.perf_counter() - start
+    assert len(stats.batch_steps) > 1 and stats.captures > 1  # sizes captured mid-decode
+    assert stats.prefill_s + stats.capture_s + stats.decode_s <= call_s
 
 
 def test_bucket_padding_rows_are_left_at_the_first_check():

@@ -66,16 +66,13 @@ PHASES: tuple[str, ...] = ("prefill_s", "compile_s", "warmup_s", "capture_s", "d
 
 def first_call_phases(stats: Any, total_s: float, compile_s: float = 0.0) -> dict[str, float]:
     """The phases of a first call that took ``total_s``, from its engine ``stats`` and the
-    seconds dynamo spent compiling during it (counted against the warm-up).
-
-    The graphs of the live-row ladder are captured mid-decode, so the engine's ``decode_s``
-    holds them as well as ``capture_s`` does: the decode part is bounded by what the call's
-    time leaves after the prefill and every capture (the rest of the call then joins it)."""
+    seconds dynamo spent compiling during it (counted against the warm-up). Each capture counts
+    once, in ``capture_s`` (the engine's ``decode_s`` leaves out the ladder's mid-decode
+    captures); ``other_s`` is the rest of the call."""
     compiling = min(max(compile_s, 0.0), stats.warmup_s)
     values = (stats.prefill_s, compiling, stats.warmup_s - compiling)
-    values += (stats.capture_s - stats.warmup_s,)
-    decode = min(stats.decode_s, max(0.0, total_s - sum(values)))
-    phases = dict(zip(PHASES, (*values, decode), strict=False))
+    values += (stats.capture_s - stats.warmup_s, stats.decode_s)
+    phases = dict(zip(PHASES, values, strict=False))
     return {**phases, "other_s": max(0.0, total_s - sum(phases.values()))}
 
 

@@ -20,7 +20,9 @@ class RolloutStats:
     continuous path only, and so are ``moved_columns`` (cache columns the eager layout modes
     moved) and ``mean_span`` (cache columns a step attended over, on average) (docs/continuous.md).
     ``capture_s``: seconds spent capturing, of which ``warmup_s`` is the step's run before
-    the capture (where a compiled step compiles and each kernel is first used).
+    the capture (where a compiled step compiles and each kernel is first used); ``decode_s``:
+    the decode loop's seconds without the captures taken inside it (the ladder's sizes,
+    per-position graphs), which ``capture_s`` holds.
     ``attention``: the attention implementation the decode steps ran. ``compiled``: they ran
     the blocks around attention compiled (``RolloutConfig.compile``); ``compile_cache``: what
     the capture that compiled did with the compile cache (``"loaded"``, ``"new"``,

@@ -136,10 +136,11 @@ class ContinuousRollout:
         layout = schedule.layout
         if layout is not None:
             runner = layout.narrowing(runner, total)
-        t_decode = time.perf_counter()
+        t_decode, captured_s = time.perf_counter(), record.capture_s
         steps = schedule.decode(runner)
         holder.backend.synchronize()
-        decode_s = time.perf_counter() - t_decode
+        # captures taken inside the loop (the ladder's sizes, after a pool growth) count once
+        decode_s = time.perf_counter() - t_decode - (record.capture_s - captured_s)
         computed = record.row_steps if schedule.ladder.active else slots * steps
         stats = record.stats(
             step,

@@ -80,13 +80,13 @@ class StaticRollout:
             columns=lambda i: [width + i] * padded_batch,
             ahead=interval,
         )
-        t_decode = time.perf_counter()
+        t_decode, captured_s = time.perf_counter(), record.capture_s
         decoded = decode(runner, steps, step.state, interval, ladder)
         ladder.restore()
         self.holder.backend.synchronize()
-        decode_s = time.perf_counter() - t_decode
-        if plan.path.per_position:  # its captures happen inside the decode loop
-            decode_s -= record.capture_s
+        # captures taken inside the loop (the ladder's sizes, per-position graphs) count once,
+        # in capture_s
+        decode_s = time.perf_counter() - t_decode - (record.capture_s - captured_s)
         stats = record.stats(step, padded_batch, padded_total, decoded, prefill_s, decode_s)
         return collect(step.state, batch, width, total, settings, stats)
 
