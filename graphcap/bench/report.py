@@ -218,7 +218,9 @@ def format_table(report: BenchReport) -> str:
 CPU_REFERENCE = (
     "on the CPU reference backend these runs check correctness (tokens, captures, fallbacks), "
     "not speed: its graphs replay the recorded aten operations one by one from Python, so graph "
-    "modes are not expected to beat HF here; speed is measured on an accelerator backend"
+    "modes are not expected to beat HF here; speed is measured on an accelerator backend; "
+    "'given back' reads the host's available memory, which every other process moves too "
+    "(noise larger than a small model's cache, so it can read below 0%)"
 )
 
 
