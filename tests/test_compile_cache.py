@@ -197,7 +197,7 @@ class CompilingBackend(CPUBackend):
     compile_by_default = True
 
 
-def engine_call(model, directory: Path) -> tuple[object, torch.Tensor]:
+def engine_call(model, directory: Path, **sampling) -> tuple[object, torch.Tensor]:
     torch.compiler.reset()
     config = RolloutConfig(
         enable_graph_capture=True, backend=CompilingBackend(), compile_cache=str(directory)
@@ -206,9 +206,22 @@ def engine_call(model, directory: Path) -> tuple[object, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CaptureFallbackWarning)
         result = RolloutEngine(model, config).generate(
-            ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS)
+            ids, mask, SamplingParams(max_new_tokens=NEW, **NO_EOS, **sampling)
         )
     return result.stats, result.sequences
+
+
+def test_each_sampler_shape_compiles_into_its_own_file(tmp_path, fresh_inductor):
+    """A greedy step and a truncating one compile different code: each shape keeps its own
+    file, so a process alternating them loads what it compiled (one shared file held only the
+    last shape's code, and the other compiled afresh in every new process)."""
+    model = tiny_model("llama", fresh=True)
+    truncating = {"do_sample": True, "top_p": 0.9, "seed": 1}
+    assert engine_call(model, tmp_path)[0].compile_cache == "new"
+    assert engine_call(model, tmp_path, **truncating)[0].compile_cache == "new"
+    assert len(list(tmp_path.glob("*.bin"))) == 2
+    assert engine_call(model, tmp_path)[0].compile_cache == "loaded"
+    assert engine_call(model, tmp_path, **truncating)[0].compile_cache == "loaded"
 
 
 def test_the_engine_loads_writes_and_survives_a_corrupt_file(tmp_path, fresh_inductor):

@@ -3,10 +3,11 @@
 A compiled capture's first warm-up traces the model's blocks and generates their kernels; the
 generation is most of the cost. PyTorch's portable cache (``torch.compiler.save_cache_artifacts``
 / ``load_cache_artifacts``: inductor's FX graphs, AOT-autograd entries, generated kernels and
-their autotuning) is written after a compiled capture to one file per model shape and step shape
-and loaded before the next process compiles the same shape, which then finds every kernel in
-inductor's cache instead of generating it. Every entry in it is keyed by PyTorch on what it was
-built from, so an entry that does not fit is never used: at worst a file is useless, never wrong.
+their autotuning) is written after a compiled capture to one file per model shape and step
+shape (its sampler shape included) and loaded before the next process compiles the same shape,
+which then finds every kernel in inductor's cache instead of generating it. Every entry in it
+is keyed by PyTorch on what it was built from, so an entry that does not fit is never used: at
+worst a file is useless, never wrong.
 Our own header adds a checksum and the versions the file was written with; a file that fails
 either is reported with a :class:`~graphcap.errors.CompileCacheWarning` and the process compiles
 as if it were absent (then replaces it).

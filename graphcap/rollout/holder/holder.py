@@ -344,6 +344,7 @@ class GraphHolder:
             "options": options,
             "one_row": self.backend.one_row_product() is not None,
             "joined_groups": len(self.fusion.active) if self.fusion is not None else 0,
+            "sampler": self.sampler.describe(),  # each shape compiles its own finish step
         }
         return shape_key(step.model, description)
 
