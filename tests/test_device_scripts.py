@@ -1,0 +1,43 @@
+"""The scripts a device session runs (benchmarks/h200.sh's parts) still run: each in its CPU
+mode, in a fresh process, so one that rots is found on the commit that broke it, not in the
+minutes of device time a session gets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GRAPHCAP_BACKEND": "cpu", "TRITON_INTERPRET": "1"},
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+def test_sharded_check_passes_at_one_rank(tmp_path):
+    out = tmp_path / "sharded.json"
+    run_script("sharded_check.py", str(out))
+    result = json.loads(out.read_text())
+    assert result["zero3"]["passed"] and result["fsdp2"]["passed"], result
+
+
+@pytest.mark.parametrize("script", ["trainer_exact_h200.py", "sampler_h200.py"])
+def test_smoke_runs_write_their_report(tmp_path, script):
+    out = tmp_path / "out.json"
+    run_script(script, str(out), "--smoke")
+    report = json.loads(out.read_text())
+    assert report and not report.get("errors"), report.get("errors")
