@@ -62,6 +62,11 @@ class NonFiniteLogitsWarning(RuntimeWarning):
     uniform draws (a NaN must not reach the sampler), counted in ``RolloutStats.nan_draws``."""
 
 
+class HeldMemoryWarning(UserWarning):
+    """A sleep kept memory the trainer may expect back: storage of weights the trainer moved,
+    which the engine's graphs still read (``SleepReport.still_held_bytes``)."""
+
+
 class GenerateFallbackWarning(UserWarning):
     """A ``model.generate`` call under :func:`graphcap.rollout.accelerate_generate` went to
     transformers' own ``generate`` (the reason is in the message and in the drop-in's stats)."""

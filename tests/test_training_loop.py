@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import mmap
 import sys
+import warnings
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from rollout_models import prompts, tiny_model
 
 from graphcap.cpu import CPUBackend
 from graphcap.rollout import (
+    HeldMemoryWarning,
     RolloutConfig,
     RolloutEngine,
     SamplingParams,
@@ -166,6 +168,27 @@ def test_moved_weights_are_copied_into_what_the_graphs_read_and_the_old_storage_
     # the model keeps its new storage after the call; the graphs kept theirs
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == moved
     assert all(captured[n] != moved[n] for n in captured)
+
+
+def test_a_sleep_that_keeps_moved_weights_storage_says_so_once_and_how_to_avoid_it():
+    model = tiny_model("llama", fresh=True)
+    engine = RolloutEngine(model, RolloutConfig(enable_graph_capture=True, backend=CPUBackend()))
+    ids, mask = prompts(ROWS)
+    engine.generate(ids, mask, SAMPLED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeldMemoryWarning)
+        engine.sleep()  # nothing moved: nothing kept, nothing said
+    move_storage(model, new_values=False)
+    engine.generate(ids, mask, SAMPLED)
+    with pytest.warns(HeldMemoryWarning, match=r"weights='copy'") as said:
+        engine.sleep()
+    assert said[0].filename == __file__  # points at the caller's sleep()
+    assert engine.last_sleep.still_held_bytes > 0
+    engine.generate(ids, mask, SAMPLED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeldMemoryWarning)
+        engine.sleep()  # once per engine
+    assert engine.last_sleep.still_held_bytes > 0
 
 
 def test_copy_mode_serves_from_its_own_copy_released_at_sleep():

@@ -13,6 +13,7 @@ See docs/rollout.md and docs/continuous.md.
 from graphcap.errors import (
     CaptureFallbackWarning,
     GraphUnsupportedModelError,
+    HeldMemoryWarning,
     RequestTooLargeError,
 )
 from graphcap.rollout.data_parallel import generate_data_parallel
@@ -33,6 +34,7 @@ __all__ = [
     "AcceleratedGenerate",
     "CaptureFallbackWarning",
     "GraphUnsupportedModelError",
+    "HeldMemoryWarning",
     "RequestTooLargeError",
     "RolloutConfig",
     "RolloutEngine",

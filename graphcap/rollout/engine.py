@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import torch
 from transformers import GenerationConfig
 
 from graphcap.backend import Backend
-from graphcap.errors import WouldRunEagerlyError
+from graphcap.errors import HeldMemoryWarning, WouldRunEagerlyError
 from graphcap.registry import get_backend, register_attention_implementations
 from graphcap.rollout.cache import StaticKVCache
 from graphcap.rollout.exact import check_exact_backend, check_exact_model, trainer_exact
@@ -97,6 +98,7 @@ class RolloutEngine:
         self._dropped = False
         #: what the latest ``sleep`` that held something gave back
         self.last_sleep: SleepReport | None = None
+        self._warned_held = False
 
     def generate(
         self,
@@ -221,6 +223,25 @@ class RolloutEngine:
             if report is not None:
                 self.last_sleep = report
                 self._dropped = self._dropped or not report.kept_graphs
+                self._warn_held(report.still_held_bytes)
+
+    def _warn_held(self, still_held: int) -> None:
+        """Say once per engine that a sleep keeps the storage of moved weights (the graphs
+        read it), and how to have it given back instead."""
+        if not still_held or self._warned_held:
+            return
+        self._warned_held = True
+        warnings.warn(
+            HeldMemoryWarning(
+                f"sleep() keeps {still_held / 2**20:.1f} MiB: the storage the model's weights "
+                "had when the graphs were captured, which the trainer has since moved (the "
+                "graphs read it, and each call copies the new values there). For a trainer "
+                "that gives its weights new storage every round, RolloutConfig(weights='copy') "
+                "keeps the engine's own copy in its memory region, given back at each sleep "
+                "(docs/trainers.md, 'Weights that move')"
+            ),
+            stacklevel=3,
+        )
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """End a ``sleep`` explicitly (vLLM's name and signature); safe to call at any time.
