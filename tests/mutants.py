@@ -108,6 +108,33 @@ WEIGHT_PAIRS = (
 
 PLANTS = (
     Plant(
+        "a sleep that keeps moved weights' storage says nothing",
+        "graphcap/rollout/engine.py",
+        "if not still_held or self._warned_held:",
+        "if True:",
+        (
+            "tests/test_training_loop.py::"
+            "test_a_sleep_that_keeps_moved_weights_storage_says_so_once_and_how_to_avoid_it",
+        ),
+    ),
+    Plant(
+        "a first call's ladder captures counted in decode_s too",
+        "graphcap/rollout/paths/static.py",
+        "decode_s = time.perf_counter() - t_decode - (record.capture_s - captured_s)",
+        "decode_s = time.perf_counter() - t_decode",
+        (
+            "tests/test_rollout_ladder.py::"
+            "test_captures_taken_mid_decode_count_once_in_the_calls_seconds",
+        ),
+    ),
+    Plant(
+        "the compile cache shares one file between sampler shapes",
+        "graphcap/rollout/holder/holder.py",
+        '"sampler": self.sampler.describe(),',
+        '"sampler": None,',
+        ("tests/test_compile_cache.py::test_each_sampler_shape_compiles_into_its_own_file",),
+    ),
+    Plant(
         "trainer-exact attention sums its keys in an order that follows the row's length",
         "graphcap/exact_ops.py",
         "return x.cumsum(dim).select(dim, -1)",
