@@ -26,7 +26,7 @@ from graphcap.rollout import (
     token_logprobs,
     trainer_exact,
 )
-from graphcap.rollout.exact import check_exact_backend
+from graphcap.rollout.exact import exact_ops_of
 from graphcap.tiny_models import PAD, prompts, tiny_model
 
 #: family -> config overrides: mistral slides a window shorter than a call; qwen3's MLP width
@@ -274,7 +274,7 @@ def test_models_and_settings_trainer_exact_cannot_serve_are_refused_with_the_rea
     with pytest.raises(ValueError, match="graph_attention"):
         RolloutConfig(trainer_exact=True, graph_attention="sdpa")
     with pytest.raises(ValueError, match="offers no trainer-exact operations"):
-        check_exact_backend(NoExactOps())
+        exact_ops_of(NoExactOps())
     with pytest.raises(ValueError, match="offers no trainer-exact operations"):
         RolloutEngine(tiny_model("llama"), RolloutConfig(trainer_exact=True, backend=NoExactOps()))
 

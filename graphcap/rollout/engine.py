@@ -24,7 +24,7 @@ from graphcap.backend import Backend
 from graphcap.errors import HeldMemoryWarning, WouldRunEagerlyError
 from graphcap.registry import get_backend, register_attention_implementations
 from graphcap.rollout.cache import StaticKVCache
-from graphcap.rollout.exact import check_exact_backend, check_exact_model, trainer_exact
+from graphcap.rollout.exact import check_exact_model, exact_ops_of, trainer_exact
 from graphcap.rollout.holder import GraphHolder
 from graphcap.rollout.holder.agreement import RankAgreement
 from graphcap.rollout.holder.compile_cache import CompileCache, resolve_directory
@@ -77,7 +77,7 @@ class RolloutEngine:
         check_graph_attention(self.config.graph_attention)
         if self.config.trainer_exact:
             check_exact_model(model, "RolloutConfig(trainer_exact=True)")
-            check_exact_backend(self.backend)
+            exact_ops_of(self.backend)  # refuses a backend that offers none
         agreement = RankAgreement(self.config.process_group, self.backend.device)
         self._fusion = ProjectionFusion(model) if self.config.wants_fusion(self.backend) else None
         cache = CompileCache(resolve_directory(self.config.compile_cache))

@@ -91,11 +91,6 @@ def exact_ops_of(backend: Backend) -> ExactOps:
     return ops
 
 
-def check_exact_backend(backend: Backend) -> None:
-    """Refuse a backend that offers no trainer-exact operations, with the reason."""
-    exact_ops_of(backend)
-
-
 def _model_backend(model: torch.nn.Module) -> Backend:
     """The backend of the device ``model``'s parameters are on."""
     parameter = next(model.parameters(), None)
@@ -118,13 +113,17 @@ def dispatched_attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]
     return ops.attention(*args, **kwargs)
 
 
-def row_log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """``log_softmax`` over the last dimension: the active trainer-exact block's backend's
-    where it offers one, else torch's (the rollout's recorded log-probs go through it)."""
-    ops = _ACTIVE.get()
+def _log_softmax(ops: ExactOps | None, x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dimension: ``ops``' where it offers one, else torch's."""
     if ops is not None and ops.log_softmax is not None:
         return ops.log_softmax(x)
     return torch.log_softmax(x, dim=-1)
+
+
+def row_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dimension: the active trainer-exact block's backend's
+    where it offers one, else torch's (the rollout's recorded log-probs go through it)."""
+    return _log_softmax(_ACTIVE.get(), x)
 
 
 def exact_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -175,7 +174,9 @@ def _with_positions(model: torch.nn.Module) -> Callable[..., Any]:
     return positioned
 
 
-def _swaps(model: torch.nn.Module, ops: ExactOps) -> list[tuple[object, str, object]]:
+def _swaps(
+    model: torch.nn.Module, backend: Backend, ops: ExactOps
+) -> list[tuple[object, str, object]]:
     swaps: list[tuple[object, str, object]] = [(model, "forward", _with_positions(model))]
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -188,21 +189,27 @@ def _swaps(model: torch.nn.Module, ops: ExactOps) -> list[tuple[object, str, obj
         checkpoint = vars(module).get("_gradient_checkpointing_func")
         if checkpoint is not None:
             swaps.append(
-                (module, "_gradient_checkpointing_func", _recomputed_exactly(model, checkpoint))
+                (
+                    module,
+                    "_gradient_checkpointing_func",
+                    _recomputed_exactly(model, backend, checkpoint),
+                )
             )
     return swaps
 
 
-def _recomputed_exactly(model: torch.nn.Module, checkpoint: Callable[..., Any]) -> Callable:
+def _recomputed_exactly(
+    model: torch.nn.Module, backend: Backend, checkpoint: Callable[..., Any]
+) -> Callable:
     """A layer's gradient-checkpointing function whose recomputation in backward, after the
-    block has ended, runs under :func:`trainer_exact` again, as its forward did (otherwise it
-    recomputes another forward, which torch's checkpoint refuses)."""
+    block has ended, runs under :func:`trainer_exact` again on the same ``backend``, as its
+    forward did (otherwise it recomputes another forward, which torch's checkpoint refuses)."""
 
     def checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         def exact(*inner: Any, **named: Any) -> Any:
             if model.config._attn_implementation == EXACT_ATTENTION:  # inside the block
                 return function(*inner, **named)
-            with trainer_exact(model):
+            with trainer_exact(model, backend):
                 return function(*inner, **named)
 
         return checkpoint(exact, *args, **kwargs)
@@ -237,13 +244,14 @@ def trainer_exact(
     cover and backends that offer no trainer-exact operations. Restores the model's own
     forwards and attention implementation afterwards."""
     check_exact_model(model)
-    ops = exact_ops_of(backend if backend is not None else _model_backend(model))
+    backend = backend if backend is not None else _model_backend(model)
+    ops = exact_ops_of(backend)
     register_exact_attention()
     own = getattr(model.config, "_attn_implementation", None) or "eager"
     model.set_attn_implementation(EXACT_ATTENTION)
     token = _ACTIVE.set(ops)
     try:
-        with attributes_swapped(_swaps(model, ops)):
+        with attributes_swapped(_swaps(model, backend, ops)):
             yield model
     finally:
         _ACTIVE.reset(token)
@@ -264,10 +272,5 @@ def token_logprobs(
     penalties). Differentiable."""
     divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
     chosen = backend if backend is not None else backend_for_device(logits.device.type)
-    ops = chosen.exact_ops()
-    source = logits.float() / divisor
-    if ops is not None and ops.log_softmax is not None:
-        dist = ops.log_softmax(source)
-    else:
-        dist = torch.log_softmax(source, dim=-1)
+    dist = _log_softmax(chosen.exact_ops(), logits.float() / divisor)
     return dist.gather(-1, tokens[..., None]).squeeze(-1)
