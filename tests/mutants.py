@@ -1103,12 +1103,13 @@ PLANTS = (
         ("tests/test_bench.py::test_round_reports_useful_tokens_dead_share_and_limit",),
     ),
     Plant(
-        "a first call's ladder captures counted in capture and decode",
-        "graphcap/bench/report.py",
-        "decode = min(stats.decode_s, max(0.0, total_s - sum(values)))",
-        "decode = stats.decode_s",
+        "a continuous call's ladder captures counted in capture and decode",
+        "graphcap/rollout/paths/continuous.py",
+        "decode_s = time.perf_counter() - t_decode - (record.capture_s - captured_s)",
+        "decode_s = time.perf_counter() - t_decode",
         (
-            "tests/test_bench.py::test_ladder_captures_taken_mid_decode_count_once_in_the_first_call",
+            "tests/test_rollout_ladder.py::"
+            "test_captures_taken_mid_decode_count_once_in_the_calls_seconds[continuous]",
         ),
     ),
     Plant(
