@@ -179,8 +179,8 @@ PLANTS = (
     Plant(
         "TRL's exact log-probs forget the trainer's temperature",
         "graphcap/rollout/trl_exact.py",
-        "token_logprobs(logits, labels.masked_fill(~mask, 0), temperature)",
-        "token_logprobs(logits, labels.masked_fill(~mask, 0))",
+        "dist = logprob_distribution(logits, temperature)",
+        "dist = logprob_distribution(logits)",
         (TRL_EXACT,),
     ),
     Plant(

@@ -258,6 +258,18 @@ def trainer_exact(
         model.set_attn_implementation(own)
 
 
+def logprob_distribution(
+    logits: torch.Tensor, temperature: float = 1.0, backend: Backend | None = None
+) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` over the last dimension, computed as the rollout
+    records it (float32, one division, the ``log_softmax`` ``backend`` offers for
+    trainer-exact calls, by default the backend of ``logits``' device, else torch's): for a
+    trainer that needs the whole distribution (an entropy) besides :func:`token_logprobs`."""
+    divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
+    chosen = backend if backend is not None else backend_for_device(logits.device.type)
+    return _log_softmax(chosen.exact_ops(), logits.float() / divisor)
+
+
 def token_logprobs(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -265,12 +277,8 @@ def token_logprobs(
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` at ``tokens``, computed as the rollout records it
-    (float32, one division, the last dimension's ``log_softmax``: the one ``backend`` offers
-    for trainer-exact calls, by default the backend of ``logits``' device, else torch's):
-    ``logits`` (..., V), ``tokens`` (...). ``temperature=1`` is ``logprobs_mode="raw"``, the
-    call's temperature ``"temperature"`` (``"sampling"`` too, without truncation or
-    penalties). Differentiable."""
-    divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
-    chosen = backend if backend is not None else backend_for_device(logits.device.type)
-    dist = _log_softmax(chosen.exact_ops(), logits.float() / divisor)
+    (:func:`logprob_distribution`): ``logits`` (..., V), ``tokens`` (...). ``temperature=1``
+    is ``logprobs_mode="raw"``, the call's temperature ``"temperature"`` (``"sampling"`` too,
+    without truncation or penalties). Differentiable."""
+    dist = logprob_distribution(logits, temperature, backend)
     return dist.gather(-1, tokens[..., None]).squeeze(-1)

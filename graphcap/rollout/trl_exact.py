@@ -7,7 +7,7 @@ fused LM head on the policy (``trl.trainer.utils.add_fused_lm_head``, an instanc
 and calls ``model(..., labels=labels, fused_lm_head=True)``, which projects the hidden states in
 chunks and takes ``logits - logsumexp``: neither the rollout's products nor its rounding. Within
 :func:`trl_trainer_exact` that call runs the model under :func:`~graphcap.rollout.trainer_exact`
-and takes the log-probs with :func:`~graphcap.rollout.token_logprobs` at the trainer's
+and takes the log-probs from :func:`~graphcap.rollout.exact.logprob_distribution` at the trainer's
 temperature, so they equal the rollout's bit for bit (docs/trainers.md). ``trl`` is imported
 only when the function is called: it stays an optional dependency.
 
@@ -36,7 +36,7 @@ from graphcap.rollout.drop_in import (
     generating_model,
     restore_generate,
 )
-from graphcap.rollout.exact import check_exact_model, token_logprobs, trainer_exact
+from graphcap.rollout.exact import check_exact_model, logprob_distribution, trainer_exact
 from graphcap.rollout.settings.rollout_config import RolloutConfig
 
 #: What asks for exact log-probs, named in refusals.
@@ -147,8 +147,8 @@ def exact_log_prob_forward(
         else:
             labels = shift_labels
         mask = labels != -100
-        log_probs = token_logprobs(logits, labels.masked_fill(~mask, 0), temperature)
-        dist = torch.log_softmax(logits.float() / temperature, dim=-1)
+        dist = logprob_distribution(logits, temperature)  # one vocabulary-wide pass for both
+        log_probs = dist.gather(-1, labels.masked_fill(~mask, 0)[..., None]).squeeze(-1)
         entropy = -(dist.exp() * dist).sum(-1)
         log_probs, entropy = log_probs.masked_fill(~mask, 0), entropy.masked_fill(~mask, 0)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
