@@ -78,6 +78,12 @@ class RequestTooLargeError(GraphcapError, ValueError):
     ``ValueError`` too, as every refused input is."""
 
 
+class WakeMemoryError(GraphcapError, MemoryError):
+    """Waking an engine needs more device memory than is free: the trainer still holds what the
+    sleep gave it. Nothing was mapped; the engine stays asleep and wakes at the next call once
+    the memory is free (drop optimizer states or gradients, or offload them)."""
+
+
 class DecodeStalledError(GraphcapError):
     """Decoding made no progress: rows that must finish within a known number of steps did not
     (neither the device's finished flags nor the host's budgets retired them: replays that

@@ -57,6 +57,9 @@ DROP_IN_PICKLES = (
     "tests/test_drop_in.py::test_an_accelerated_model_pickles_saves_and_loads_with_plain_generate"
 )
 TRAINING_LOOP = "tests/test_training_loop.py"
+WAKE_SHORT = (
+    "tests/test_rollout_sleep.py::test_a_wake_without_the_memory_to_map_refuses_and_stays_asleep"
+)
 NPU_ENGINE = "backends/npu/tests/test_npu_engine.py"
 NPU_RULES = "backends/npu/tests/test_npu_hardware_rules.py"
 
@@ -1496,6 +1499,20 @@ PLANTS = (
         "        lead = min(table.start[i] + self.pads[table.request[i]] for i in busy)\n",
         "        lead = min(table.start[i] + self.pads[table.request[i]] for i in busy) + 1\n",
         ("tests/test_rollout_continuous.py::test_eager_layout_modes_match_plain_eager",),
+    ),
+    Plant(
+        "a wake maps the region beside the trainer's cached blocks",
+        "graphcap/rollout/holder/holder.py",
+        "        self.backend.empty_cache()  # the trainer's cached blocks: the region maps new memory\n",
+        "",
+        (WAKE_SHORT,),
+    ),
+    Plant(
+        "a wake maps without the memory it needs",
+        "graphcap/rollout/holder/holder.py",
+        "if free is not None and need > free:",
+        "if free is not None and need > 2 * free:",
+        (WAKE_SHORT,),
     ),
     Plant(
         "importing the rollout loads dynamo",

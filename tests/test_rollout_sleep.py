@@ -18,6 +18,7 @@ import torch
 from rollout_models import prompts, tiny_model
 
 from graphcap.cpu import CPUBackend
+from graphcap.errors import WakeMemoryError
 from graphcap.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from graphcap.rollout.engine import WOKE
 
@@ -187,4 +188,43 @@ def test_sleep_keeps_graphs_false_frees_on_a_backend_with_regions():
     assert not engine.last_sleep.kept_graphs
     again = engine.generate(ids, mask, PARAMS)
     assert again.stats.recapture_reason == [WOKE] and torch.equal(again.sequences, first.sequences)
+    engine.shutdown()
+
+
+class ShortBackend(CPUBackend):
+    """The CPU reference backend reporting ``free`` bytes free while ``free`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free: int | None = None
+        self.emptied = 0
+
+    def free_memory(self) -> int | None:
+        return self.free if self.free is not None else super().free_memory()
+
+    def empty_cache(self) -> None:
+        self.emptied += 1
+        super().empty_cache()
+
+
+@pytest.mark.parametrize("wake", ["wake_up", "next_call"])
+def test_a_wake_without_the_memory_to_map_refuses_and_stays_asleep(wake):
+    """A trainer still holding what the sleep gave it: the wake empties the allocator's cache
+    first (its free blocks are the trainer's), then refuses with what it needs, maps nothing,
+    and the engine wakes later, from the same graphs, once the memory is free."""
+    backend = ShortBackend()
+    engine = engine_on(backend)
+    ids, mask = prompts(3)
+    first = engine.generate(ids, mask, PARAMS)
+    engine.sleep()
+    need = engine.memory_held()
+    assert engine.sleeping and need > 0
+    backend.free, emptied = need - 1, backend.emptied
+    with pytest.raises(WakeMemoryError, match=r"GiB again but only .* is free"):
+        engine.wake_up() if wake == "wake_up" else engine.generate(ids, mask, PARAMS)
+    assert backend.emptied > emptied and engine.sleeping
+    backend.free = need
+    again = engine.generate(ids, mask, PARAMS)
+    assert torch.equal(again.sequences, first.sequences)
+    assert not again.stats.captured and again.stats.captures == first.stats.captures
     engine.shutdown()

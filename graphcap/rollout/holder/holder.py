@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from graphcap.backend import Backend, MemoryRegion
+from graphcap.errors import WakeMemoryError
 from graphcap.rollout.cache import LayerSpec
 from graphcap.rollout.holder.agreement import GraphVerdict, RankAgreement
 from graphcap.rollout.holder.capture import (
@@ -210,6 +211,16 @@ class GraphHolder:
         if not self.asleep:
             return None
         start = time.perf_counter()
+        self.backend.empty_cache()  # the trainer's cached blocks: the region maps new memory
+        need, free = self.region_bytes(), self.backend.free_memory()
+        if free is not None and need > free:
+            raise WakeMemoryError(
+                f"waking the engine maps {need / 2**30:.2f} GiB again but only "
+                f"{free / 2**30:.2f} GiB of {self.backend.device_name()} is free: the trainer "
+                "still holds the memory the sleep gave it. The engine stays asleep: free that "
+                "memory (optimizer.zero_grad(set_to_none=True), offloaded optimizer states) "
+                "and call again"
+            )
         self._held.region.restore()
         self.weights.restore()
         self._held.step.cache.clear()
