@@ -1503,8 +1503,8 @@ PLANTS = (
     Plant(
         "a wake maps the region beside the trainer's cached blocks",
         "graphcap/rollout/holder/holder.py",
-        "        self.backend.empty_cache()  # the trainer's cached blocks: the region maps new memory\n",
-        "",
+        "self.backend.empty_cache()  # the trainer's cached blocks",
+        "pass  # the trainer's cached blocks",
         (WAKE_SHORT,),
     ),
     Plant(
