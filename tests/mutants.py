@@ -383,11 +383,21 @@ PLANTS = (
     Plant(
         "projections joined over another library's flat buffer",
         "graphcap/rollout/plan/fusion.py",
-        "        foreign = [group for group in moved if not group.owns_storage()]\n",
-        "        foreign = []\n",
+        "if not group.owns_storage() and group.lying_joined() is None",
+        "if False",
         (
             "tests/test_rollout_fusion.py::"
-            "test_parameters_viewing_another_librarys_buffer_are_never_joined",
+            "test_parameters_viewing_another_librarys_buffer_are_joined_only_where_they_lie",
+        ),
+    ),
+    Plant(
+        "a group taken as joined where its parts do not follow each other",
+        "graphcap/rollout/plan/fusion.py",
+        "and part.storage_offset() == offset\n",
+        "and part.storage_offset() >= 0\n",
+        (
+            "tests/test_rollout_fusion.py::"
+            "test_parameters_viewing_another_librarys_buffer_are_joined_only_where_they_lie",
         ),
     ),
     Plant(

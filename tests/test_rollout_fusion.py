@@ -225,28 +225,56 @@ def test_the_default_joins_where_the_backend_declares_it_pays(backend, graph, se
     assert torch.allclose(result.logprobs, expected.logprobs, atol=1e-5, rtol=0)
 
 
-def test_parameters_viewing_another_librarys_buffer_are_never_joined():
+@pytest.mark.parametrize("layout", ["back_to_back", "reversed"])
+def test_parameters_viewing_another_librarys_buffer_are_joined_only_where_they_lie(layout):
     """DeepSpeed ZeRO-1/2 and FSDP make parameters views of their own flat buffer and write
-    updates there: joining would leave the model reading stale copies. Such groups run
-    unjoined, and an update through the flat buffer reaches the next call."""
+    updates there: moving them would leave the model reading stale copies. Where the group
+    lies back to back in that buffer it runs joined right there (nothing copied or moved),
+    else unjoined; either way an update through the flat buffer reaches the next call."""
     model = tiny_model("llama", fresh=True)
     attention = model.model.layers[0].self_attn
     group = [attention.q_proj, attention.k_proj, attention.v_proj]
-    flat = torch.cat([lin.weight.detach().flatten() for lin in group])
+    order = group if layout == "back_to_back" else group[::-1]
+    flat = torch.cat([lin.weight.detach().flatten() for lin in order])
     start = 0
-    for lin in group:  # as a flat-parameter library lays them out
+    for lin in order:  # as a flat-parameter library lays them out
         lin.weight.data = flat[start : start + lin.weight.numel()].view_as(lin.weight)
         start += lin.weight.numel()
+    where = [lin.weight.data_ptr() for lin in group]
     ids, mask = prompts(2)
     engine, result = joined(model, ids, mask)
-    assert result.stats.fused_projections == 3  # layer 0's q/k/v left as they are
-    assert all(lin.weight.untyped_storage().data_ptr() == flat.data_ptr() for lin in group)
+    layers = len(model.model.layers)
+    expected = 2 * layers if layout == "back_to_back" else 2 * layers - 1
+    assert result.stats.fused_projections == expected
+    assert [lin.weight.data_ptr() for lin in group] == where  # nothing moved
     assert torch.equal(result.sequences, run(model, ids, mask, False, **NO_EOS).sequences)
     with torch.no_grad():
         flat.mul_(-1.0)  # the library's optimizer step
     after = engine.generate(ids, mask, SamplingParams(**NO_EOS))
+    assert not after.stats.captured
     assert torch.equal(after.sequences, run(model, ids, mask, False, **NO_EOS).sequences)
     assert not torch.equal(after.sequences, result.sequences)
+
+
+def test_a_second_engine_joins_where_the_first_left_the_groups():
+    """Two engines on one model (the drop-in beside an engine, a benchmark's cases): the
+    second finds every group joined in the first's buffers and runs joined there, copying
+    nothing; both stay equal to the unjoined eager loop after an in-place update."""
+    model = tiny_model("llama", fresh=True)
+    ids, mask = prompts(2)
+    first, one = joined(model, ids, mask)
+    where = {name: p.data_ptr() for name, p in model.named_parameters()}
+    second, two = joined(model, ids, mask)
+    assert two.stats.fused_projections == one.stats.fused_projections > 0
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == where
+    assert torch.equal(two.sequences, one.sequences)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.9)
+    expected = run(model, ids, mask, False, **NO_EOS).sequences
+    for engine in (first, second):
+        again = engine.generate(ids, mask, SamplingParams(**NO_EOS))
+        assert not again.stats.captured and torch.equal(again.sequences, expected)
 
 
 def test_a_joined_model_saves_and_loads_as_before(tmp_path):

@@ -5,8 +5,10 @@ its input and launches on its own; q/k/v and gate/up as one GEMM each made the b
 faster (docs/decisions.md, decisions 14 and 35). A group's weights are copied once
 into one buffer and its parameters become views of that buffer, so memory does not grow and a
 trainer's in-place updates (optimizer steps, ``load_weights_in_place``) reach the joined
-product. A parameter given new storage (``param.data = ...``, ``model.to(...)``) is noticed at
-the next call and its group is joined again.
+product. A group whose parameters already lie back to back in one storage (another engine's
+join of the same model, a flat-parameter library's buffer) is joined where it lies: nothing is
+copied or moved. A parameter given new storage (``param.data = ...``, ``model.to(...)``) is
+noticed at the next call and its group is joined again.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class JoinedGroup:
         self.rows = [sum(self.sizes[:i]) for i in range(len(linears))]
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
+        #: whether the buffers are this group's own (a join copies into them) or storage it
+        #: found the parameters in (never written by a join)
+        self.owned = False
         #: computes the joined product (a backend's one-row kernel in compiled captures)
         self.product: Callable[..., torch.Tensor] = F.linear
         self._input: torch.Tensor | None = None
@@ -51,6 +56,15 @@ class JoinedGroup:
             and (self.bias is None or _is_view_of(linear.bias, self.bias, row))
             for linear, row in zip(self.linears, self.rows, strict=True)
         )
+
+    def lying_joined(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The weight (and bias) buffers the parameters already form, each row block right
+        after the previous one in one storage, or ``None`` where they do not."""
+        weights = _back_to_back([linear.weight for linear in self.linears])
+        if weights is None or self.linears[0].bias is None:
+            return None if weights is None else (weights, None)
+        biases = _back_to_back([linear.bias for linear in self.linears])
+        return None if biases is None else (weights, biases)
 
     def owns_storage(self) -> bool:
         """Whether every parameter is the whole of its own storage or a view of this group's
@@ -70,13 +84,20 @@ class JoinedGroup:
         )
 
     def join(self) -> None:
-        """Copy the weights (and biases) into one buffer and make the parameters its views.
-        A group joined before copies into its buffer again, so captured graphs, which read
-        the buffer, need no new capture when a trainer gave a parameter new storage."""
-        self.weight = _into(self.weight, [linear.weight for linear in self.linears])
+        """Take the buffers the parameters already form (:meth:`lying_joined`), else copy the
+        weights (and biases) into one buffer and make the parameters its views. A group
+        joined before into its own buffer copies into it again, so captured graphs, which
+        read the buffer, need no new capture when a trainer gave a parameter new storage."""
+        lying = self.lying_joined()
+        if lying is not None:
+            (self.weight, self.bias), self.owned = lying, False
+            return
+        own = self.owned
+        self.weight = _into(self.weight if own else None, [lin.weight for lin in self.linears])
         has_bias = self.linears[0].bias is not None
         biases = [lin.bias for lin in self.linears] if has_bias else None
-        self.bias = _into(self.bias, biases) if biases is not None else None
+        self.bias = _into(self.bias if own else None, biases) if biases is not None else None
+        self.owned = True
         for linear, row, size in zip(self.linears, self.rows, self.sizes, strict=True):
             linear.weight.data = self.weight[row : row + size]
             if self.bias is not None:
@@ -116,6 +137,26 @@ def _into(buffer: torch.Tensor | None, parts: list[torch.Tensor]) -> torch.Tenso
     ):
         return joined
     return buffer.copy_(joined)
+
+
+def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over ``parts`` (each contiguous, each starting where the previous ends in one
+    storage, alike in dtype, device and trailing shape): a view, nothing copied; else
+    ``None``."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for part in parts:
+        if not (
+            part.is_contiguous()
+            and part.storage_offset() == offset
+            and part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and (part.dtype, part.device, part.shape[1:])
+            == (first.dtype, first.device, first.shape[1:])
+        ):
+            return None
+        offset += part.numel()
+    rows = sum(part.shape[0] for part in parts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def _is_view_of(param: torch.Tensor, buffer: torch.Tensor, row: int) -> bool:
@@ -168,7 +209,8 @@ class ProjectionFusion:
         ZeRO-3: ``scan.non_resident``) or sharded by a library that replaces their storage
         every round (``scan.sharded``: the library frees what a join would move) are never
         touched, nor are groups whose parameters are views of another buffer
-        (:meth:`JoinedGroup.owns_storage`); those run unjoined."""
+        (:meth:`JoinedGroup.owns_storage`) unless they lie joined in it already
+        (:meth:`JoinedGroup.lying_joined`); those run unjoined."""
         self.active = []
         if scan.non_resident is not None or scan.sharded is not None:
             return False
@@ -176,7 +218,9 @@ class ProjectionFusion:
         if [g.linears for g in self.groups] != linears:
             self.groups = [JoinedGroup(group) for group in linears]
         moved = [group for group in self.groups if not group.joined()]
-        foreign = [group for group in moved if not group.owns_storage()]
+        foreign = [
+            group for group in moved if not group.owns_storage() and group.lying_joined() is None
+        ]
         with torch.no_grad():
             for group in moved:
                 if group not in foreign:
