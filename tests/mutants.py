@@ -57,10 +57,6 @@ DROP_IN_PICKLES = (
     "tests/test_drop_in.py::test_an_accelerated_model_pickles_saves_and_loads_with_plain_generate"
 )
 TRAINING_LOOP = "tests/test_training_loop.py"
-REGION_COUNTS = (
-    "backends/cuda/tests/test_split_kv.py::"
-    "test_each_memory_region_keeps_its_own_counts_and_zeroes_them_at_restore"
-)
 WAKE_SHORT = (
     "tests/test_rollout_sleep.py::test_a_wake_without_the_memory_to_map_refuses_and_stays_asleep"
 )
@@ -1527,20 +1523,6 @@ PLANTS = (
         "if free is not None and need > free:",
         "if free is not None and need > 2 * free:",
         (WAKE_SHORT,),
-    ),
-    Plant(
-        "a kernel's kept buffer shared by every engine's region",
-        "backends/cuda/graphcap_cuda/memory.py",
-        "store = regions[-1].zeroed if regions else _PROCESS_BUFFERS",
-        "store = _PROCESS_BUFFERS",
-        (REGION_COUNTS,),
-    ),
-    Plant(
-        "a restored region's kernel buffers keep what the new memory held",
-        "backends/cuda/graphcap_cuda/memory.py",
-        "            buffer.zero_()\n",
-        "            pass\n",
-        (REGION_COUNTS,),
     ),
     Plant(
         "importing the rollout loads dynamo",

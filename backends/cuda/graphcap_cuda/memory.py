@@ -18,12 +18,6 @@ released, its pools kept (:data:`_POOLS`, torch_memory_saver's own per-tag pools
 
 It is an optional dependency (``pip install ./backends/cuda[sleep]``); without it the backend
 offers no region and engines free their memory at a sleep and capture again after it.
-
-Kernels that keep a buffer between launches (the split-KV attention's arrival counts) take it
-from :func:`zeroed_buffer`: one per region while a region's block is open, so no engine's
-graphs ever read another engine's released memory (a buffer shared by the whole process, made
-in the first engine's region, was unmapped by that engine's sleep under every other engine's
-replays: an illegal memory access on an H100), and zeroed again when the region is restored.
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ import atexit
 import contextlib
 import functools
 import itertools
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -42,31 +35,6 @@ import torch
 from graphcap.backend import MemoryRegion
 
 _REGIONS = itertools.count()
-#: The regions whose blocks are open on this thread, innermost last.
-_OPEN = threading.local()
-#: Zeroed buffers made outside every region: the process's, never released.
-_PROCESS_BUFFERS: dict[Any, torch.Tensor] = {}
-
-
-def zeroed_buffer(key: Any, size: int, device: torch.device) -> torch.Tensor:
-    """A zeroed int32 buffer of ``size`` that a kernel keeps between launches and leaves zero
-    (graphs keep its address, so it is never replaced): the innermost open region's own
-    (zeroed again at its restore), else the process's."""
-    regions = getattr(_OPEN, "regions", [])
-    store = regions[-1].zeroed if regions else _PROCESS_BUFFERS
-    if key not in store:
-        store[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return store[key]
-
-
-@contextlib.contextmanager
-def _open(region: SleepableRegion) -> Iterator[None]:
-    regions = _OPEN.__dict__.setdefault("regions", [])
-    regions.append(region)
-    try:
-        yield
-    finally:
-        regions.pop()
 
 
 def _release(saver: Any, tags: tuple[str, ...], state: dict[str, bool]) -> None:
@@ -133,8 +101,6 @@ class SleepableRegion(MemoryRegion):
         self._state = {"released": False}
         self._bytes = 0
         self._nested: list[int] = []  # bytes counted inside each open block, innermost last
-        #: kernels' buffers made inside the region (:func:`zeroed_buffer`), zeroed at restore
-        self.zeroed: dict[Any, torch.Tensor] = {}
         #: a region collected without close() gives its memory back all the same
         self._finalizer = weakref.finalize(self, _release, saver, self._all_tags(), self._state)
 
@@ -145,21 +111,13 @@ class SleepableRegion(MemoryRegion):
     def allocating(self, keep: bool) -> Iterator[None]:
         if self.released:
             raise RuntimeError("allocation in a released memory region; restore() it first")
-        with (
-            self._counted(),
-            self._saver.region(tag=self._tags[keep], enable_cpu_backup=keep),
-            _open(self),
-        ):
+        with self._counted(), self._saver.region(tag=self._tags[keep], enable_cpu_backup=keep):
             yield
 
     @contextlib.contextmanager
     def capturing(self, keep: bool = False) -> Iterator[None]:
         """Captures run here: their allocations go to the graph pool's tag."""
-        with (
-            self._counted(),
-            self._saver.region(tag=self._graph_tag, enable_cpu_backup=keep),
-            _open(self),
-        ):
+        with self._counted(), self._saver.region(tag=self._graph_tag, enable_cpu_backup=keep):
             yield
 
     def graph_pool(self) -> Any:
@@ -196,8 +154,6 @@ class SleepableRegion(MemoryRegion):
             return
         for tag in (*self._tags.values(), self._graph_tag):
             self._saver.resume(tag)
-        for buffer in self.zeroed.values():  # new memory holds no zeros
-            buffer.zero_()
         torch.cuda.synchronize()
         self._state["released"] = False
 

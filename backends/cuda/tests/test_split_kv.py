@@ -8,7 +8,6 @@ cannot multiply bfloat16 (its NumPy emulation returns garbage), so bf16 is check
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -373,41 +372,3 @@ def test_continuous_slots_on_a_block_table_run_the_paged_kernel(monkeypatch):
     assert result.stats.path == "continuous_graph", result.stats.fallback_reason
     assert result.stats.attention == SPLIT_KV and calls
     assert torch.equal(result.sequences, run(CPUBackend(), False, None).sequences)
-
-
-class _Saver:
-    """torch_memory_saver's interface, doing nothing (no CUDA here)."""
-
-    def region(self, tag: str, enable_cpu_backup: bool):
-        return contextlib.nullcontext()
-
-    def pause(self, tag: str) -> None: ...
-
-    def resume(self, tag: str) -> None: ...
-
-
-def test_each_memory_region_keeps_its_own_counts_and_zeroes_them_at_restore(monkeypatch):
-    """The counts made inside an engine's region are that region's: another engine's (or the
-    process's, outside every region) are others, so no engine replays on counts that a sleep of
-    another unmapped (an illegal memory access on an H100); a restore zeroes them, as the
-    memory mapped again holds anything."""
-    from graphcap_cuda.memory import SleepableRegion
-
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
-    cpu = torch.device("cpu")
-    one, two = SleepableRegion(_Saver()), SleepableRegion(_Saver())
-    with one.capturing():
-        counts = split_kv.arrival_counts(cpu, 6)
-    with two.allocating(keep=False):
-        others = split_kv.arrival_counts(cpu, 6)
-    process = split_kv.arrival_counts(cpu, 6)
-    assert len({counts.data_ptr(), others.data_ptr(), process.data_ptr()}) == 3
-    with one.allocating(keep=True):  # any block of the region: the same counts
-        assert split_kv.arrival_counts(cpu, 6) is counts
-    assert split_kv.arrival_counts(cpu, 6) is process
-    counts.fill_(7)  # what memory mapped again may hold
-    one.release()
-    one.restore()
-    assert not counts.any()
-    one.close()
-    two.close()

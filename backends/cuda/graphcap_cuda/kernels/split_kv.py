@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap_cuda import memory
 from graphcap_cuda.kernels import launch
 
 launch.use_inductors_ptxas()
@@ -313,14 +312,19 @@ def chunking(length: int, block_n: int, wanted: int) -> tuple[int, int]:
     return chunk, triton.cdiv(length, chunk)
 
 
+#: Arrival counts of the chunks of each row and K/V head, zero between launches (the last chunk
+#: resets its count), by (device, stream, size). Launches on one stream never overlap; a graph
+#: keeps the address it captured, so a buffer is never freed or replaced.
+_COUNTS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
 def arrival_counts(device: torch.device, size: int) -> torch.Tensor:
-    """The zeroed int32 arrival counts of the chunks of each row and K/V head (``size``), on
-    the current stream: zero between launches (the last chunk resets its count), so launches
-    on one stream share them; a graph keeps the address it captured, so they are never
-    replaced. An engine's memory region holds its own
-    (:func:`graphcap_cuda.memory.zeroed_buffer`)."""
+    """The zeroed int32 counts for ``size`` (rows x K/V heads) on the current stream."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    return memory.zeroed_buffer(("split_kv_counts", device, stream, size), size, device)
+    key = (device, stream, size)
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTS[key]
 
 
 @torch.library.custom_op("graphcap_cuda::split_kv_decode", mutates_args=())
