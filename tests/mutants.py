@@ -1525,6 +1525,16 @@ PLANTS = (
         (WAKE_SHORT,),
     ),
     Plant(
+        "the default generator's graph state made inside an engine's region",
+        "backends/cuda/graphcap_cuda/memory.py",
+        "        generator_state_outside_regions(torch.cuda.current_device())\n",
+        "",
+        (
+            "backends/cuda/tests/test_cuda_backend.py::"
+            "test_a_capture_in_a_region_registers_the_default_generator_outside_it_first",
+        ),
+    ),
+    Plant(
         "importing the rollout loads dynamo",
         "graphcap/rollout/sampling.py",
         "def cumulative_sum(probs: torch.Tensor) -> torch.Tensor:\n",

@@ -16,6 +16,15 @@ torch_memory_saver's in-process allocator refuses (it aborts the process) to fre
 outside one of its regions, so no pool of a region is ever let go: a closed region's memory is
 released, its pools kept (:data:`_POOLS`, torch_memory_saver's own per-tag pools likewise).
 
+Memory the whole process shares must never land in a region: one engine's sleep would unmap it
+under every other user. The default CUDA generator's graph-safe state is such memory: torch
+allocates its seed and offset tensors when the first graph registers the generator (every
+capture does, at its start) and frees them when the last graph goes. Made inside the first
+engine's capture, they lived in its region, and a second engine's graphs (a drop-in beside a
+never-sleeping reference, on an H100) hit an illegal memory access once the first slept. So a
+capture in a region first registers the generator with a graph the process keeps
+(:func:`generator_state_outside_regions`), outside every region.
+
 It is an optional dependency (``pip install ./backends/cuda[sleep]``); without it the backend
 offers no region and engines free their memory at a sleep and capture again after it.
 """
@@ -82,6 +91,16 @@ def _frees_allowed_at_exit() -> None:
         binary.cdll.tms_set_interesting_region(True)
 
 
+@functools.cache
+def generator_state_outside_regions(device: int) -> torch.cuda.CUDAGraph:
+    """Register ``device``'s default generator with a graph kept for the process, so its
+    graph-safe state (seed and offset tensors, made at the first registration, freed at the
+    last graph's end) is allocated here, outside every region, and stays."""
+    keeper = torch.cuda.CUDAGraph()
+    keeper.register_generator_state(torch.cuda.default_generators[device])
+    return keeper
+
+
 def _graph_pool_allocator() -> Any:
     """torch_memory_saver's allocator, for a pool of graph memory only."""
     from torch_memory_saver.hooks.mode_torch import HookUtilModeTorch
@@ -116,7 +135,9 @@ class SleepableRegion(MemoryRegion):
 
     @contextlib.contextmanager
     def capturing(self, keep: bool = False) -> Iterator[None]:
-        """Captures run here: their allocations go to the graph pool's tag."""
+        """Captures run here: their allocations go to the graph pool's tag (and none of the
+        process's shared state: see the module)."""
+        generator_state_outside_regions(torch.cuda.current_device())
         with self._counted(), self._saver.region(tag=self._graph_tag, enable_cpu_backup=keep):
             yield
 

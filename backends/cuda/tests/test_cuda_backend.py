@@ -7,6 +7,7 @@ this plugin.
 
 from __future__ import annotations
 
+import contextlib
 from importlib import metadata
 
 import pytest
@@ -270,3 +271,42 @@ def test_memory_regions_only_with_torch_memory_saver_and_without_expandable_segm
         assert backend.memory_region() is None
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert backend.memory_region() is None
+
+
+def test_a_capture_in_a_region_registers_the_default_generator_outside_it_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default generator's graph-safe state is the process's: torch makes it when the
+    first graph registers the generator (a capture's start) and frees it with the last. A
+    capture in an engine's region registers it first with a graph the process keeps, before
+    the region opens, so no engine's sleep unmaps it under another's graphs (an illegal memory
+    access on an H100). Played here with torch_memory_saver's and CUDA's parts recorded."""
+    from graphcap_cuda import memory
+
+    events: list[str] = []
+
+    class Saver:
+        def region(self, tag: str, enable_cpu_backup: bool):
+            events.append("region opens")
+            return contextlib.nullcontext()
+
+        def pause(self, tag: str) -> None: ...
+
+    class Graph:
+        def register_generator_state(self, generator: object) -> None:
+            events.append(f"registered {generator}")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "default_generators", ("generator 0",))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: 0)
+    memory.generator_state_outside_regions.cache_clear()
+    try:
+        region = memory.SleepableRegion(Saver())
+        for _ in range(2):
+            with region.capturing():
+                events.append("capture")
+        assert events == ["registered generator 0", *["region opens", "capture"] * 2]
+        assert isinstance(memory.generator_state_outside_regions(0), Graph)  # kept
+    finally:
+        memory.generator_state_outside_regions.cache_clear()

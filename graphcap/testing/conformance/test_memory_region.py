@@ -10,6 +10,8 @@ equal those of an engine that never slept.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -94,3 +96,33 @@ def test_an_engine_sleeping_between_calls_replays_its_graph(gc_region_backend: B
     finally:
         engine.shutdown()
         awake.shutdown()
+
+
+def test_an_engine_asleep_or_shut_down_leaves_another_engines_graphs_running(
+    gc_region_backend: Backend,
+) -> None:
+    """Two engines in one process (a trainer's drop-in beside a reference, a benchmark's
+    modes): what the first engine's capture made once for the process (a kernel's scratch
+    buffer) must not live in its region, which its sleep unmaps and its shutdown gives back
+    for good while the other's graphs still run."""
+    backend = gc_region_backend
+    model = models.build(models.MODELS[0], backend.device)
+    twin = copy.deepcopy(model)
+    ids, mask = models.prompts(3, backend.device)
+    params = SamplingParams(max_new_tokens=6, eos_token_id=[])
+    config = RolloutConfig(enable_graph_capture=True, backend=backend)
+    engine, other = RolloutEngine(model, config), RolloutEngine(twin, config)
+    try:
+        first = engine.generate(ids, mask, params)
+        engine.sleep()
+        second = other.generate(ids, mask, params)  # captured while the first is asleep
+        backend.synchronize()
+        assert second.stats.path == first.stats.path and second.stats.captured
+        assert torch.equal(second.sequences, first.sequences)
+        engine.shutdown()
+        third = other.generate(ids, mask, params)
+        backend.synchronize()
+        assert not third.stats.captured and torch.equal(third.sequences, first.sequences)
+    finally:
+        engine.shutdown()
+        other.shutdown()
