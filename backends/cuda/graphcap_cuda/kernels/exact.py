@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -333,8 +334,8 @@ def softmax_attention(
     allowed: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Plain softmax attention in float32 (the backward's recomputation, and the tests'
-    reference): ``allowed`` (B, Q, S); returns (B, Q, H, D) in the query's dtype."""
+    """Plain softmax attention in float32 (the tests' reference): ``allowed`` (B, Q, S);
+    returns (B, Q, H, D) in the query's dtype."""
     groups = query.shape[1] // key.shape[1]
     k = key.float().repeat_interleave(groups, dim=1)
     v = value.float().repeat_interleave(groups, dim=1)
@@ -362,10 +363,26 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """SDPA's backward of the same attention, as the models' default SDPA forward runs it
+        (K/V repeated per head, the mask given): a fused kernel in the inputs' dtype that
+        never holds the (B, H, Q, S) scores; gradients need only the dtype's tolerance. A
+        query that attends no key output zeros, a constant: it attends every key here (SDPA
+        would give NaN) and its gradient is zeroed, so it adds exact zeros to K and V's."""
         query, key, value, allowed = ctx.saved_tensors
+        has_keys = allowed.any(-1, keepdim=True)  # (B, Q, 1)
+        opened = allowed | ~has_keys
+        grad = grad.masked_fill(~has_keys[..., None], 0.0)
+        groups = query.shape[1] // key.shape[1]
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (query, key, value)]
-            out = softmax_attention(*inputs, allowed, ctx.scale)
+            q, k, v = inputs
+            out = F.scaled_dot_product_attention(
+                q,
+                k.repeat_interleave(groups, dim=1),
+                v.repeat_interleave(groups, dim=1),
+                attn_mask=opened[:, None],
+                scale=ctx.scale,
+            ).transpose(1, 2)
             grads = torch.autograd.grad(out, inputs, grad)
         return (*grads, None, None, None, None)
 
@@ -503,8 +520,10 @@ class _LogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        # torch's own log_softmax backward, grad - exp(out) * sum(grad), as one fused pass
+        # (the formula in four torch ops read and wrote the vocabulary-wide tensor ~9 times)
         (out,) = ctx.saved_tensors
-        return grad - out.exp() * grad.sum(-1, keepdim=True)
+        return torch.ops.aten._log_softmax_backward_data(grad, out, -1, out.dtype)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
