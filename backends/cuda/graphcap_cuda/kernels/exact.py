@@ -14,17 +14,22 @@ kernel here has one launch configuration, whatever the number of rows:
   left-padded trainer batch, a right-padded one, the rollout's left-padded cache and caches of
   any length give the same blocks; an online softmax over the blocks in position order, masked
   keys exact zeros, grouped-query heads read unrepeated, a sliding window through the mask.
-  Queries go in blocks of :data:`ATTENTION_BLOCK_M` (a decode step's one query per row is
-  padded to it), so the decode step and the trainer's causal forward run the same matrix
-  shapes. Requires the row's attended keys at consecutive columns in position order: true of
-  a trainer's batch padded on either side and of graphcap's caches.
+  A tile has :data:`ATTENTION_BLOCK_M` rows: a head's queries in the trainer's forward and a
+  prefill; in a decode step (one query a row) the query's heads that share a K/V head, so the
+  step reads each K/V head once, not once per query head (the rows are padded to the tile).
+  Either way the decode step and the trainer's causal forward run the same matrix shapes, and
+  a row's arithmetic does not depend on which rows sit beside it in the tile (the MMA
+  property the padded decode tile already relied on; the device test checks it). Requires
+  the row's attended keys at consecutive columns in position order: true of a trainer's
+  batch padded on either side and of graphcap's caches.
 - :func:`rms_norm` and :func:`log_softmax`: one program per row, the row in fixed blocks.
 
-Each is differentiable: the backward is ordinary torch math (matrix products, a recomputed
-softmax attention, the norm's formula), which needs only agree within the dtype's tolerance.
-No host value depends on the data, so the forwards capture in a CUDA graph. The trainer must
-not ``torch.compile`` a model under ``trainer_exact``: fusion rounds differently on one side.
-With ``TRITON_INTERPRET=1`` set before import they run on CPU tensors (tests).
+Each is differentiable: the backward is torch's (matrix products, SDPA's fused backward of
+the same attention, torch's log_softmax backward, the norm's formula), which needs only agree
+within the dtype's tolerance. No host value depends on the data, so the forwards capture in
+a CUDA graph. The trainer must not ``torch.compile`` a model under ``trainer_exact``: fusion
+rounds differently on one side. With ``TRITON_INTERPRET=1`` set before import they run on CPU
+tensors (tests).
 """
 
 from __future__ import annotations
@@ -198,14 +203,25 @@ def _ordered_attention(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUPED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    b = (bh // heads).to(tl.int64)
-    h = bh % heads
-    kv = h // groups
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = rows < queries
+    # a tile row is a (query, head): BLOCK_M queries of one head, or (GROUPED, one query a
+    # row: a decode step) the query's heads that share one K/V head, so that K/V is read once
+    # for the group; each row's arithmetic is the same either way
+    lane = tl.arange(0, BLOCK_M)
+    if GROUPED:
+        b = (tl.program_id(0) // (heads // groups)).to(tl.int64)
+        kv = tl.program_id(0) % (heads // groups)
+        h = (kv * groups + lane)[:, None]
+        rows = lane * 0
+        live = lane < groups
+    else:
+        b = (tl.program_id(0) // heads).to(tl.int64)
+        h = tl.program_id(0) % heads
+        kv = h // groups
+        rows = tl.program_id(1) * BLOCK_M + lane
+        live = rows < queries
     d = tl.arange(0, BLOCK_D)
     dims = d < HEAD_DIM
     q = tl.load(
@@ -295,8 +311,13 @@ def _launch_attention(
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out = torch.empty((batch, queries, heads, head_dim), dtype=query.dtype, device=query.device)
     flags = allowed.view(torch.uint8)
+    groups = heads // kv_heads
+    grouped = queries == 1 and 1 < groups <= ATTENTION_BLOCK_M
     if batch and queries:
-        grid = (batch * heads, triton.cdiv(queries, ATTENTION_BLOCK_M))
+        if grouped:
+            grid = (batch * kv_heads, 1)
+        else:
+            grid = (batch * heads, triton.cdiv(queries, ATTENTION_BLOCK_M))
         _ordered_attention[grid](
             query,
             key,
@@ -306,7 +327,7 @@ def _launch_attention(
             reach,
             out,
             heads,
-            heads // kv_heads,
+            groups,
             queries,
             keys,
             *query.stride()[:3],
@@ -321,6 +342,7 @@ def _launch_attention(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_M=ATTENTION_BLOCK_M,
             BLOCK_N=ATTENTION_BLOCK_N,
+            GROUPED=grouped,
             PRECISION=_precision(query.dtype),
             num_warps=ATTENTION_WARPS,
         )
