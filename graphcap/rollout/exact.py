@@ -265,9 +265,11 @@ def logprob_distribution(
     records it (float32, one division, the ``log_softmax`` ``backend`` offers for
     trainer-exact calls, by default the backend of ``logits``' device, else torch's): for a
     trainer that needs the whole distribution (an entropy) besides :func:`token_logprobs`."""
-    divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
+    scores = logits.float()
+    if temperature != 1.0:  # x / 1 is x exactly: at temperature 1, no vocabulary-wide pass
+        scores = scores / torch.tensor(temperature, dtype=torch.float32, device=logits.device)
     chosen = backend if backend is not None else backend_for_device(logits.device.type)
-    return _log_softmax(chosen.exact_ops(), logits.float() / divisor)
+    return _log_softmax(chosen.exact_ops(), scores)
 
 
 def token_logprobs(
