@@ -103,6 +103,12 @@ EXACT_KERNEL_DECODE = (
     + "::test_a_decode_query_reading_a_cache_equals_the_same_position_in_the_full_forward"
 )
 EXACT_KERNEL_GRADIENTS = EXACT_KERNELS + "::test_gradients_agree_with_torchs"
+EXACT_KERNEL_SHARED_MASK = (
+    EXACT_KERNELS + "::test_a_forwards_layers_share_one_analysis_of_their_mask"
+)
+EXACT_PER_FORWARD = (
+    EXACT + "::test_per_forward_keeps_a_value_for_its_objects_until_the_forward_ends"
+)
 EXACT_KERNEL_ENGINE = (
     EXACT_KERNELS + "::test_the_engines_logprobs_equal_the_trainers_on_these_kernels"
 )
@@ -223,6 +229,27 @@ PLANTS = (
         "grad = grad.masked_fill(~has_keys[..., None], 0.0)",
         "grad = grad.clone()",
         (EXACT_KERNEL_GRADIENTS,),
+    ),
+    Plant(
+        "per_forward keeps a value for any objects with the same details",
+        "graphcap/exact_ops.py",
+        "key = (*(id(o) for o in objects), details)",
+        "key = details",
+        (EXACT_PER_FORWARD,),
+    ),
+    Plant(
+        "per_forward's memo outlives the forward",
+        "graphcap/exact_ops.py",
+        "        _FORWARD_MEMO.reset(token)",
+        "        pass",
+        (EXACT_PER_FORWARD,),
+    ),
+    Plant(
+        "the CUDA exact attention derives its mask's analysis once a layer",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "allowed, origin, reach = per_forward(",
+        "allowed, origin, reach = (lambda objects, details, compute: compute())(",
+        (EXACT_KERNEL_SHARED_MASK,),
     ),
     Plant(
         "the CUDA exact log_softmax reads a lone row in other chunks",

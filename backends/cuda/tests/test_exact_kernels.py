@@ -255,3 +255,30 @@ def test_the_engines_logprobs_equal_the_trainers_on_these_kernels(family):
             )
             got = result.logprobs[i][result.response_mask[i].bool()]
             assert torch.equal(got, want), f"{side}-padded row {i}"
+
+
+def test_a_forwards_layers_share_one_analysis_of_their_mask(monkeypatch):
+    """The mask's origins and reaches are derived once a forward (a captured decode step runs
+    that once, not once a layer), again for the next forward, and the logits are the same
+    bits as when every layer derives its own."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    backend = KernelBackend()
+    ids, mask = prompts(2, 7)
+    derived = []
+    row_origin = exact.row_origin
+
+    def counted(*args, **kwargs):
+        derived.append(1)
+        return row_origin(*args, **kwargs)
+
+    def logits():
+        with torch.no_grad(), trainer_exact(model, backend):
+            return model(ids, attention_mask=mask).logits
+
+    monkeypatch.setattr(exact, "row_origin", counted)
+    shared = [logits(), logits()]
+    assert len(derived) == 2
+    monkeypatch.setattr(exact, "per_forward", lambda objects, details, compute: compute())
+    each_layer = logits()
+    assert len(derived) == 2 + 3
+    assert torch.equal(shared[0], shared[1]) and torch.equal(shared[0], each_layer)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from graphcap.exact_ops import ExactOps, attended_keys
+from graphcap.exact_ops import ExactOps, attended_keys, per_forward
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of every product: one configuration,
 #: never chosen from the number of rows.
@@ -409,6 +409,25 @@ class _Attention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+def _mask_analysis(
+    attention_mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    batch: int,
+    queries: int,
+    keys: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, Q, S) attended keys, each row's origin and each query's reach (:func:`row_origin`):
+    the same for every layer given the same mask, so computed once a forward."""
+    allowed = attended_keys(attention_mask, queries, keys, device)
+    if allowed.dim() == 4:
+        if allowed.shape[1] != 1:
+            raise ValueError("trainer-exact attention takes one mask for all heads")
+        allowed = allowed[:, 0]
+    allowed = allowed.expand(batch, queries, keys)
+    return allowed, *row_origin(allowed, positions)
+
+
 def attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -427,13 +446,12 @@ def attention(
         raise ValueError("trainer-exact attention takes no dropout (set attention_dropout=0)")
     batch, _, queries, head_dim = query.shape
     keys = key.shape[2]
-    allowed = attended_keys(attention_mask, queries, keys, query.device)
-    if allowed.dim() == 4:
-        if allowed.shape[1] != 1:
-            raise ValueError("trainer-exact attention takes one mask for all heads")
-        allowed = allowed[:, 0]
-    allowed = allowed.expand(batch, queries, keys)
-    origin, reach = row_origin(allowed, kwargs.get("position_ids"))
+    positions = kwargs.get("position_ids")
+    allowed, origin, reach = per_forward(
+        (attention_mask, positions),
+        (batch, queries, keys, str(query.device)),
+        lambda: _mask_analysis(attention_mask, positions, batch, queries, keys, query.device),
+    )
     scale = scaling if scaling is not None else head_dim**-0.5
     return _Attention.apply(query, key, value, allowed, origin, reach, scale), None
 
