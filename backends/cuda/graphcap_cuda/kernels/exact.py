@@ -26,10 +26,21 @@ kernel here has one launch configuration, whatever the number of rows:
 
 Each is differentiable: the backward is torch's (matrix products, SDPA's fused backward of
 the same attention, torch's log_softmax backward, the norm's formula), which needs only agree
-within the dtype's tolerance. No host value depends on the data, so the forwards capture in
-a CUDA graph. The trainer must not ``torch.compile`` a model under ``trainer_exact``: fusion
-rounds differently on one side. With ``TRITON_INTERPRET=1`` set before import they run on CPU
-tensors (tests).
+within the dtype's tolerance. The mask's analysis (attended keys, origins, reaches) runs once
+a forward (:func:`graphcap.exact_ops.per_forward`), not once a layer. No host value depends
+on the data, so the forwards capture in a CUDA graph.
+
+Costs (decision 92): the SDPA backward, the fused ``log_softmax`` backward, the decode tile of
+a K/V head's query heads and the once-a-forward mask analysis were changed by reading the code,
+after an H100 run measured 2.73x the default rollout and 2.10x the default trainer step;
+**their speed is unmeasured until the next device run**
+(``benchmarks/exact_kernels_h200.py``).
+The product's tile is unchanged until that script's ``tiles`` part says which tiles pay and
+whether they give the same bits.
+
+The trainer must not ``torch.compile`` a model under ``trainer_exact``: fusion rounds
+differently on one side. With ``TRITON_INTERPRET=1`` set before import they run on CPU tensors
+(tests).
 """
 
 from __future__ import annotations
