@@ -12,10 +12,11 @@ Parts, in this order (bf16, the shapes of graphcap's llama-1b and llama-8b prese
   the top kernels by device time and the time by family (the exact kernels, BLAS, attention).
 - ``products``: ``graphcap_cuda.kernels.exact.linear`` against ``F.linear`` (cuBLAS) for every
   weight a trainer-exact forward multiplies (q, k and v, o, gate and up, down: projections are
-  not joined under trainer-exact; the LM head), at decode's rows (64 and 256, forward, one CUDA
-  graph over weight copies as a captured step runs them) and at the trainer's (32 x 512 =
-  16,384 rows, eager as a trainer runs: forward, and forward + backward). ``per_step`` sums a
-  model's products as one forward runs them (each weight times its uses).
+  not joined under trainer-exact; the LM head) and the default step's joined q/k/v and gate/up,
+  at decode's rows (64 and 256, forward, one CUDA graph over weight copies as a captured step
+  runs them) and at the trainer's (32 x 512 = 16,384 rows, eager as a trainer runs: forward,
+  and forward + backward). ``per_step`` sums one decode forward's products: the exact kernel
+  on the unjoined weights against cuBLAS on the default step's joined ones.
 - ``attention``: ``exact.attention`` (with its per-layer mask analysis, and its kernel alone)
   against the split-KV decode kernel and SDPA for a decode step (64 rows, one query each, a
   640-column cache with about 512 keys written after up to 31 columns of left padding), and
@@ -103,8 +104,10 @@ def shapes(names: list[str]) -> dict[str, dict[str, int]]:
     return out
 
 
-def weights_of(shape: dict[str, int]) -> dict[str, tuple[int, int, int]]:
-    """(N, K, uses per forward) of each product a trainer-exact forward runs (unjoined)."""
+def weights_of(shape: dict[str, int]) -> dict[str, tuple[int, int, int, int]]:
+    """(N, K, uses in a trainer-exact forward, uses in a default one) of each product: the
+    exact forward's projections unjoined, the default decode step's q/k/v and gate/up joined
+    (``fuse_projections``)."""
     hidden, inter, dim, layers = (
         shape["hidden"],
         shape["intermediate"],
@@ -112,12 +115,14 @@ def weights_of(shape: dict[str, int]) -> dict[str, tuple[int, int, int]]:
         shape["layers"],
     )
     return {
-        "q": (shape["heads"] * dim, hidden, layers),
-        "k_v": (shape["kv_heads"] * dim, hidden, 2 * layers),
-        "o": (hidden, shape["heads"] * dim, layers),
-        "gate_up": (inter, hidden, 2 * layers),
-        "down": (hidden, inter, layers),
-        "lm_head": (shape["vocab"], hidden, 1),
+        "q": (shape["heads"] * dim, hidden, layers, 0),
+        "k_v": (shape["kv_heads"] * dim, hidden, 2 * layers, 0),
+        "qkv_joined": ((shape["heads"] + 2 * shape["kv_heads"]) * dim, hidden, 0, layers),
+        "o": (hidden, shape["heads"] * dim, layers, layers),
+        "gate_up": (inter, hidden, 2 * layers, 0),
+        "gate_up_joined": (2 * inter, hidden, 0, layers),
+        "down": (hidden, inter, layers, layers),
+        "lm_head": (shape["vocab"], hidden, 1, 1),
     }
 
 
@@ -183,13 +188,15 @@ def products(ctx: Context) -> list[dict[str, Any]]:
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     for name, shape in ctx.shapes.items():
         per_step = {m: {"default_us": 0.0, "exact_us": 0.0} for m in ctx.decode_rows}
-        for product, (n, k, uses) in weights_of(shape).items():
-            row = product_case(ctx, gen, n, k)
-            rows.append({"shape": name, "product": product, "uses_per_forward": uses, **row})
+        for product, (n, k, uses, default_uses) in weights_of(shape).items():
+            row = product_case(ctx, gen, n, k, trainer=uses > 0)  # the trainer runs unjoined
+            uses_of = {"uses_exact_forward": uses, "uses_default_forward": default_uses}
+            rows.append({"shape": name, "product": product, **uses_of, **row})
             release()
             for m in ctx.decode_rows:
-                per_step[m]["default_us"] += uses * row[f"decode_{m}"]["default"]["median_us"]
-                per_step[m]["exact_us"] += uses * row[f"decode_{m}"]["exact"]["median_us"]
+                timed = row[f"decode_{m}"]
+                per_step[m]["default_us"] += default_uses * timed["default"]["median_us"]
+                per_step[m]["exact_us"] += uses * timed["exact"]["median_us"]
             ratios = ", ".join(f"{key} {value['ratio']:.2f}x" for key, value in ratios_of(row))
             ctx.say(f"product {name} {product} ({n}x{k}): {ratios}")
         for m, sums in per_step.items():
@@ -203,8 +210,11 @@ def ratios_of(row: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(k, v) for k, v in row.items() if isinstance(v, dict) and "ratio" in v]
 
 
-def product_case(ctx: Context, gen: torch.Generator, n: int, k: int) -> dict[str, Any]:
-    """``F.linear`` and ``exact.linear`` of an (N, K) weight at decode's and the trainer's rows."""
+def product_case(
+    ctx: Context, gen: torch.Generator, n: int, k: int, trainer: bool
+) -> dict[str, Any]:
+    """``F.linear`` and ``exact.linear`` of an (N, K) weight at decode's rows and (``trainer``)
+    the trainer's."""
     linear = ctx.exact.linear
     ws = [randn(gen, ctx, n, k, scale=k**-0.5) for _ in range(copies_for(n * k * 2, ctx.smoke))]
     row: dict[str, Any] = {"n": n, "k": k}
@@ -215,6 +225,8 @@ def product_case(ctx: Context, gen: torch.Generator, n: int, k: int) -> dict[str
                 ctx.timer.graph(functools.partial(F.linear, x), ws),
                 ctx.timer.graph(functools.partial(linear, x), ws),
             )
+    if not trainer:
+        return row
     w = ws[0].requires_grad_()
     x = randn(gen, ctx, ctx.train_rows, k).requires_grad_()
     with torch.no_grad():
@@ -259,7 +271,7 @@ def tiles(ctx: Context) -> list[dict[str, Any]]:
     candidates = (committed,) + (() if ctx.smoke else TILES)
     rows = []
     for product in ("q", "down", "lm_head"):
-        n, k, _ = weights_of(shape)[product]
+        n, k = weights_of(shape)[product][:2]
         ws = [randn(gen, ctx, n, k, scale=k**-0.5) for _ in range(copies_for(n * k * 2, ctx.smoke))]
         for m in (ctx.decode_rows[0], ctx.train_rows):
             x = randn(gen, ctx, m, k)
