@@ -25,10 +25,11 @@ Parts, in this order (bf16, the shapes of graphcap's llama-1b and llama-8b prese
 - ``rows``: ``exact.rms_norm`` against the models' RMSNorm formula and ``exact.log_softmax``
   against ``torch.log_softmax`` (float32 over the vocabulary), at decode's rows (graph) and the
   trainer's (eager, forward and forward + backward).
-- ``tiles``: the exact product's kernel at other tile shapes (``BLOCK_K`` kept) on the first
-  model's q, down and LM-head weights at 64 and 16,384 rows: each one's time and whether its
-  output is the same bits as the committed shape's (evidence for choosing tiles; nothing here
-  changes the kernel).
+- ``tiles``: the exact product's kernel at other tile shapes (``BLOCK_K`` kept, but for one
+  control with ``BLOCK_K`` 128, whose bits should differ) on the first model's q, down and
+  LM-head weights at 64 and 16,384 rows: each one's time and whether its output is the same
+  bits as the committed shape's (evidence for choosing tiles; nothing here changes the
+  kernel).
 
 Decode-shaped times: a CUDA graph of the call over enough input copies to outgrow the L2 cache,
 replayed (``kernels_h200.time_calls``); trainer-shaped times: eager calls between CUDA events,
@@ -69,8 +70,10 @@ DECODE_ROWS = (64, 256)
 TRAIN_BATCH, TRAIN_LEN = 32, 512
 CACHE_COLUMNS, CACHE_WRITTEN = 640, 512
 EAGER_REPEATS = 5
-#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried by ``tiles``, BLOCK_K as committed
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried by ``tiles``: BLOCK_K as committed,
+#: but for the last, a control whose other sum over K must give other bits
 TILES = (
+    (64, 64, 64, 4, 4),
     (64, 32, 64, 4, 3),
     (64, 128, 64, 4, 3),
     (64, 128, 64, 4, 4),
@@ -79,6 +82,7 @@ TILES = (
     (128, 256, 64, 8, 3),
     (64, 64, 64, 8, 3),
     (16, 64, 64, 4, 3),
+    (64, 64, 128, 4, 3),
 )
 PROFILE_NEW = 64  # tokens of the profiled rollout (a 2-token call is subtracted)
 TOP_KERNELS = 25
