@@ -25,6 +25,10 @@
 #                    (not in the default list)
 #   trainer-exact    the device test of trainer-exact rollouts and trainer_exact_h200.py (its
 #                    cost and the mismatch table), llama-1b (not in the default list)
+#   exact-profile    where trainer-exact time goes (exact_kernels_h200.py): each exact kernel
+#                    against the operation it replaces at llama-1b's and llama-8b's decode and
+#                    trainer shapes, and kernel tables of a trainer-exact decode step and trainer
+#                    forward + backward, llama-1b (about 150 s; not in the default list)
 #   sleep-checks     the device tests of sleeps that keep the graphs and the conformance
 #                    suite's memory-region checks (not in the default list)
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
@@ -254,6 +258,11 @@ part_trainer_exact() {
     run exact-device-test 240 "$py" -m pytest -q -x -s tests/test_device_trainer_exact.py
     run exact-llama-1b 330 "$py" benchmarks/trainer_exact_h200.py "$OUT/trainer-exact-llama-1b.json"
 }
+# exact-profile: each trainer-exact kernel against the operation it replaces, and where a
+# trainer-exact decode step's and trainer step's device time goes (exact_kernels_h200.py)
+part_exact_profile() {
+    run exact-profile 200 "$py" benchmarks/exact_kernels_h200.py "$OUT/exact-profile.json"
+}
 # sharded: ZeRO-3's gather and FSDP2 through the drop-in at one rank (benchmarks/sharded_check.py)
 part_sharded() {
     run sharded-check 150 "$py" benchmarks/sharded_check.py "$OUT/sharded-check.json"
@@ -473,7 +482,7 @@ for part in "${PARTS[@]}"; do
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
-        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact)
+        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile)
         parts=("${part//-/_}")
         ;;
     *)

@@ -9,21 +9,29 @@ business: a backend offers them as one :class:`ExactOps` (:meth:`Backend.exact_o
 this module, which rely on orders measured on the CPU (the BLAS per tile shape, torch's
 sequential ``cumsum``); a device plugin writes its own kernels against the same contract.
 
-This module is core: plugins import :class:`ExactOps` and :func:`attended_keys`; it names no
-device library.
+This module is core: plugins import :class:`ExactOps`, :func:`attended_keys` and
+:func:`per_forward`; it names no device library.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 #: Rows per product tile of the CPU reference: every linear layer multiplies ``ROW_TILE`` rows.
 ROW_TILE = 16
+
+T = TypeVar("T")
+#: What :func:`per_forward` keeps for the model forward running now (``None`` outside one).
+_FORWARD_MEMO: ContextVar[dict[Hashable, tuple[tuple[object, ...], Any]] | None] = ContextVar(
+    "graphcap_exact_forward_memo", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,33 @@ class ExactOps:
     silu: Callable[[torch.Tensor], torch.Tensor] | None = None
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     log_softmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def forward_scope() -> Iterator[None]:
+    """One model forward under ``trainer_exact``: what :func:`per_forward` keeps lives until
+    the block ends (:func:`graphcap.rollout.trainer_exact` wraps the model's forward in it)."""
+    token = _FORWARD_MEMO.set({})
+    try:
+        yield
+    finally:
+        _FORWARD_MEMO.reset(token)
+
+
+def per_forward(objects: tuple[object, ...], details: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()`` once per model forward for the same ``objects`` (compared by identity,
+    held until the forward ends) and ``details``: the layers of one forward share what they
+    derive from the mask and positions they are all given, so a captured decode step runs
+    that derivation once, not once a layer. Device work only, recorded where the first layer
+    records it (the same capture). Outside a :func:`forward_scope` (a checkpointed layer's
+    recomputation in backward), computes every time."""
+    memo = _FORWARD_MEMO.get()
+    if memo is None:
+        return compute()
+    key = (*(id(o) for o in objects), details)  # unique: the memo holds the objects
+    if key not in memo:
+        memo[key] = (objects, compute())
+    return memo[key][1]
 
 
 def tiled_linear(

@@ -101,6 +101,17 @@ EXACT_KERNEL_PADDING = (
     EXACT_KERNELS + "::test_attention_matches_softmax_attention_and_ignores_padding_and_companions"
 )
 EXACT_KERNEL_REDUCTIONS = EXACT_KERNELS + "::test_rms_norm_and_log_softmax_are_row_kernels"
+EXACT_KERNEL_DECODE = (
+    EXACT_KERNELS
+    + "::test_a_decode_query_reading_a_cache_equals_the_same_position_in_the_full_forward"
+)
+EXACT_KERNEL_GRADIENTS = EXACT_KERNELS + "::test_gradients_agree_with_torchs"
+EXACT_KERNEL_SHARED_MASK = (
+    EXACT_KERNELS + "::test_a_forwards_layers_share_one_analysis_of_their_mask"
+)
+EXACT_PER_FORWARD = (
+    EXACT + "::test_per_forward_keeps_a_value_for_its_objects_until_the_forward_ends"
+)
 EXACT_KERNEL_ENGINE = (
     EXACT_KERNELS + "::test_the_engines_logprobs_equal_the_trainers_on_these_kernels"
 )
@@ -207,6 +218,41 @@ PLANTS = (
         "origin = (top - position).clamp(min=0)",
         "origin = torch.zeros_like(top)",
         (EXACT_KERNEL_PADDING,),
+    ),
+    Plant(
+        "the CUDA exact decode attention gives every head of a group the group's first query",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "h = (kv * groups + lane)[:, None]",
+        "h = (kv * groups + 0 * lane)[:, None]",
+        (EXACT_KERNEL_DECODE,),
+    ),
+    Plant(
+        "the CUDA exact attention's backward lets a query of no keys send gradients",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "grad = grad.masked_fill(~has_keys[..., None], 0.0)",
+        "grad = grad.clone()",
+        (EXACT_KERNEL_GRADIENTS,),
+    ),
+    Plant(
+        "per_forward keeps a value for any objects with the same details",
+        "graphcap/exact_ops.py",
+        "key = (*(id(o) for o in objects), details)",
+        "key = details",
+        (EXACT_PER_FORWARD,),
+    ),
+    Plant(
+        "per_forward's memo outlives the forward",
+        "graphcap/exact_ops.py",
+        "        _FORWARD_MEMO.reset(token)",
+        "        pass",
+        (EXACT_PER_FORWARD,),
+    ),
+    Plant(
+        "the CUDA exact attention derives its mask's analysis once a layer",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "allowed, origin, reach = per_forward(",
+        "allowed, origin, reach = (lambda objects, details, compute: compute())(",
+        (EXACT_KERNEL_SHARED_MASK,),
     ),
     Plant(
         "the CUDA exact log_softmax reads a lone row in other chunks",

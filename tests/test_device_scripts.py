@@ -35,7 +35,9 @@ def test_sharded_check_passes_at_one_rank(tmp_path):
     assert result["zero3"]["passed"] and result["fsdp2"]["passed"], result
 
 
-@pytest.mark.parametrize("script", ["trainer_exact_h200.py", "sampler_h200.py"])
+@pytest.mark.parametrize(
+    "script", ["trainer_exact_h200.py", "sampler_h200.py", "exact_kernels_h200.py"]
+)
 def test_smoke_runs_write_their_report(tmp_path, script):
     out = tmp_path / "out.json"
     run_script(script, str(out), "--smoke")

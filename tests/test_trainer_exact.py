@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphcap.cpu.backend import CPUBackend
+from graphcap.exact_ops import forward_scope, per_forward
 from graphcap.rollout import (
     RolloutConfig,
     RolloutEngine,
@@ -289,3 +290,24 @@ def test_trainer_exact_restores_the_models_own_forward():
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(model(ids, attention_mask=mask).logits, before)
     assert F.silu is torch.nn.functional.silu
+
+
+def test_per_forward_keeps_a_value_for_its_objects_until_the_forward_ends():
+    """Once per forward scope for the same objects and details; again for other objects,
+    other details, a later scope, and every time outside one."""
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return len(calls)
+
+    mask, other = torch.ones(2), torch.ones(2)
+    assert per_forward((mask,), 1, compute) == 1 and per_forward((mask,), 1, compute) == 2
+    with forward_scope():
+        assert per_forward((mask, None), 1, compute) == 3
+        assert per_forward((mask, None), 1, compute) == 3
+        assert per_forward((other, None), 1, compute) == 4
+        assert per_forward((mask, None), 2, compute) == 5
+    with forward_scope():
+        assert per_forward((mask, None), 1, compute) == 6
+    assert per_forward((mask, None), 1, compute) == 7

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from graphcap.backend import Backend
-from graphcap.exact_ops import ExactOps
+from graphcap.exact_ops import ExactOps, forward_scope
 from graphcap.registry import backend_for_device
 from graphcap.rollout.cache.swap import attributes_swapped
 
@@ -153,23 +153,25 @@ def real_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def _with_positions(model: torch.nn.Module) -> Callable[..., Any]:
     """``model.forward`` that fills in :func:`real_positions` where a call passes a 2-D mask
-    and no position ids (transformers would count padding as positions)."""
+    and no position ids (transformers would count padding as positions), in a
+    :func:`~graphcap.exact_ops.forward_scope`."""
     forward = model.forward
     signature = inspect.signature(forward)
 
     def positioned(*args: Any, **kwargs: Any) -> Any:
         given = signature.bind_partial(*args, **kwargs).arguments
         mask, ids = given.get("attention_mask"), given.get("input_ids")
-        if (
-            given.get("position_ids") is None
-            and isinstance(mask, torch.Tensor)
-            and mask.dim() == 2
-            and isinstance(ids, torch.Tensor)
-        ):
-            given["position_ids"] = real_positions(mask)[:, -ids.shape[-1] :]
-            extra = given.pop("kwargs", {})
-            return forward(**given, **extra)
-        return forward(*args, **kwargs)
+        with forward_scope():  # the layers share what they derive from the mask (per_forward)
+            if (
+                given.get("position_ids") is None
+                and isinstance(mask, torch.Tensor)
+                and mask.dim() == 2
+                and isinstance(ids, torch.Tensor)
+            ):
+                given["position_ids"] = real_positions(mask)[:, -ids.shape[-1] :]
+                extra = given.pop("kwargs", {})
+                return forward(**given, **extra)
+            return forward(*args, **kwargs)
 
     return positioned
 
@@ -265,9 +267,11 @@ def logprob_distribution(
     records it (float32, one division, the ``log_softmax`` ``backend`` offers for
     trainer-exact calls, by default the backend of ``logits``' device, else torch's): for a
     trainer that needs the whole distribution (an entropy) besides :func:`token_logprobs`."""
-    divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
+    scores = logits.float()
+    if temperature != 1.0:  # x / 1 is x exactly: at temperature 1, no vocabulary-wide pass
+        scores = scores / torch.tensor(temperature, dtype=torch.float32, device=logits.device)
     chosen = backend if backend is not None else backend_for_device(logits.device.type)
-    return _log_softmax(chosen.exact_ops(), logits.float() / divisor)
+    return _log_softmax(chosen.exact_ops(), scores)
 
 
 def token_logprobs(

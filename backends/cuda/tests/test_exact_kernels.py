@@ -176,7 +176,8 @@ def test_rms_norm_and_log_softmax_are_row_kernels(dtype):
 
 
 def test_gradients_agree_with_torchs():
-    """Each kernel's backward equals torch's autograd of the reference math (float32)."""
+    """Each kernel's backward equals torch's autograd of the reference math (float32), a
+    left-padded row's queries of no keys included."""
     torch.manual_seed(4)
 
     def grads(function, *inputs):
@@ -197,10 +198,10 @@ def test_gradients_agree_with_torchs():
         close(got, want, torch.float32)
     got, want = grads(log_softmax, x), grads(lambda a: torch.log_softmax(a, -1), x)
     close(got[0], want[0], torch.float32)
-    q, k, v = qkv(20, torch.float32)
-    mask = causal(1, 20, [0], [20])
+    q, k, v = qkv(20, torch.float32, batch=2)
+    mask = causal(2, 20, [0, 5], [20, 15])  # the second row's first 5 queries attend no key
     for got, want in zip(
-        grads(lambda *t: run_attention(*t, mask, positions([0], 20)), q, k, v),
+        grads(lambda *t: run_attention(*t, mask, positions([0, 5], 20)), q, k, v),
         grads(lambda *t: exact.softmax_attention(*t, mask[:, 0], HEAD_DIM**-0.5), q, k, v),
         strict=True,
     ):
@@ -254,3 +255,30 @@ def test_the_engines_logprobs_equal_the_trainers_on_these_kernels(family):
             )
             got = result.logprobs[i][result.response_mask[i].bool()]
             assert torch.equal(got, want), f"{side}-padded row {i}"
+
+
+def test_a_forwards_layers_share_one_analysis_of_their_mask(monkeypatch):
+    """The mask's origins and reaches are derived once a forward (a captured decode step runs
+    that once, not once a layer), again for the next forward, and the logits are the same
+    bits as when every layer derives its own."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    backend = KernelBackend()
+    ids, mask = prompts(2, 7)
+    derived = []
+    row_origin = exact.row_origin
+
+    def counted(*args, **kwargs):
+        derived.append(1)
+        return row_origin(*args, **kwargs)
+
+    def logits():
+        with torch.no_grad(), trainer_exact(model, backend):
+            return model(ids, attention_mask=mask).logits
+
+    monkeypatch.setattr(exact, "row_origin", counted)
+    shared = [logits(), logits()]
+    assert len(derived) == 2
+    monkeypatch.setattr(exact, "per_forward", lambda objects, details, compute: compute())
+    each_layer = logits()
+    assert len(derived) == 2 + 3
+    assert torch.equal(shared[0], shared[1]) and torch.equal(shared[0], each_layer)

@@ -14,17 +14,33 @@ kernel here has one launch configuration, whatever the number of rows:
   left-padded trainer batch, a right-padded one, the rollout's left-padded cache and caches of
   any length give the same blocks; an online softmax over the blocks in position order, masked
   keys exact zeros, grouped-query heads read unrepeated, a sliding window through the mask.
-  Queries go in blocks of :data:`ATTENTION_BLOCK_M` (a decode step's one query per row is
-  padded to it), so the decode step and the trainer's causal forward run the same matrix
-  shapes. Requires the row's attended keys at consecutive columns in position order: true of
-  a trainer's batch padded on either side and of graphcap's caches.
+  A tile has :data:`ATTENTION_BLOCK_M` rows: a head's queries in the trainer's forward and a
+  prefill; in a decode step (one query a row) the query's heads that share a K/V head, so the
+  step reads each K/V head once, not once per query head (the rows are padded to the tile).
+  Either way the decode step and the trainer's causal forward run the same matrix shapes, and
+  a row's arithmetic does not depend on which rows sit beside it in the tile (the MMA
+  property the padded decode tile already relied on; the device test checks it). Requires
+  the row's attended keys at consecutive columns in position order: true of a trainer's
+  batch padded on either side and of graphcap's caches.
 - :func:`rms_norm` and :func:`log_softmax`: one program per row, the row in fixed blocks.
 
-Each is differentiable: the backward is ordinary torch math (matrix products, a recomputed
-softmax attention, the norm's formula), which needs only agree within the dtype's tolerance.
-No host value depends on the data, so the forwards capture in a CUDA graph. The trainer must
-not ``torch.compile`` a model under ``trainer_exact``: fusion rounds differently on one side.
-With ``TRITON_INTERPRET=1`` set before import they run on CPU tensors (tests).
+Each is differentiable: the backward is torch's (matrix products, SDPA's fused backward of
+the same attention, torch's log_softmax backward, the norm's formula), which needs only agree
+within the dtype's tolerance. The mask's analysis (attended keys, origins, reaches) runs once
+a forward (:func:`graphcap.exact_ops.per_forward`), not once a layer. No host value depends
+on the data, so the forwards capture in a CUDA graph.
+
+Costs (decision 92): the SDPA backward, the fused ``log_softmax`` backward, the decode tile of
+a K/V head's query heads and the once-a-forward mask analysis were changed by reading the code,
+after an H100 run measured 2.73x the default rollout and 2.10x the default trainer step;
+**their speed is unmeasured until the next device run**
+(``benchmarks/exact_kernels_h200.py``).
+The product's tile is unchanged until that script's ``tiles`` part says which tiles pay and
+whether they give the same bits.
+
+The trainer must not ``torch.compile`` a model under ``trainer_exact``: fusion rounds
+differently on one side. With ``TRITON_INTERPRET=1`` set before import they run on CPU tensors
+(tests).
 """
 
 from __future__ import annotations
@@ -32,10 +48,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from graphcap.exact_ops import ExactOps, attended_keys
+from graphcap.exact_ops import ExactOps, attended_keys, per_forward
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of every product: one configuration,
 #: never chosen from the number of rows.
@@ -197,14 +214,25 @@ def _ordered_attention(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUPED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    b = (bh // heads).to(tl.int64)
-    h = bh % heads
-    kv = h // groups
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = rows < queries
+    # a tile row is a (query, head): BLOCK_M queries of one head, or (GROUPED, one query a
+    # row: a decode step) the query's heads that share one K/V head, so that K/V is read once
+    # for the group; each row's arithmetic is the same either way
+    lane = tl.arange(0, BLOCK_M)
+    if GROUPED:
+        b = (tl.program_id(0) // (heads // groups)).to(tl.int64)
+        kv = tl.program_id(0) % (heads // groups)
+        h = (kv * groups + lane)[:, None]
+        rows = lane * 0
+        live = lane < groups
+    else:
+        b = (tl.program_id(0) // heads).to(tl.int64)
+        h = tl.program_id(0) % heads
+        kv = h // groups
+        rows = tl.program_id(1) * BLOCK_M + lane
+        live = rows < queries
     d = tl.arange(0, BLOCK_D)
     dims = d < HEAD_DIM
     q = tl.load(
@@ -294,8 +322,13 @@ def _launch_attention(
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out = torch.empty((batch, queries, heads, head_dim), dtype=query.dtype, device=query.device)
     flags = allowed.view(torch.uint8)
+    groups = heads // kv_heads
+    grouped = queries == 1 and 1 < groups <= ATTENTION_BLOCK_M
     if batch and queries:
-        grid = (batch * heads, triton.cdiv(queries, ATTENTION_BLOCK_M))
+        if grouped:
+            grid = (batch * kv_heads, 1)
+        else:
+            grid = (batch * heads, triton.cdiv(queries, ATTENTION_BLOCK_M))
         _ordered_attention[grid](
             query,
             key,
@@ -305,7 +338,7 @@ def _launch_attention(
             reach,
             out,
             heads,
-            heads // kv_heads,
+            groups,
             queries,
             keys,
             *query.stride()[:3],
@@ -320,6 +353,7 @@ def _launch_attention(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_M=ATTENTION_BLOCK_M,
             BLOCK_N=ATTENTION_BLOCK_N,
+            GROUPED=grouped,
             PRECISION=_precision(query.dtype),
             num_warps=ATTENTION_WARPS,
         )
@@ -333,8 +367,8 @@ def softmax_attention(
     allowed: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Plain softmax attention in float32 (the backward's recomputation, and the tests'
-    reference): ``allowed`` (B, Q, S); returns (B, Q, H, D) in the query's dtype."""
+    """Plain softmax attention in float32 (the tests' reference): ``allowed`` (B, Q, S);
+    returns (B, Q, H, D) in the query's dtype."""
     groups = query.shape[1] // key.shape[1]
     k = key.float().repeat_interleave(groups, dim=1)
     v = value.float().repeat_interleave(groups, dim=1)
@@ -362,12 +396,47 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """SDPA's backward of the same attention, as the models' default SDPA forward runs it
+        (K/V repeated per head, the mask given): a fused kernel in the inputs' dtype that
+        never holds the (B, H, Q, S) scores; gradients need only the dtype's tolerance. A
+        query that attends no key output zeros, a constant: it attends every key here (SDPA
+        would give NaN) and its gradient is zeroed, so it adds exact zeros to K and V's."""
         query, key, value, allowed = ctx.saved_tensors
+        has_keys = allowed.any(-1, keepdim=True)  # (B, Q, 1)
+        opened = allowed | ~has_keys
+        grad = grad.masked_fill(~has_keys[..., None], 0.0)
+        groups = query.shape[1] // key.shape[1]
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (query, key, value)]
-            out = softmax_attention(*inputs, allowed, ctx.scale)
+            q, k, v = inputs
+            out = F.scaled_dot_product_attention(
+                q,
+                k.repeat_interleave(groups, dim=1),
+                v.repeat_interleave(groups, dim=1),
+                attn_mask=opened[:, None],
+                scale=ctx.scale,
+            ).transpose(1, 2)
             grads = torch.autograd.grad(out, inputs, grad)
         return (*grads, None, None, None, None)
+
+
+def _mask_analysis(
+    attention_mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    batch: int,
+    queries: int,
+    keys: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, Q, S) attended keys, each row's origin and each query's reach (:func:`row_origin`):
+    the same for every layer given the same mask, so computed once a forward."""
+    allowed = attended_keys(attention_mask, queries, keys, device)
+    if allowed.dim() == 4:
+        if allowed.shape[1] != 1:
+            raise ValueError("trainer-exact attention takes one mask for all heads")
+        allowed = allowed[:, 0]
+    allowed = allowed.expand(batch, queries, keys)
+    return allowed, *row_origin(allowed, positions)
 
 
 def attention(
@@ -388,13 +457,12 @@ def attention(
         raise ValueError("trainer-exact attention takes no dropout (set attention_dropout=0)")
     batch, _, queries, head_dim = query.shape
     keys = key.shape[2]
-    allowed = attended_keys(attention_mask, queries, keys, query.device)
-    if allowed.dim() == 4:
-        if allowed.shape[1] != 1:
-            raise ValueError("trainer-exact attention takes one mask for all heads")
-        allowed = allowed[:, 0]
-    allowed = allowed.expand(batch, queries, keys)
-    origin, reach = row_origin(allowed, kwargs.get("position_ids"))
+    positions = kwargs.get("position_ids")
+    allowed, origin, reach = per_forward(
+        (attention_mask, positions),
+        (batch, queries, keys, str(query.device)),
+        lambda: _mask_analysis(attention_mask, positions, batch, queries, keys, query.device),
+    )
     scale = scaling if scaling is not None else head_dim**-0.5
     return _Attention.apply(query, key, value, allowed, origin, reach, scale), None
 
@@ -503,8 +571,10 @@ class _LogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        # torch's own log_softmax backward, grad - exp(out) * sum(grad), as one fused pass
+        # (the formula in four torch ops read and wrote the vocabulary-wide tensor ~9 times)
         (out,) = ctx.saved_tensors
-        return grad - out.exp() * grad.sum(-1, keepdim=True)
+        return torch.ops.aten._log_softmax_backward_data(grad, out, -1, out.dtype)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
