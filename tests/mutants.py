@@ -1439,6 +1439,13 @@ PLANTS = (
         (SAMPLER_KERNEL,),
     ),
     Plant(
+        "the fused sampler keeps pass 1's draw for a row whose scores overflowed",
+        "backends/cuda/graphcap_cuda/kernels/sampler.py",
+        "drawn_already = _plain(live, seeded, k, floor, min_p) & normal",
+        "drawn_already = _plain(live, seeded, k, floor, min_p)",
+        (SAMPLER_KERNEL,),
+    ),
+    Plant(
         "a call truncates because an earlier call did",
         "graphcap/rollout/sampling.py",
         "truncates=any(truncates(p) for p in sampled) and (records or not fused),",

@@ -207,6 +207,13 @@ def _classes(live, sample, k, floor, min_p, best, top, nan_at, finite, vocab):
 
 
 @triton.jit
+def _plain(live, seeded, k, floor, min_p):
+    """A keyed row with temperature alone (no truncation, no min-p), known before its extremes:
+    :func:`_extremes` draws it."""
+    return live & seeded & (k <= 0) & (floor <= 0.0) & (min_p <= 0.0)
+
+
+@triton.jit
 def _pivots(lo, hi, passes, PIVOTS: tl.constexpr, VALUE_PASSES: tl.constexpr):
     """The thresholds a search pass tests in ``(lo, hi]``, ascending, the last ``hi``: spaced
     by value for the first passes, then by integer key."""
@@ -487,25 +494,41 @@ def _extremes(
     scores_ptr,
     stride,
     temperature_ptr,
+    top_k_ptr,
+    floor_ptr,
+    min_p_ptr,
+    sample_ptr,
+    seeded_ptr,
+    key_ptr,
     finished_ptr,
+    generated_ptr,
+    generated_stride,
     ext_f,
     ext_i,
+    draw_f,
+    draw_i,
     vocab,
     chunk,
     BLOCK: tl.constexpr,
+    PRECISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Pass 1, a program per row and chunk: the chunk's first maximum (value, column), largest
-    and smallest finite scaled score, first NaN's column, finite count. Finished rows read
-    nothing."""
+    and smallest finite scaled score, first NaN's column, finite count; and for a keyed row
+    that neither truncates nor applies min-p (temperature alone), its draw over the chunk in
+    the same read (:func:`_draw_pass` then skips the row unless its scores turn out not
+    normal). Finished rows read nothing."""
     if PDL:  # launched dependent (kernels.launch): the scores are the last kernel's
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     part = tl.program_id(1)
     chunks = tl.num_programs(1)
     base = scores_ptr + row.to(tl.int64) * stride
-    live = tl.load(finished_ptr + row).to(tl.int32) == 0
-    temperature = tl.load(temperature_ptr + row)
+    live, _sample, seeded, temperature, k, floor, min_p, step_key = _row(
+        row, temperature_ptr, top_k_ptr, floor_ptr, min_p_ptr, sample_ptr, seeded_ptr,
+        key_ptr, finished_ptr, generated_ptr, generated_stride,
+    )  # fmt: skip
+    plain = _plain(live, seeded, k, floor, min_p)
     start = part * chunk
     end = tl.minimum(start + chunk, vocab)
     nan_at = tl.full([], _INT_MAX, tl.int32)
@@ -514,6 +537,8 @@ def _extremes(
     top = float("-inf")
     low = float("inf")
     finite = 0
+    drawn = start
+    winner = float("-inf")
     for first in range(start, tl.where(live, end, start), BLOCK):
         cols = first + tl.arange(0, BLOCK)
         inside = cols < end
@@ -529,6 +554,12 @@ def _extremes(
         real = inside & (s > float("-inf"))
         low = tl.minimum(low, tl.min(tl.where(real, s, float("inf"))))
         finite += tl.sum(real.to(tl.int32))
+        if plain:  # _draw's for a normal row keeping every token
+            noisy = tl.where(inside, s, float("-inf")) + _gumbel(step_key, cols, PRECISE)
+            m = tl.max(noisy)
+            first_col = tl.min(tl.where(inside & (noisy == m), cols, _INT_MAX))
+            drawn = tl.where(m > winner, first_col, drawn)
+            winner = tl.maximum(winner, m)
     if PDL:  # the next kernel may start
         tl.extra.cuda.gdc_launch_dependents()
     at = (row * chunks + part) * 3
@@ -538,6 +569,11 @@ def _extremes(
     tl.store(ext_i + at, first_max)
     tl.store(ext_i + at + 1, nan_at)
     tl.store(ext_i + at + 2, finite)
+    if plain:
+        at = row * chunks + part
+        tl.store(draw_f + at * 2, winner)
+        tl.store(draw_f + at * 2 + 1, float("inf"))
+        tl.store(draw_i + at, drawn)
 
 
 @triton.jit
@@ -704,7 +740,8 @@ def _draw_pass(
         )  # fmt: skip
         phase = state[0]
         cut = state[1]
-    if live & (seeded | use_min_p) & (phase == _DONE):
+    drawn_already = _plain(live, seeded, k, floor, min_p) & normal
+    if live & (seeded | use_min_p) & (phase == _DONE) & ~drawn_already:
         start = part * chunk
         end = tl.minimum(start + chunk, vocab)
         winner, drawn, smallest = _draw(
@@ -918,8 +955,7 @@ def truncated_draw(
     options = {"PDL": pdl, "num_warps": NUM_WARPS, "launch_pdl": pdl}
     split = (rows, chunks)
     _extremes[split](
-        scores, scores.stride(0), temperature, finished, *extremes, vocab, chunk,
-        BLOCK=BLOCK, **options,
+        *row, *draws, vocab, chunk, BLOCK=BLOCK, PRECISE=not INTERPRETED, **options
     )  # fmt: skip
     for n in range(SEARCH_LAUNCHES):  # a pass reads the last one's tallies, writes the other
         before, after = (n + 1) % 2, n % 2
