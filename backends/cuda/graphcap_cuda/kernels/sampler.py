@@ -1,22 +1,42 @@
-"""Truncation (top-k, top-p, min-p) and the keyed draw of a decode step in one Triton kernel,
-without sorting the vocabulary.
+"""Truncation (top-k, top-p, min-p) and the keyed draw of a decode step in Triton, without
+sorting the vocabulary.
 
-One program per row reads the row's float32 scores a few times:
+Each row is split into chunks of ``BLOCK * CHUNK_BLOCKS`` columns, and every pass over the
+scores runs one program per row and chunk; the next launch's programs combine their row's
+partial results (a few dozen numbers), so no launch sits between passes to combine them. The
+launches are the same for every step (a captured graph replays them whatever its rows ask);
+a row with nothing to do in one reads its settings and stops:
 
-1. the row's extremes: the first maximum (greedy rows' token; a NaN's column wins, as in
-   ``torch.argmax``), the largest and smallest finite temperature-scaled scores, NaN.
-2. a threshold search per active truncation. The kept set of top-k, of top-p (after top-k)
-   and of min-p is an upper set of the row's values, so each is one cut: the largest
-   threshold ``t`` with ``count(s >= t) >= k`` (top-k), then with
+1. ``_extremes``: each chunk's first maximum (greedy rows' token; a NaN's column wins, as in
+   ``torch.argmax``), largest and smallest finite temperature-scaled score, first NaN, finite
+   count; and for a keyed row with temperature alone (no truncation, no min-p) its draw over
+   the chunk, from the same read.
+2. :data:`SEARCH_LAUNCHES` ``_search_pass`` launches: a threshold search per active
+   truncation. The kept set of top-k, of top-p (after top-k) and of min-p is an upper set of
+   the row's values, so each is one cut: the largest threshold ``t`` with
+   ``count(s >= t) >= k`` (top-k), then with
    ``mass(cut_k <= s < t) <= (1 - top_p) * mass(s >= cut_k)`` (top-p, the ascending
-   cumulative sum that ``generate`` compares with ``1 - top_p``). A pass tests
-   :data:`PIVOTS` thresholds at once and keeps the interval between the last that holds and
-   the first that does not: spaced by value for the first :data:`VALUE_PASSES` passes (few
-   passes on logits), then by the float's integer key (at most eight more for any row),
-   snapped to the values inside. It stops when one value is left in the interval.
-3. the draw, for rows with a key: Gumbel-max over the kept tokens with the noise of
-   :func:`graphcap.rollout.sampling.gumbel` (the same counter-based hash stream, computed per
-   token here instead of read from a (B, V) tensor), and the smallest kept score (the cut).
+   cumulative sum that ``generate`` compares with ``1 - top_p``). A pass tests :data:`PIVOTS`
+   thresholds at once (each chunk counts and sums at them) and keeps the interval between the
+   last that holds and the first that does not: spaced by value for the first
+   :data:`VALUE_PASSES` passes (few passes on logits), then by the float's integer key (at
+   most eight more for any row), snapped to the values inside. It stops when one value is
+   left in the interval. Once the largest threshold that holds has at most :data:`GATHER`
+   tokens at or above it, the row gathers them instead (scaled score and token id, in column
+   order), and the last kernel ends its searches among them.
+3. ``_draw_pass``, for rows with a key or min-p whose cut is known: Gumbel-max over the
+   chunk's kept tokens with the noise of :func:`graphcap.rollout.sampling.gumbel` (the same
+   counter-based hash stream, computed per token here instead of read from a (B, V) tensor),
+   and the chunk's smallest kept score.
+4. ``_finish``, a program per row: combines the chunks' draws (the first chunk holding the
+   largest noisy score), or ends the search and draws among the gathered tokens, or, for a
+   row the search launches left unfinished (values crowded within a few ulps), ends the
+   search and draws over its whole row on this one program; writes the token and the cut.
+
+Full reads of the scores per step: temperature alone one; min-p two; top-k (with top-p or
+not) and a top-p whose cut lies among at most :data:`GATHER` tokens typically three; a wide
+top-p one per search pass plus two. Its speed on a GPU is not measured yet
+(docs/decisions.md, 92).
 
 Rows are classified as :func:`graphcap.rollout.sampling.sanitise` does: a row holding NaN, or
 with nothing finite, draws uniformly over the vocabulary; a row whose scaled scores overflowed
@@ -33,8 +53,10 @@ sort keeps some of them and the kernel all. Near-boundary rounding may differ to
 are summed in another order; min-p compares ``exp(s - max)`` with ``min_p``).
 
 The launcher is a torch custom op (``graphcap_cuda::truncated_draw``) so that ``torch.compile``
-and operator-level graph recorders see one opaque operation. With ``TRITON_INTERPRET=1`` set
-before import it runs on CPU tensors (tests), with a portable ``log1p`` in place of libdevice's.
+and operator-level graph recorders see one opaque operation; the partial results are
+allocated per call (inside a capture, from the graph's pool). With ``TRITON_INTERPRET=1`` set
+before import it runs on CPU tensors (tests), with a portable ``log1p`` in place of
+libdevice's.
 """
 
 from __future__ import annotations
