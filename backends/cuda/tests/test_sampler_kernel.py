@@ -271,8 +271,9 @@ def test_the_conformance_check_passes_with_the_kernel():
     test_truncated_draw_matches_the_reference(type("FusedSampler", (CPUBackend,), fused)())
 
 
-#: Small chunks (two blocks of 64 columns), so that short test rows span several chunks.
-SPLIT = {"BLOCK": 64, "CHUNK_BLOCKS": 2}
+#: Small chunks (two blocks of 64 columns, searched 32 at a time), so that short test rows
+#: span several chunks.
+SPLIT = {"BLOCK": 64, "CHUNK_BLOCKS": 2, "SEARCH_BLOCK": 32}
 
 
 def _adversarial_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams], tuple[int, ...]]:

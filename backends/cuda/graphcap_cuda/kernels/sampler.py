@@ -78,6 +78,9 @@ BLOCK = 512
 #: Blocks per chunk: a row is split into chunks of ``BLOCK * CHUNK_BLOCKS`` columns, one program
 #: each (Llama 3's 128,256 tokens: 16 chunks, so 4,096 programs a pass at batch 256).
 CHUNK_BLOCKS = 16
+#: Columns a search pass reads at once (a power of two): each lane keeps a count and a mass
+#: for every threshold, ``SEARCH_BLOCK * PIVOTS`` of each a program.
+SEARCH_BLOCK = 256
 #: Thresholds one search pass tests (a power of two).
 PIVOTS = 16
 #: Search passes whose thresholds are spaced by value; the later ones by integer key.
@@ -164,6 +167,13 @@ def _gumbel(step_key, cols, PRECISE: tl.constexpr):
     bits = _hash32(step_key ^ _hash32(cols.to(tl.uint32) + _GOLDEN))
     u = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
     return -_log(-_log1p(-u, PRECISE), PRECISE)
+
+
+@triton.jit
+def _first_best(values, cols):
+    """The largest of ``values`` (a lane each) and the smallest column holding it."""
+    best = tl.max(values, axis=0)
+    return best, tl.min(tl.where(values == best, cols, _INT_MAX), axis=0)
 
 
 @triton.jit
@@ -267,29 +277,37 @@ def _tally(
 ):
     """Over columns ``[start, end)``: the count of keys at or above each pivot, with ``MASS``
     the mass ``exp(s - top)`` of keys from ``floor_key`` to below each pivot and from
-    ``floor_key`` up, and the smallest and largest key inside ``[lo, hi]``."""
-    counts = tl.zeros([PIVOTS], tl.int32)
-    below = tl.zeros([PIVOTS], tl.float32)
-    total = tl.sum(below, axis=0)
-    inner_min = tl.full([], _INT_MAX, tl.int32)
-    inner_max = tl.full([], _INT_MIN, tl.int32)
+    ``floor_key`` up, and the smallest and largest key inside ``[lo, hi]``. Each lane keeps
+    its own sums over the blocks, reduced once at the end: no block-wide reduction (a barrier)
+    in the loop."""
+    counts = tl.zeros([BLOCK, PIVOTS], tl.int32)
+    below = tl.zeros([BLOCK, PIVOTS], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    inner_min = tl.full([BLOCK], _INT_MAX, tl.int32)
+    inner_max = tl.full([BLOCK], _INT_MIN, tl.int32)
     for first in range(start, end, BLOCK):
         cols = first + tl.arange(0, BLOCK)
         inside = cols < end
         _unscaled, s = _scaled(base, cols, inside, temperature)
         keys = _key(s)
         above = inside[:, None] & (keys[:, None] >= pivots[None, :])
-        counts += tl.sum(above.to(tl.int32), axis=0)
+        counts += above.to(tl.int32)
         between = inside & (keys >= lo) & (keys <= hi)
-        inner_min = tl.minimum(inner_min, tl.min(tl.where(between, keys, _INT_MAX)))
-        inner_max = tl.maximum(inner_max, tl.max(tl.where(between, keys, _INT_MIN)))
+        inner_min = tl.minimum(inner_min, tl.where(between, keys, _INT_MAX))
+        inner_max = tl.maximum(inner_max, tl.where(between, keys, _INT_MIN))
         if MASS:
             e = tl.exp(s - top)
             kept = inside & (keys >= floor_key)
-            total += tl.sum(tl.where(kept, e, 0.0))
+            total += tl.where(kept, e, 0.0)
             under = kept[:, None] & (keys[:, None] < pivots[None, :])
-            below += tl.sum(tl.where(under, e[:, None], 0.0), axis=0)
-    return counts, below, total, inner_min, inner_max
+            below += tl.where(under, e[:, None], 0.0)
+    return (
+        tl.sum(counts, axis=0),
+        tl.sum(below, axis=0),
+        tl.sum(total, axis=0),
+        tl.min(inner_min, axis=0),
+        tl.max(inner_max, axis=0),
+    )
 
 
 @triton.jit
@@ -490,25 +508,25 @@ def _draw(
     """The keyed Gumbel-max draw over columns ``[start, end)`` (``INDIRECT``: over gathered
     scores, whose token ids are at ``cols_ptr``): the largest noisy score, its first token,
     and the smallest kept score. Normal rows draw among the tokens at or above ``cut`` that
-    min-p keeps, flat rows among all, others among the maximum's tokens."""
-    drawn = start
-    winner = float("-inf")
-    smallest = float("inf")
+    min-p keeps, flat rows among all, others among the maximum's tokens. Each lane keeps its
+    own winner, reduced once at the end."""
+    drawn = tl.zeros([BLOCK], tl.int32) + start
+    winner = tl.full([BLOCK], float("-inf"), tl.float32)
+    smallest = tl.full([BLOCK], float("inf"), tl.float32)
     for first in range(start, end, BLOCK):
         at = first + tl.arange(0, BLOCK)
         inside = at < end
         x, s = _scaled(base, at, inside, temperature)
         cols = tl.load(cols_ptr + at, mask=inside, other=0) if INDIRECT else at
         kept = inside & (_key(s) >= cut) & (tl.exp(s - top) >= min_p)
-        smallest = tl.minimum(smallest, tl.min(tl.where(kept, s, float("inf"))))
+        smallest = tl.minimum(smallest, tl.where(kept, s, float("inf")))
         even = tl.where(inside & (flat | (x == best)), 0.0, float("-inf"))
         noisy = tl.where(normal, tl.where(kept, s, float("-inf")), even)
         noisy += _gumbel(step_key, cols, PRECISE)
-        m = tl.max(noisy)
-        first_col = tl.min(tl.where(inside & (noisy == m), cols, _INT_MAX))
-        drawn = tl.where(m > winner, first_col, drawn)
-        winner = tl.maximum(winner, m)
-    return winner, drawn, smallest
+        drawn = tl.where(noisy > winner, cols, drawn)  # a lane's first: its columns ascend
+        winner = tl.maximum(winner, noisy)
+    winner, drawn = _first_best(winner, drawn)
+    return winner, drawn, tl.min(smallest, axis=0)
 
 
 @triton.jit
@@ -553,44 +571,44 @@ def _extremes(
     plain = _plain(live, seeded, k, floor, min_p)
     start = part * chunk
     end = tl.minimum(start + chunk, vocab)
-    nan_at = tl.full([], _INT_MAX, tl.int32)
-    first_max = start
-    best = float("-inf")
-    top = float("-inf")
-    low = float("inf")
-    finite = 0
-    drawn = start
-    winner = float("-inf")
+    # a lane each, reduced once after the loop (no block-wide reduction in it)
+    nan_at = tl.full([BLOCK], _INT_MAX, tl.int32)
+    first_max = tl.zeros([BLOCK], tl.int32) + start
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    low = tl.full([BLOCK], float("inf"), tl.float32)
+    finite = tl.zeros([BLOCK], tl.int32)
+    drawn = tl.zeros([BLOCK], tl.int32) + start
+    winner = tl.full([BLOCK], float("-inf"), tl.float32)
     for first in range(start, tl.where(live, end, start), BLOCK):
         cols = first + tl.arange(0, BLOCK)
         inside = cols < end
         raw = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        nan_at = tl.minimum(nan_at, tl.min(tl.where(inside & (raw != raw), cols, _INT_MAX)))
+        nan_at = tl.minimum(nan_at, tl.where(inside & (raw != raw), cols, _INT_MAX))
         x = tl.where(raw != raw, float("-inf"), raw)
         s = tl.math.div_rn(x, temperature)
-        m = tl.max(x)
-        at = tl.min(tl.where(inside & (x == m), cols, end))
-        first_max = tl.where(m > best, at, first_max)
-        best = tl.maximum(best, m)
-        top = tl.maximum(top, tl.max(s))
+        first_max = tl.where(x > best, cols, first_max)  # a lane's first: its columns ascend
+        best = tl.maximum(best, x)
+        top = tl.maximum(top, s)
         real = inside & (s > float("-inf"))
-        low = tl.minimum(low, tl.min(tl.where(real, s, float("inf"))))
-        finite += tl.sum(real.to(tl.int32))
+        low = tl.minimum(low, tl.where(real, s, float("inf")))
+        finite += real.to(tl.int32)
         if plain:  # _draw's for a normal row keeping every token
             noisy = tl.where(inside, s, float("-inf")) + _gumbel(step_key, cols, PRECISE)
-            m = tl.max(noisy)
-            first_col = tl.min(tl.where(inside & (noisy == m), cols, _INT_MAX))
-            drawn = tl.where(m > winner, first_col, drawn)
-            winner = tl.maximum(winner, m)
+            drawn = tl.where(noisy > winner, cols, drawn)
+            winner = tl.maximum(winner, noisy)
+    # the first column of the maximum (a row of -inf: the chunk's first)
+    best, first_max = _first_best(best, first_max)
+    winner, drawn = _first_best(winner, drawn)
     if PDL:  # the next kernel may start
         tl.extra.cuda.gdc_launch_dependents()
     at = (row * chunks + part) * 3
     tl.store(ext_f + at, best)
-    tl.store(ext_f + at + 1, top)
-    tl.store(ext_f + at + 2, low)
+    tl.store(ext_f + at + 1, tl.max(top, axis=0))
+    tl.store(ext_f + at + 2, tl.min(low, axis=0))
     tl.store(ext_i + at, first_max)
-    tl.store(ext_i + at + 1, nan_at)
-    tl.store(ext_i + at + 2, finite)
+    tl.store(ext_i + at + 1, tl.min(nan_at, axis=0))
+    tl.store(ext_i + at + 2, tl.sum(finite, axis=0))
     if plain:
         at = row * chunks + part
         tl.store(draw_f + at * 2, winner)
@@ -626,6 +644,7 @@ def _search_pass(
     chunk,
     FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
     PIVOTS: tl.constexpr,
     VALUE_PASSES: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
@@ -674,7 +693,7 @@ def _search_pass(
             pivots = _pivots(lo, hi, passes, PIVOTS, VALUE_PASSES)
             counts, below, total, inner_min, inner_max = _tally(
                 base, start, end, temperature, top, pivots, lo, hi, floor_key,
-                BLOCK, PIVOTS, False,
+                SEARCH_BLOCK, PIVOTS, False,
             )  # fmt: skip
             tl.store(counts_out + at * (PIVOTS + 2) + j, counts)
             tl.store(counts_out + at * (PIVOTS + 2) + PIVOTS, inner_min)
@@ -683,7 +702,7 @@ def _search_pass(
             pivots = _pivots(lo, hi, passes, PIVOTS, VALUE_PASSES)
             counts, below, total, inner_min, inner_max = _tally(
                 base, start, end, temperature, top, pivots, lo, hi, floor_key,
-                BLOCK, PIVOTS, True,
+                SEARCH_BLOCK, PIVOTS, True,
             )  # fmt: skip
             tl.store(counts_out + at * (PIVOTS + 2) + j, counts)
             tl.store(counts_out + at * (PIVOTS + 2) + PIVOTS, inner_min)
@@ -806,6 +825,7 @@ def _finish(
     vocab,
     chunks,
     BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
     PIVOTS: tl.constexpr,
     VALUE_PASSES: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
@@ -858,7 +878,7 @@ def _finish(
         if phase == _GATHERED_K:  # top-p's masses are all gathered
             lo, n_lo = _search(
                 gathered_row, gathered, 1.0, top, lo, _key(top), gathered, zero, zero, k,
-                floor, lo, 0.0, -1.0, BLOCK, PIVOTS, VALUE_PASSES, False,
+                floor, lo, 0.0, -1.0, SEARCH_BLOCK, PIVOTS, VALUE_PASSES, False,
             )  # fmt: skip
             floor_key = lo
             mass_below = tl.full([], 0.0, tl.float32)
@@ -869,7 +889,7 @@ def _finish(
         if use_p:
             cut, n_lo = _search(
                 gathered_row, gathered, 1.0, top, lo, _key(top), n_lo, zero, zero, k, floor,
-                floor_key, mass_below, mass_total, BLOCK, PIVOTS, VALUE_PASSES, True,
+                floor_key, mass_below, mass_total, SEARCH_BLOCK, PIVOTS, VALUE_PASSES, True,
             )  # fmt: skip
         if draws:
             _winner, drawn, smallest = _draw(
@@ -881,17 +901,17 @@ def _finish(
         if phase == _TOP_K:
             cut, n_lo = _search(
                 base, vocab, temperature, top, lo, hi, n_lo, n_hi, passes, k, floor, floor_key,
-                0.0, -1.0, BLOCK, PIVOTS, VALUE_PASSES, False,
+                0.0, -1.0, SEARCH_BLOCK, PIVOTS, VALUE_PASSES, False,
             )  # fmt: skip
             if use_p:
                 cut, n_lo = _search(
                     base, vocab, temperature, top, cut, _key(top), n_lo, zero, zero, k, floor, cut,
-                    0.0, -1.0, BLOCK, PIVOTS, VALUE_PASSES, True,
+                    0.0, -1.0, SEARCH_BLOCK, PIVOTS, VALUE_PASSES, True,
                 )  # fmt: skip
         else:
             cut, n_lo = _search(
                 base, vocab, temperature, top, lo, hi, n_lo, n_hi, passes, k, floor, floor_key,
-                0.0, -1.0, BLOCK, PIVOTS, VALUE_PASSES, True,
+                0.0, -1.0, SEARCH_BLOCK, PIVOTS, VALUE_PASSES, True,
             )  # fmt: skip
         if draws:
             _winner, drawn, smallest = _draw(
@@ -984,7 +1004,7 @@ def truncated_draw(
         _search_pass[split](
             *row, states[before], counts[before], masses[before], states[after],
             counts[after], masses[after], *gathered, vocab, chunk, FIRST=n == 0,
-            **shapes, **options,
+            SEARCH_BLOCK=SEARCH_BLOCK, **shapes, **options,
         )  # fmt: skip
     last = (SEARCH_LAUNCHES - 1) % 2
     _draw_pass[split](
@@ -993,7 +1013,7 @@ def truncated_draw(
     )  # fmt: skip
     _finish[(rows,)](
         *row, states[last], counts[last], masses[last], *gathered, *draws, tokens, cut, vocab,
-        chunks, PRECISE=not INTERPRETED, **shapes, **options,
+        chunks, SEARCH_BLOCK=SEARCH_BLOCK, PRECISE=not INTERPRETED, **shapes, **options,
     )  # fmt: skip
     return tokens, cut
 
