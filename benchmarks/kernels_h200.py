@@ -39,7 +39,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +101,14 @@ def time_over(fn: Callable[[Any], Any], copies: list[Any], smoke: bool) -> dict[
     return time_calls([functools.partial(fn, copy) for copy in copies], smoke)
 
 
-def time_calls(calls: list[Callable[[], Any]], smoke: bool) -> dict[str, float]:
+def time_calls(
+    calls: list[Callable[[], Any]], smoke: bool, generators: Sequence[torch.Generator] = ()
+) -> dict[str, float]:
     """Per-call time of ``calls`` run back to back: on the GPU one CUDA graph of all of them,
-    replayed ``REPLAYS`` times, each replay timed with events."""
+    replayed ``REPLAYS`` times, each replay timed with events. ``generators``: the explicit
+    generators the calls draw from; a capture knows only the default one unless told (a draw
+    from another raised "Attempt to increase offset for a CUDA generator not in capture
+    mode"), as the engine tells its graphs (``Backend.register_generator``)."""
     if smoke:
         start = time.perf_counter()
         for call in calls:
@@ -118,6 +123,8 @@ def time_calls(calls: list[Callable[[], Any]], smoke: bool) -> dict[str, float]:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
     with torch.cuda.graph(graph, stream=stream):
         for call in calls:
             call()

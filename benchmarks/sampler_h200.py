@@ -137,7 +137,7 @@ def _case(
     def run() -> Any:
         return select(scores, settings, finished, generated, generator, shape, draw)
 
-    record |= time_calls([run], smoke)
+    record |= time_calls([run], smoke, generators=[] if generator is None else [generator])
     if draw is not None and seed is not None:  # the keyed draw and the set, against the core
         tokens, cut = draw(scores, *_columns(settings), finished, generated)
         reference = SamplerShape().widen([params])

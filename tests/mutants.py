@@ -1472,8 +1472,36 @@ PLANTS = (
     Plant(
         "the fused sampler's top-p forgets top-k's cut",
         "backends/cuda/graphcap_cuda/kernels/sampler.py",
-        "                kept = inside & (keys >= floor_key)\n",
-        "                kept = inside\n",
+        "            kept = inside & (keys >= floor_key)\n",
+        "            kept = inside\n",
+        (SAMPLER_KERNEL,),
+    ),
+    Plant(
+        "the fused sampler's greedy combine takes the last chunk holding the maximum",
+        "backends/cuda/graphcap_cuda/kernels/sampler.py",
+        "first_max = tl.min(tl.where(ok & (best_c == best), first_c, _INT_MAX))",
+        "first_max = tl.max(tl.where(ok & (best_c == best), first_c, -1))",
+        (SAMPLER_KERNEL,),
+    ),
+    Plant(
+        "the fused sampler's draw combine drops the last chunk",
+        "backends/cuda/graphcap_cuda/kernels/sampler.py",
+        "            ok = c < chunks\n",
+        "            ok = c < chunks - 1\n",
+        (SAMPLER_KERNEL,),
+    ),
+    Plant(
+        "the fused sampler's chunks gather into overlapping slots",
+        "backends/cuda/graphcap_cuda/kernels/sampler.py",
+        "tl.where((c[:, None] < part) & picked[None, :], per_chunk, 0)",
+        "tl.where((c[:, None] < part - 1) & picked[None, :], per_chunk, 0)",
+        (SAMPLER_KERNEL,),
+    ),
+    Plant(
+        "the fused sampler keeps pass 1's draw for a row whose scores overflowed",
+        "backends/cuda/graphcap_cuda/kernels/sampler.py",
+        "drawn_already = _plain(live, seeded, k, floor, min_p) & normal",
+        "drawn_already = _plain(live, seeded, k, floor, min_p)",
         (SAMPLER_KERNEL,),
     ),
     Plant(

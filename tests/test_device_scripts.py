@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -43,3 +44,25 @@ def test_smoke_runs_write_their_report(tmp_path, script):
     run_script(script, str(out), "--smoke")
     report = json.loads(out.read_text())
     assert report and not report.get("errors"), report.get("errors")
+
+
+def test_the_sampler_benchmark_registers_the_shared_generator_with_its_capture(monkeypatch):
+    """A capture knows only the default generator: the shared-generator case's draw from its
+    own generator failed inside ``time_calls``' capture on the GPU until the case handed it
+    over to be registered (as the engine registers a call's generator)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import sampler_h200
+
+    seen = []
+
+    def time_calls(calls, smoke, generators=()):
+        seen.append(list(generators))
+        for call in calls:
+            call()
+        return {}
+
+    scores = sampler_h200._scores(2, 300, torch.device("cpu"))
+    for draws in ("per_row", "generate"):
+        sampler_h200._case(scores, "topp95", {"top_p": 0.95}, None, time_calls, True, draws=draws)
+    assert seen[0] == []
+    assert len(seen[1]) == 1 and isinstance(seen[1][0], torch.Generator)

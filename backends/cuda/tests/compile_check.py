@@ -26,6 +26,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 #: Shared memory a block may use on an H100 / H200 (227 KB).
 SHARED_LIMIT = 232448
 OPTIONS = ("num_warps", "num_stages")
+#: The sampler's kernels, launched in turn by ``graphcap_cuda::truncated_draw``.
+SAMPLER_KERNELS = ("_extremes", "_search_pass", "_draw_pass", "_finish")
 
 
 class Recorder:
@@ -176,7 +178,8 @@ def main() -> None:
     # private: the Triton kernels themselves, wrapped to record every launch's compile
     gemv._gemv = Recorder(gemv._gemv, launches)
     split_kv._split_kv_partial = Recorder(split_kv._split_kv_partial, launches)
-    sampler._truncated_draw = Recorder(sampler._truncated_draw, launches)
+    for name in SAMPLER_KERNELS:
+        setattr(sampler, name, Recorder(getattr(sampler, name), launches))
     for name in ("_linear", "_ordered_attention", "_rms_norm", "_log_softmax"):
         setattr(exact, name, Recorder(getattr(exact, name), launches))
     _gemv_cases()

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the kernels need Triton (CUDA builds of torch ship it)")
 
-from compile_check import SHARED_LIMIT
+from compile_check import SAMPLER_KERNELS, SHARED_LIMIT
 
 
 def test_every_launch_compiles_for_hopper_and_fits_its_shared_memory():
@@ -27,7 +27,7 @@ def test_every_launch_compiles_for_hopper_and_fits_its_shared_memory():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in run.stdout.splitlines()]
-    dependent = {"_gemv", "_split_kv_partial", "_truncated_draw"}
+    dependent = {"_gemv", "_split_kv_partial", *SAMPLER_KERNELS}
     exact = {"_linear", "_ordered_attention", "_rms_norm", "_log_softmax"}  # launched plainly
     assert {r["kernel"] for r in records} == dependent | exact
     assert len(records) >= 40  # every form of both kernels, not one

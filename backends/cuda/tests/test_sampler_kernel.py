@@ -269,3 +269,77 @@ def test_the_conformance_check_passes_with_the_kernel():
 
     fused = {"truncated_draw": lambda self: truncated_draw}
     test_truncated_draw_matches_the_reference(type("FusedSampler", (CPUBackend,), fused)())
+
+
+#: Small chunks (two blocks of 64 columns, searched 32 at a time), so that short test rows
+#: span several chunks.
+SPLIT = {"BLOCK": 64, "CHUNK_BLOCKS": 2, "SEARCH_BLOCK": 32}
+
+
+def _adversarial_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams], tuple[int, ...]]:
+    """Rows whose decisive values sit where a split can go wrong: the maximum, the cut or the
+    winner in the last (partial) chunk, ties across a chunk border, NaN in the last column.
+    Returns the scores, the settings and the rows whose top-p cut falls among ties."""
+    chunk = SPLIT["BLOCK"] * SPLIT["CHUNK_BLOCKS"]
+    gen = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(9, vocab, generator=gen)
+    last = vocab - 1
+    scores[0, last - 2] = 20.0  # the maximum in the last chunk
+    scores[1, last - 9 : last] = 10.0 + torch.arange(9) * 1e-3  # kept only there
+    border = min(chunk, vocab // 2)
+    scores[2, border - 8 : border + 8] = 7.0  # ties across a chunk border, cut among them
+    scores[3, [border + 3, 5, border - 1]] = 9.0  # a greedy row: the first of equal maxima
+    scores[4, last] = float("nan")  # greedy: the NaN's column
+    scores[5] = 0.0  # flat: top-p's cut among ties
+    scores[6, last - 20 :] += 6.0  # min-p keeps the tail only
+    scores[8, border - 1 : border + 1] = 30.0  # the winner one of two either side of it
+    params = [
+        SamplingParams(do_sample=True, seed=1, top_k=3),
+        SamplingParams(do_sample=True, seed=2, top_p=0.5),
+        SamplingParams(do_sample=True, seed=3, top_k=5, temperature=0.9),
+        SamplingParams(),
+        SamplingParams(),
+        SamplingParams(do_sample=True, seed=6, top_p=0.7),
+        SamplingParams(do_sample=True, seed=7, min_p=0.1, temperature=1.5),
+        SamplingParams(do_sample=True, seed=8, top_k=60, top_p=0.9),
+        SamplingParams(do_sample=True, seed=9),  # temperature alone: drawn in pass 1
+    ]
+    return scores, params, (5,)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "launches", "gather"),
+    [
+        (100, 6, 2048),  # shorter than one chunk; searches end among gathered tokens
+        (677, 6, 2048),  # a partial last chunk
+        (677, 6, 0),  # never gathering: split passes, then the split draw
+        (640, 1, 0),  # whole chunks; searches the split passes leave end on one program
+    ],
+)
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's NumPy
+def test_rows_split_over_chunks_match_the_reference(vocab, launches, gather, monkeypatch):
+    for name, value in SPLIT.items():
+        monkeypatch.setattr(sampler, name, value)
+    monkeypatch.setattr(sampler, "SEARCH_LAUNCHES", launches)
+    monkeypatch.setattr(sampler, "GATHER", gather)
+    scores, params, ties = _adversarial_rows(vocab)
+    tokens, _ = _check(scores, params, ties=ties)
+    assert tokens[0] == vocab - 3 and tokens[3] == 5 and tokens[4] == vocab - 1
+    assert vocab - 10 <= tokens[1] < vocab - 1
+    border = min(128, vocab // 2)
+    assert tokens[8] in (border - 1, border)  # the two tied maxima either side of a border
+
+
+def test_one_live_row_among_finished_rows(monkeypatch):
+    """Finished rows read nothing and write pad; the live row's chunks combine alone."""
+    for name, value in SPLIT.items():
+        monkeypatch.setattr(sampler, name, value)
+    vocab = 500
+    scores = torch.randn(6, vocab, generator=torch.Generator().manual_seed(7))
+    scores[3, 480] = 12.0
+    params = [SamplingParams(do_sample=True, seed=i, top_k=4, top_p=0.9) for i in range(6)]
+    finished = torch.ones(6, dtype=torch.bool)
+    finished[3] = False
+    tokens, cut = _check(scores, params, finished=finished)
+    assert tokens.tolist() == [0, 0, 0, 480, 0, 0]
+    assert cut[finished].eq(NEG).all() and cut[3] > NEG
