@@ -36,7 +36,7 @@ a row with nothing to do in one reads its settings and stops:
 Full reads of the scores per step: temperature alone one; min-p two; top-k (with top-p or
 not) and a top-p whose cut lies among at most :data:`GATHER` tokens typically three; a wide
 top-p one per search pass plus two. Its speed on a GPU is not measured yet
-(docs/decisions.md, 92).
+(docs/decisions.md, 94).
 
 Rows are classified as :func:`graphcap.rollout.sampling.sanitise` does: a row holding NaN, or
 with nothing finite, draws uniformly over the vocabulary; a row whose scaled scores overflowed
