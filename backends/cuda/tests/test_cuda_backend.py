@@ -300,12 +300,14 @@ def test_a_capture_in_a_region_registers_the_default_generator_outside_it_first(
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "default_generators", ("generator 0",))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     memory.generator_state_outside_regions.cache_clear()
     try:
         region = memory.SleepableRegion(Saver())
         for _ in range(2):
             with region.capturing():
                 events.append("capture")
+        region.close()  # here, not in a finaliser after the CUDA stand-ins are gone
         assert events == ["registered generator 0", *["region opens", "capture"] * 2]
         assert isinstance(memory.generator_state_outside_regions(0), Graph)  # kept
     finally:
