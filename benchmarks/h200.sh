@@ -29,6 +29,10 @@
 #                    against the operation it replaces at llama-1b's and llama-8b's decode and
 #                    trainer shapes, and kernel tables of a trainer-exact decode step and trainer
 #                    forward + backward, llama-1b (about 150 s; not in the default list)
+#   verify           what changed since the last device run, correctness first: trainer-exact's
+#                    device test, the sampler's and exact kernels' tests on the GPU, the sharded
+#                    check, the conformance suite's memory-region checks (not in the default
+#                    list; about 8 minutes)
 #   sleep-checks     the device tests of sleeps that keep the graphs and the conformance
 #                    suite's memory-region checks (not in the default list)
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
@@ -276,6 +280,18 @@ part_sleep_checks() {
     run sleep-conformance 120 "$py" -m graphcap.testing -q -k "region or capabilities" \
         --graphcap-json "$OUT/sleep-conformance.json"
 }
+# verify: what changed since the last device run, correctness first, in one command's time:
+# trainer-exact's device test, the sampler's and the exact kernels' tests on the GPU (natively,
+# not under the interpreter), the sharded check and the conformance suite's memory-region
+# checks (two engines, one asleep then shut down)
+part_verify() {
+    run verify-exact 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_device_trainer_exact.py
+    run verify-kernels 150 "$py" -m pytest -q -p no:cacheprovider \
+        backends/cuda/tests/test_sampler_kernel.py backends/cuda/tests/test_exact_kernels.py
+    run verify-sharded 100 "$py" benchmarks/sharded_check.py "$OUT/sharded-check.json"
+    run verify-regions 80 "$py" -m graphcap.testing -q -k memory_region \
+        --graphcap-json "$OUT/verify-regions.json"
+}
 part_steps_llama_8b() { steps llama-8b 100; }
 part_steps_llama_1b() { steps llama-1b 60; }
 
@@ -482,7 +498,7 @@ for part in "${PARTS[@]}"; do
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
-        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile)
+        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile | verify)
         parts=("${part//-/_}")
         ;;
     *)
