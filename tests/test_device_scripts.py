@@ -5,28 +5,18 @@ minutes of device time a session gets."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_runs import run_on_cpu
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "GRAPHCAP_BACKEND": "cpu", "TRITON_INTERPRET": "1"},
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done
+    return run_on_cpu(BENCHMARKS / name, *args, env={"TRITON_INTERPRET": "1"})
 
 
 def test_sharded_check_passes_at_one_rank(tmp_path):

@@ -10,14 +10,10 @@ replays of one capture. Skipped where ``trl`` is not installed (the cpu tox envi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from graphcap.registry import ENV_VAR
+from script_runs import run_on_cpu
 
 pytest.importorskip("trl")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
@@ -26,18 +22,9 @@ STEPS = 3
 
 def test_grpo_with_graphcap_samples_exactly_what_it_samples_without(tmp_path):
     report = tmp_path / "runs.json"
-    command = [sys.executable, str(EXAMPLE), "--compare", "--draws", "generate"]
-    command += ["--steps", str(STEPS)]
-    command += ["--output-dir", str(tmp_path), "--json", str(report)]
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        env={**os.environ, ENV_VAR: "cpu"},
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    args = ("--compare", "--draws", "generate", "--steps", str(STEPS))
+    args += ("--output-dir", str(tmp_path), "--json", str(report))
+    done = run_on_cpu(EXAMPLE, *args, timeout=600)
     assert "completions equal to the plain run's: 100.0% of tokens" in done.stdout
     plain, accelerated = json.loads(report.read_text())["runs"]
     assert len(plain["completions"]) == STEPS and accelerated["completions"] == plain["completions"]

@@ -14,15 +14,12 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_runs import run_on_cpu
 
-from graphcap.registry import ENV_VAR
 from graphcap.rollout import trl_trainer_exact
 
 trl = pytest.importorskip("trl")
@@ -34,17 +31,7 @@ SHAPE = ("--batch-size", "8", "--generations", "4", "--new-tokens", "16")
 
 def run_example(tmp_path: Path, *args: str) -> dict:
     report = tmp_path / "run.json"
-    command = [sys.executable, str(EXAMPLE), *SHAPE, *args]
-    command += ["--output-dir", str(tmp_path), "--json", str(report)]
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        env={**os.environ, ENV_VAR: "cpu"},
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_on_cpu(EXAMPLE, *SHAPE, *args, "--output-dir", str(tmp_path), "--json", str(report))
     return json.loads(report.read_text())
 
 
