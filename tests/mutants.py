@@ -1594,8 +1594,8 @@ PLANTS = (
     Plant(
         "a wake maps without the memory it needs",
         "graphcap/rollout/holder/holder.py",
-        "if free is not None and need > free:",
-        "if free is not None and need > 2 * free:",
+        "if free is not None and free < need:",
+        "if free is not None and 2 * free < need:",
         (WAKE_SHORT,),
     ),
     Plant(

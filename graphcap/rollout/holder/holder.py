@@ -211,9 +211,11 @@ class GraphHolder:
         if not self.asleep:
             return None
         start = time.perf_counter()
-        self.backend.empty_cache()  # the trainer's cached blocks: the region maps new memory
         need, free = self.region_bytes(), self.backend.free_memory()
-        if free is not None and need > free:
+        if free is not None and need > free:  # only then, or the trainer's cache regrows each step
+            self.backend.empty_cache()  # the trainer's cached blocks
+            free = self.backend.free_memory()
+        if free is not None and free < need:
             raise WakeMemoryError(
                 f"waking the engine maps {need / 2**30:.2f} GiB again but only "
                 f"{free / 2**30:.2f} GiB of {self.backend.device_name()} is free: the trainer "
