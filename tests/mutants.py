@@ -94,6 +94,9 @@ TRL_EXACT = (
     "tests/test_trl_grpo_exact.py::test_trls_recomputed_logprobs_equal_the_rollouts_bit_for_bit"
 )
 EXACT_KERNELS = "backends/cuda/tests/test_exact_kernels.py"
+EXACT_KERNEL_SPLITS = (
+    EXACT_KERNELS + "::test_a_product_sums_its_splits_in_one_order_whoever_computes_them"
+)
 EXACT_KERNEL_ROWS = (
     EXACT_KERNELS + "::test_a_rows_product_is_the_same_bits_whatever_the_number_of_rows"
 )
@@ -211,6 +214,13 @@ PLANTS = (
         "block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS if count > 1 else (64,) * 2"
         " + (32, 4, 3)",
         (EXACT_KERNEL_ROWS,),
+    ),
+    Plant(
+        "the CUDA exact product's last split to arrive adds the splits in reverse",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "total += tl.load(part_ptr + s * plane + cell, mask=inside, other=0.0)",
+        "total += tl.load(part_ptr + (SPLITS - 1 - s) * plane + cell, mask=inside, other=0.0)",
+        (EXACT_KERNEL_SPLITS,),
     ),
     Plant(
         "the CUDA exact attention's key blocks start at column 0, not at the row's position 0",

@@ -66,6 +66,25 @@ def test_a_rows_product_is_the_same_bits_whatever_the_number_of_rows(dtype):
             assert torch.equal(part[-1], out[row])
 
 
+@pytest.mark.parametrize("depth", [600, 800])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_product_sums_its_splits_in_one_order_whoever_computes_them(dtype, depth, monkeypatch):
+    """A narrow, deep weight sums over K in splits (2 at depth 600, 3 at 800, the last one
+    short): a program per split (few rows, a decode step) and a program per tile summing them
+    in turn (many rows, a trainer's batch) give the same bits, for a row alone too."""
+    assert exact.splits(70, depth)[0] == {600: 2, 800: 3}[depth]
+    torch.manual_seed(2)
+    x, weight = randn(130, depth, dtype=dtype), randn(70, depth, dtype=dtype)
+    spread = linear(x, weight)
+    close(spread, F.linear(x.float(), weight.float()), dtype)
+    alone = linear(x[129:], weight)
+    monkeypatch.setattr(exact, "SPREAD_BELOW_TILES", 0)
+    in_turn = linear(x, weight)
+    assert torch.equal(spread, in_turn)
+    assert torch.equal(alone[0], in_turn[129])
+    assert not torch.equal(in_turn, linear(x[:, :-1], weight[:, :-1])), "the test reads all K"
+
+
 def causal(batch: int, columns: int, starts: list[int], counts: list[int], window=None):
     """(B, 1, Q=columns, S=columns) bool: row ``b``'s real tokens at ``[starts[b],
     starts[b] + counts[b])``, causal, within ``window`` positions where given."""

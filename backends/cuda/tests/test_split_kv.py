@@ -155,7 +155,7 @@ def test_the_last_chunk_combines_and_leaves_the_counts_at_zero():
     q, k, v, valid = _case(3, 8, 2, 6 * BLOCK_N, 16, torch.float32, seed=11)
     splits = split_kv.launch_shape(3, 2, 6 * BLOCK_N, q.device, 16 * 4)[1]
     assert splits > 1
-    counts = split_kv.arrival_counts(q.device, 3 * 2)
+    counts = launch.arrival_counts(q.device, 3 * 2)
     for scale in (0.3, 0.3, 0.7):
         out = split_kv_decode(q, k, v, valid, scale, 0.0)
         expected = _reference(q, k, v, valid, scale)

@@ -6,9 +6,12 @@ sequence rows; cuBLAS and torch's reductions pick their kernel (split-K, split r
 shapes) from those sizes, so a row's result changes in the last bits with its company. Each
 kernel here has one launch configuration, whatever the number of rows:
 
-- :func:`linear`: one tile shape (:data:`LINEAR_BLOCKS`), no split-K, no autotuning; every
-  output tile sums over K in ``BLOCK_K`` steps in order, accumulating in float32, and stores
-  the input dtype. A row's output is the same bits at M=1 and M=16384.
+- :func:`linear`: one tile shape (:data:`LINEAR_BLOCKS`), no autotuning; every output tile
+  sums over K in ``BLOCK_K`` steps in order, accumulating in float32, and stores the input
+  dtype. A narrow, deep weight sums K in splits fixed by its shape (:func:`splits`), each from
+  zero, added in split order: by a program per split at few rows (a decode step, whose
+  narrow products would otherwise keep few multiprocessors busy), by one program in turn at
+  many. A row's output is the same bits at M=1 and M=16384.
 - :func:`attention`: each query's keys in blocks of :data:`ATTENTION_BLOCK_N` whose boundaries
   are fixed by key *position* (the column of the row's position 0 is the block origin), so a
   left-padded trainer batch, a right-padded one, the rollout's left-padded cache and caches of
@@ -53,10 +56,19 @@ import triton
 import triton.language as tl
 
 from graphcap.exact_ops import ExactOps, attended_keys, per_forward
+from graphcap_cuda.kernels import launch
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of every product: one configuration,
 #: never chosen from the number of rows.
 LINEAR_BLOCKS = (64, 64, 64, 4, 3)
+#: Programs a product's launch should have at one row tile: a weight with fewer column tiles
+#: sums over K in splits (:func:`splits`), fixed by its shape, enough to come near this.
+LINEAR_PROGRAMS = 256
+#: The fewest ``BLOCK_K`` blocks of a split, so that each program's loop still pipelines.
+LINEAR_SPLIT_BLOCKS = 4
+#: A launch of fewer output tiles runs a program per tile and split; a larger one (a trainer's
+#: batch) a program per tile that sums its splits in turn. Either gives the same bits.
+SPREAD_BELOW_TILES = LINEAR_PROGRAMS
 #: Queries per attention program (a decode step's single query is padded to it).
 ATTENTION_BLOCK_M = 64
 #: Keys per attention block: block ``j`` holds the row's key positions ``[j*N, (j+1)*N)``.
@@ -71,17 +83,47 @@ def _precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+@triton.jit
+def _split_sum(
+    x_ptr, w_ptr, rm, rn, rows, cols, start, stop, stride_x, stride_w,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One split's float32 sum of a tile over K in ``[start, stop)``, ``BLOCK_K`` at a time in
+    order, from zero."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for at in range(start, stop, BLOCK_K):
+        k = at + rk
+        a = tl.load(
+            x_ptr + rm[:, None] * stride_x + k[None, :],
+            mask=(rm[:, None] < rows) & (k[None, :] < stop),
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + rn[None, :] * stride_w + k[:, None],
+            mask=(rn[None, :] < cols) & (k[:, None] < stop),
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _linear(
     x_ptr,
     w_ptr,
     out_ptr,
+    part_ptr,
+    count_ptr,
     rows,
     cols,
     depth,
+    span,
     stride_x,
     stride_w,
     stride_out,
+    SPLITS: tl.constexpr,
+    SPREAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -92,33 +134,60 @@ def _linear(
     # operands; which program computes a tile changes nothing in it
     pid = tl.program_id(0)
     row_tiles = tl.cdiv(rows, BLOCK_M)
-    per_group = GROUP_M * tl.cdiv(cols, BLOCK_N)
+    col_tiles = tl.cdiv(cols, BLOCK_N)
+    per_group = GROUP_M * col_tiles
     first = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(row_tiles - first, GROUP_M)
     tile_m = first + (pid % per_group) % group_rows
     tile_n = (pid % per_group) // group_rows
     rm = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, depth, BLOCK_K):
-        k = start + rk
-        a = tl.load(
-            x_ptr + rm[:, None] * stride_x + k[None, :],
-            mask=(rm[:, None] < rows) & (k[None, :] < depth),
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + rn[None, :] * stride_w + k[:, None],
-            mask=(rn[None, :] < cols) & (k[:, None] < depth),
-            other=0.0,
-        )
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    tl.store(
-        out_ptr + rm[:, None] * stride_out + rn[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=(rm[:, None] < rows) & (rn[None, :] < cols),
-    )
+    inside = (rm[:, None] < rows) & (rn[None, :] < cols)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SPREAD:
+        # a program per tile and split: each stores its split's sum; the last to arrive adds
+        # them in split order, as one program does below, and resets the count for the next
+        # launch (so a captured step needs no zeroing)
+        split = tl.program_id(1)
+        start = split * span
+        acc = _split_sum(
+            x_ptr, w_ptr, rm, rn, rows, cols, start, tl.minimum(start + span, depth),
+            stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+        )  # fmt: skip
+        cell = rm[:, None] * cols + rn[None, :]
+        plane = rows.to(tl.int64) * cols
+        tl.store(part_ptr + split * plane + cell, acc, mask=inside)
+        tl.debug_barrier()
+        tile = tile_m * col_tiles + tile_n
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
+            for s in range(SPLITS):
+                total += tl.load(part_ptr + s * plane + cell, mask=inside, other=0.0)
+            tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=inside)  # fmt: skip
+            tl.store(count_ptr + tile, 0)
+    else:
+        for s in range(SPLITS):
+            start = s * span
+            total += _split_sum(
+                x_ptr, w_ptr, rm, rn, rows, cols, start, tl.minimum(start + span, depth),
+                stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+            )  # fmt: skip
+        tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :],
+                 total.to(out_ptr.dtype.element_ty), mask=inside)  # fmt: skip
+
+
+def splits(cols: int, depth: int) -> tuple[int, int]:
+    """(splits, columns of K each): how a product with this weight sums over K, from the
+    weight's shape alone. A decode step multiplies few rows, so a narrow weight (q, k, v, o,
+    down) gives a launch of one program per tile too few programs to keep the device busy,
+    each walking all of K; the sum is cut into splits of whole ``BLOCK_K`` blocks, summed each
+    from zero and then added in split order, whoever computes them."""
+    _, block_n, block_k, _, _ = LINEAR_BLOCKS
+    blocks = triton.cdiv(depth, block_k)
+    wanted = max(1, LINEAR_PROGRAMS // triton.cdiv(cols, block_n))
+    count = max(1, min(wanted, blocks // LINEAR_SPLIT_BLOCKS))
+    span = triton.cdiv(blocks, count) * block_k
+    return triton.cdiv(depth, span), span
 
 
 def _launch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -130,17 +199,32 @@ def _launch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cols = weight.shape[0]
     out = torch.empty((count, cols), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS
+    parts, span = splits(cols, depth)
+    tiles = triton.cdiv(count, block_m) * triton.cdiv(cols, block_n)
+    # who computes a split changes no bit (splits()), so the launch may follow the rows: few
+    # tiles (a decode step) get a program per split, many (a trainer's batch) one per tile
+    spread = parts > 1 and tiles < SPREAD_BELOW_TILES
+    if spread:
+        part = torch.empty((parts, count, cols), dtype=torch.float32, device=x.device)
+        counts = launch.arrival_counts(x.device, tiles)
+    else:
+        part = counts = out  # not read
     if count:
-        _linear[(triton.cdiv(count, block_m) * triton.cdiv(cols, block_n),)](
+        _linear[(tiles, parts if spread else 1)](
             rows,
             weight,
             out,
+            part,
+            counts,
             count,
             cols,
             depth,
+            span,
             rows.stride(0),
             weight.stride(0),
             out.stride(0),
+            SPLITS=parts,
+            SPREAD=spread,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,

@@ -59,3 +59,20 @@ def multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # a Hopper GPU's count: the interpreter on CPU needs some number
+
+
+#: Arrival counts of a launch's cooperating programs (the split-KV chunks of a row and K/V head,
+#: the K splits of a product's tile), zero between launches (the last program to arrive resets
+#: its count), by (device, stream, size). Launches on one stream never overlap; a graph keeps
+#: the address it captured, so a buffer is never freed or replaced. A capture's warm-up makes
+#: them, on the capture's stream and outside any memory region.
+_COUNTS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, size: int) -> torch.Tensor:
+    """The zeroed int32 counts for ``size`` groups of programs on the current stream."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream, size)
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTS[key]

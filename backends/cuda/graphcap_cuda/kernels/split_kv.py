@@ -312,21 +312,6 @@ def chunking(length: int, block_n: int, wanted: int) -> tuple[int, int]:
     return chunk, triton.cdiv(length, chunk)
 
 
-#: Arrival counts of the chunks of each row and K/V head, zero between launches (the last chunk
-#: resets its count), by (device, stream, size). Launches on one stream never overlap; a graph
-#: keeps the address it captured, so a buffer is never freed or replaced.
-_COUNTS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device, size: int) -> torch.Tensor:
-    """The zeroed int32 counts for ``size`` (rows x K/V heads) on the current stream."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream, size)
-    if key not in _COUNTS:
-        _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return _COUNTS[key]
-
-
 @torch.library.custom_op("graphcap_cuda::split_kv_decode", mutates_args=())
 def split_kv_decode(
     query: torch.Tensor,
@@ -404,7 +389,7 @@ def _launch(
             torch.empty(stats, dtype=torch.float32, device=query.device),
         )
     )
-    counts = out if direct else arrival_counts(query.device, rows * kv_heads)
+    counts = out if direct else launch.arrival_counts(query.device, rows * kv_heads)
     table, lengths = (out, out) if blocks is None else blocks  # unread when not paged
     mask_bool = mask.dtype == torch.bool
     pdl = launch.dependent(query.device)
