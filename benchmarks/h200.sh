@@ -135,6 +135,26 @@ fi
 for wheel in .whl/torch_memory_saver-*.whl; do
     [[ -f $wheel ]] && "$ENV/bin/python" -m pip install -q --no-deps "$wheel"
 done
+# FlashInfer's sampling kernels for sampler_h200.py, where slim wheels were carried in
+# .whl/flashinfer/ (its prebuilt sm_90a sampling module, no JIT; how they are built:
+# .whl/flashinfer/BUILD.md): FlashInfer, tvm-ffi and pynvml always, its pure-Python
+# dependencies only where the machine lacks them
+fi_wheels=()
+for wheel in .whl/flashinfer/*.whl; do
+    [[ -f $wheel ]] || continue
+    name=$(basename "$wheel")
+    name=${name%%-*}
+    case $name in
+    flashinfer_python | apache_tvm_ffi | nvidia_ml_py) ;;
+    *) "$ENV/bin/python" -c 'import importlib.metadata as m, sys; m.version(sys.argv[1])' "$name" \
+        2>/dev/null && continue ;;
+    esac
+    fi_wheels+=("$wheel")
+done
+if [[ ${#fi_wheels[@]} -gt 0 ]]; then
+    "$ENV/bin/python" -m pip install -q --no-deps "${fi_wheels[@]}"
+    export FLASHINFER_DISABLE_JIT=1 # a missing prebuilt module fails at once, not in nvcc
+fi
 py=$ENV/bin/python
 # the tree's commit: GRAPHCAP_COMMIT, else git's HEAD, marked "-modified" where tracked files
 # differ from it (a copy of a working tree can carry an older HEAD than its files)
