@@ -307,7 +307,8 @@ part_sleep_checks() {
 part_verify() {
     run verify-exact 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_device_trainer_exact.py
     run verify-kernels 150 "$py" -m pytest -q -p no:cacheprovider \
-        backends/cuda/tests/test_sampler_kernel.py backends/cuda/tests/test_exact_kernels.py
+        backends/cuda/tests/test_sampler_kernel.py backends/cuda/tests/test_exact_kernels.py \
+        backends/cuda/tests/test_exact_pointwise.py
     run verify-sharded 100 "$py" benchmarks/sharded_check.py "$OUT/sharded-check.json"
     run verify-regions 80 "$py" -m graphcap.testing -q -k memory_region \
         --graphcap-json "$OUT/verify-regions.json"

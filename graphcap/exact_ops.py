@@ -53,6 +53,9 @@ class ExactOps:
       eps)).to(x.dtype)``), one row at a time.
     - ``log_softmax(x)``: over the last dimension of float32 ``x``, one row at a time (the
       rollout's recorded log-probs and :func:`graphcap.rollout.token_logprobs`).
+    - ``rotary(q, k, cos, sin)``: the models' ``apply_rotary_pos_emb`` (``unsqueeze_dim=1``),
+      and ``silu_mul(gate, up)``: their MLP's ``act_fn(gate) * up``, each fewer launches
+      than the model's own operations (elementwise, so row-invariant either way).
     """
 
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -60,6 +63,8 @@ class ExactOps:
     silu: Callable[[torch.Tensor], torch.Tensor] | None = None
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     log_softmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @contextlib.contextmanager

@@ -16,8 +16,10 @@ the block,
 - attention to :data:`EXACT_ATTENTION`, which calls ``ops.attention``: each query's sums over
   its keys run in position order, masked keys adding exact zeros, so left padding, a cache's
   unused columns and the batch add nothing;
-- the MLP's SiLU and the RMSNorms to ``ops.silu`` / ``ops.rms_norm`` where the backend offers
-  them (``None``: the model's own, measured row-invariant there);
+- the MLP's SiLU and the RMSNorms to ``ops.silu`` / ``ops.rms_norm``, the MLP's
+  ``act_fn(gate) * up`` to ``ops.silu_mul`` and the modeling code's ``apply_rotary_pos_emb``
+  to ``ops.rotary``, where the backend offers them (``None``: the model's own, measured
+  row-invariant there);
 - position ids counted over the real tokens, as ``generate`` counts them, where the trainer
   passes none;
 - a layer's gradient-checkpointing function (transformers' ``_gradient_checkpointing_func``),
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -188,6 +191,8 @@ def _swaps(
         act = getattr(module, "act_fn", None)
         if ops.silu is not None and isinstance(act, torch.nn.Module):
             swaps.append((act, "forward", ops.silu))
+        if ops.silu_mul is not None and _is_gated_mlp(module):
+            swaps.append((module, "forward", functools.partial(_mlp_forward, ops, module)))
         checkpoint = vars(module).get("_gradient_checkpointing_func")
         if checkpoint is not None:
             swaps.append(
@@ -197,7 +202,44 @@ def _swaps(
                     _recomputed_exactly(model, backend, checkpoint),
                 )
             )
+    if ops.rotary is not None:
+        for code in _modeling_modules(model):
+            own = code.apply_rotary_pos_emb
+            swaps.append((code, "apply_rotary_pos_emb", functools.partial(_rotary, ops, own)))
     return swaps
+
+
+def _modeling_modules(model: torch.nn.Module) -> list[Any]:
+    """The modeling code (Python modules) of ``model``'s layers that define the covered
+    families' ``apply_rotary_pos_emb``, which their attention calls by its global name."""
+    names = {type(m).__module__ for m in model.modules()}
+    codes = [sys.modules.get(name) for name in sorted(names)]
+    return [code for code in codes if callable(getattr(code, "apply_rotary_pos_emb", None))]
+
+
+def _rotary(
+    ops: ExactOps, own: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, cos: Any, sin: Any,
+    *args: Any, **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``apply_rotary_pos_emb`` through ``ops.rotary`` where called as the attention calls it
+    (``unsqueeze_dim`` 1), else the model's own."""
+    if args or kwargs.keys() - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1:
+        return own(q, k, cos, sin, *args, **kwargs)
+    assert ops.rotary is not None
+    return ops.rotary(q, k, cos, sin)
+
+
+def _is_gated_mlp(module: torch.nn.Module) -> bool:
+    """The covered families' MLP: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+    return type(module).__name__.endswith("MLP") and all(
+        isinstance(getattr(module, name, None), torch.nn.Module)
+        for name in ("gate_proj", "up_proj", "down_proj", "act_fn")
+    )
+
+
+def _mlp_forward(ops: ExactOps, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    assert ops.silu_mul is not None
+    return module.down_proj(ops.silu_mul(module.gate_proj(x), module.up_proj(x)))
 
 
 def _recomputed_exactly(

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from graphcap.exact_ops import ExactOps, attended_keys, per_forward
-from graphcap_cuda.kernels import launch
+from graphcap_cuda.kernels import exact_pointwise, launch
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of every product: one configuration,
 #: never chosen from the number of rows.
@@ -668,6 +668,14 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return _LogSoftmax.apply(x)
 
 
-#: What :meth:`graphcap_cuda.backend.CUDABackend.exact_ops` offers. SiLU stays torch's: a CUDA
-#: elementwise kernel applies one functor to every element, vectorised or not.
-OPS = ExactOps(linear=linear, attention=attention, rms_norm=rms_norm, log_softmax=log_softmax)
+#: What :meth:`graphcap_cuda.backend.CUDABackend.exact_ops` offers. SiLU alone stays torch's (a
+#: CUDA elementwise kernel applies one functor to every element, vectorised or not); the MLP's
+#: SiLU and product, and the rotary embedding, are one kernel each (:mod:`.exact_pointwise`).
+OPS = ExactOps(
+    linear=linear,
+    attention=attention,
+    rms_norm=rms_norm,
+    log_softmax=log_softmax,
+    rotary=exact_pointwise.rotary,
+    silu_mul=exact_pointwise.silu_mul,
+)
