@@ -29,6 +29,9 @@
 #                    against the operation it replaces at llama-1b's and llama-8b's decode and
 #                    trainer shapes, and kernel tables of a trainer-exact decode step and trainer
 #                    forward + backward, llama-1b (about 150 s; not in the default list)
+#   exact-cost       trainer-exact's cost (trainer_exact_h200.py's rollout and trainer parts,
+#                    llama-1b), then exact_kernels_h200.py's profile, tiles and products parts
+#                    for llama-1b (not in the default list; one command's time)
 #   verify           what changed since the last device run, correctness first: trainer-exact's
 #                    device test, the sampler's and exact kernels' tests on the GPU, the sharded
 #                    check, the conformance suite's memory-region checks (not in the default
@@ -287,6 +290,15 @@ part_trainer_exact() {
 part_exact_profile() {
     run exact-profile 200 "$py" benchmarks/exact_kernels_h200.py "$OUT/exact-profile.json"
 }
+# exact-cost: the trainer-exact rollout's and trainer step's cost against the default's
+# (trainer_exact_h200.py without its mismatch table), llama-1b, then the profile's kernel tables
+# and the product's tiles (exact_kernels_h200.py), in one command's time
+part_exact_cost() {
+    run exact-cost-llama-1b 200 "$py" benchmarks/trainer_exact_h200.py \
+        "$OUT/trainer-exact-cost-llama-1b.json" --parts rollout,trainer
+    run exact-profile 300 "$py" benchmarks/exact_kernels_h200.py "$OUT/exact-profile.json" \
+        --models llama-1b --parts profile,tiles,products
+}
 # sharded: ZeRO-3's gather and FSDP2 through the drop-in at one rank (benchmarks/sharded_check.py)
 part_sharded() {
     run sharded-check 150 "$py" benchmarks/sharded_check.py "$OUT/sharded-check.json"
@@ -519,7 +531,7 @@ for part in "${PARTS[@]}"; do
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
-        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile | verify)
+        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile | exact-cost | verify)
         parts=("${part//-/_}")
         ;;
     *)
