@@ -261,7 +261,7 @@ def launch_tile(tile: tuple[int, ...], x: torch.Tensor, weight: torch.Tensor) ->
     out = torch.empty((count, cols), dtype=x.dtype, device=x.device)
     parts, span = exact.splits(cols, depth)  # each program sums the weight's splits in turn
     exact._linear[(triton.cdiv(count, block_m) * triton.cdiv(cols, block_n), 1)](
-        x, weight, out, out, out, count, cols, depth, span, x.stride(0), weight.stride(0),
+        x, weight, out, out, out, count, cols, depth, span, 0, x.stride(0), weight.stride(0),
         out.stride(0), SPLITS=parts, SPREAD=False,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         PRECISION=exact._precision(x.dtype), num_warps=warps, num_stages=stages,

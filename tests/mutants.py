@@ -210,10 +210,18 @@ PLANTS = (
     Plant(
         "the CUDA exact product takes a tile from the number of rows (one row sums K in 32s)",
         "backends/cuda/graphcap_cuda/kernels/exact.py",
-        "block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS",
-        "block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS if count > 1 else (64,) * 2"
-        " + (32, 4, 3)",
+        "block_m, block_n, block_k, warps, stages = LARGE_LINEAR_BLOCKS if large else"
+        " LINEAR_BLOCKS",
+        "block_m, block_n, block_k, warps, stages = (LARGE_LINEAR_BLOCKS if large else"
+        " LINEAR_BLOCKS) if count > 1 else (64,) * 2 + (32, 4, 3)",
         (EXACT_KERNEL_ROWS,),
+    ),
+    Plant(
+        "the CUDA exact product summing its splits in turn ends each split a block early",
+        "backends/cuda/graphcap_cuda/kernels/exact.py",
+        "if (block % per_split == per_split - 1) | (block == last):",
+        "if (block % per_split == per_split - 2) | (block == last):",
+        (EXACT_KERNEL_SPLITS,),
     ),
     Plant(
         "the CUDA exact product's last split to arrive adds the splits in reverse",

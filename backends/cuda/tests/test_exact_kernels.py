@@ -85,6 +85,21 @@ def test_a_product_sums_its_splits_in_one_order_whoever_computes_them(dtype, dep
     assert not torch.equal(in_turn, linear(x[:, :-1], weight[:, :-1])), "the test reads all K"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_trainers_batch_takes_the_large_tile_and_the_same_bits(dtype, monkeypatch):
+    """Rows past LARGE_TILE_ROWS take the large tile, whose sums are the small tile's: the same
+    bits for a weight summed in splits (depth 600) and one that is not, the rows and columns
+    not multiples of either tile."""
+    torch.manual_seed(5)
+    monkeypatch.setattr(exact, "SPREAD_BELOW_TILES", 0)
+    for depth in (600, 96):
+        x, weight = randn(300, depth, dtype=dtype), randn(200, depth, dtype=dtype)
+        monkeypatch.setattr(exact, "LARGE_TILE_ROWS", 10**9)
+        small = linear(x, weight)
+        monkeypatch.setattr(exact, "LARGE_TILE_ROWS", 1)
+        assert torch.equal(linear(x, weight), small)
+
+
 def causal(batch: int, columns: int, starts: list[int], counts: list[int], window=None):
     """(B, 1, Q=columns, S=columns) bool: row ``b``'s real tokens at ``[starts[b],
     starts[b] + counts[b])``, causal, within ``window`` positions where given."""
@@ -276,6 +291,7 @@ def test_the_engines_logprobs_equal_the_trainers_on_these_kernels(family):
             assert torch.equal(got, want), f"{side}-padded row {i}"
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="a CPU model on the interpreted kernels")
 def test_a_forwards_layers_share_one_analysis_of_their_mask(monkeypatch):
     """The mask's origins and reaches are derived once a forward (a captured decode step runs
     that once, not once a layer), again for the next forward, and the logits are the same

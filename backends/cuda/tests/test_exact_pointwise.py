@@ -65,7 +65,9 @@ def test_silu_mul_is_torchs_bits_on_the_gpu(dtype):
     dtype's rounding under the interpreter; an element's result does not depend on where it
     sits (a slice gives the same bits)."""
     torch.manual_seed(1)
-    gate = torch.cat([randn(3000, scale=6.0), torch.tensor([0.0, -100.0, 100.0, -0.0])])
+    gate = torch.cat(
+        [randn(3000, scale=6.0), torch.tensor([0.0, -100.0, 100.0, -0.0], device=DEVICE)]
+    )
     gate, up = gate.to(dtype), randn(3004, dtype=dtype)
     got = silu_mul(gate.reshape(4, 751), up.reshape(4, 751)).reshape(-1)
     want = F.silu(gate) * up
@@ -133,6 +135,9 @@ class PointwiseBackend(CPUBackend):
         )
 
 
+@pytest.mark.skipif(
+    not INTERPRETED, reason="a CPU model; the GPU's is tests/test_device_trainer_exact.py"
+)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_trainer_exact_routes_every_layers_rotary_and_mlp_through_them_inside_the_block(family):
     """Inside ``trainer_exact`` each layer's rotary embedding and MLP activation run the

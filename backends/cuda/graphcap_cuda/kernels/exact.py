@@ -6,12 +6,14 @@ sequence rows; cuBLAS and torch's reductions pick their kernel (split-K, split r
 shapes) from those sizes, so a row's result changes in the last bits with its company. Each
 kernel here has one launch configuration, whatever the number of rows:
 
-- :func:`linear`: one tile shape (:data:`LINEAR_BLOCKS`), no autotuning; every output tile
-  sums over K in ``BLOCK_K`` steps in order, accumulating in float32, and stores the input
-  dtype. A narrow, deep weight sums K in splits fixed by its shape (:func:`splits`), each from
-  zero, added in split order: by a program per split at few rows (a decode step, whose
-  narrow products would otherwise keep few multiprocessors busy), by one program in turn at
-  many. A row's output is the same bits at M=1 and M=16384.
+- :func:`linear`: no autotuning; every output tile sums over K in ``BLOCK_K`` steps in order,
+  accumulating in float32, and stores the input dtype. A narrow, deep weight sums K in
+  splits fixed by its shape (:func:`splits`), each from zero, added in split order: by a
+  program per split at few rows (a decode step, whose narrow products would otherwise keep
+  few multiprocessors busy), by one program in turn at many. The tile is
+  :data:`LINEAR_BLOCKS`, or :data:`LARGE_LINEAR_BLOCKS` for a trainer's batch: the same
+  ``BLOCK_K``, and the same bits (measured; the device tests check). A row's output is the
+  same bits at M=1 and M=16384.
 - :func:`attention`: each query's keys in blocks of :data:`ATTENTION_BLOCK_N` whose boundaries
   are fixed by key *position* (the column of the row's position 0 is the block origin), so a
   left-padded trainer batch, a right-padded one, the rollout's left-padded cache and caches of
@@ -58,9 +60,15 @@ import triton.language as tl
 from graphcap.exact_ops import ExactOps, attended_keys, per_forward
 from graphcap_cuda.kernels import exact_pointwise, launch
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of every product: one configuration,
-#: never chosen from the number of rows.
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of a product's launch at few rows.
 LINEAR_BLOCKS = (64, 64, 64, 4, 3)
+#: The tile of a launch of at least :data:`LARGE_TILE_ROWS` rows (a trainer's batch, a long
+#: prefill) that is not spread over splits: ``BLOCK_K`` as :data:`LINEAR_BLOCKS`'. Every tile
+#: shape tried gave the same bits on an H100 (the MMA sums each 16 of K in order, whatever the
+#: tile), and 128 x 128 took 0.55-0.69x the small tile's time at 16,384 rows
+#: (``benchmarks/exact_kernels_h200.py``'s ``tiles``; the device tests check the bits).
+LARGE_LINEAR_BLOCKS = (128, 128, 64, 8, 3)
+LARGE_TILE_ROWS = 1024
 #: Programs a product's launch should have at one row tile: a weight with fewer column tiles
 #: sums over K in splits (:func:`splits`), fixed by its shape, enough to come near this.
 LINEAR_PROGRAMS = 256
@@ -119,6 +127,7 @@ def _linear(
     cols,
     depth,
     span,
+    plane,
     stride_x,
     stride_w,
     stride_out,
@@ -155,7 +164,6 @@ def _linear(
             stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
         )  # fmt: skip
         cell = rm[:, None] * cols + rn[None, :]
-        plane = rows.to(tl.int64) * cols
         tl.store(part_ptr + split * plane + cell, acc, mask=inside)
         tl.debug_barrier()
         tile = tile_m * col_tiles + tile_n
@@ -166,12 +174,28 @@ def _linear(
                      total.to(out_ptr.dtype.element_ty), mask=inside)  # fmt: skip
             tl.store(count_ptr + tile, 0)
     else:
-        for s in range(SPLITS):
-            start = s * span
-            total += _split_sum(
-                x_ptr, w_ptr, rm, rn, rows, cols, start, tl.minimum(start + span, depth),
-                stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
-            )  # fmt: skip
+        # one loop over all of K, each split's sum added to the total at the split's end (a
+        # loop per split would fill and drain the loads' pipeline once a split)
+        per_split = span // BLOCK_K
+        last = tl.cdiv(depth, BLOCK_K) - 1
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for block in range(0, last + 1):
+            k = block * BLOCK_K + rk
+            a = tl.load(
+                x_ptr + rm[:, None] * stride_x + k[None, :],
+                mask=(rm[:, None] < rows) & (k[None, :] < depth),
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + rn[None, :] * stride_w + k[:, None],
+                mask=(rn[None, :] < cols) & (k[:, None] < depth),
+                other=0.0,
+            )
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if (block % per_split == per_split - 1) | (block == last):
+                total += acc
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :],
                  total.to(out_ptr.dtype.element_ty), mask=inside)  # fmt: skip
 
@@ -198,12 +222,15 @@ def _launch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     count, depth = rows.shape
     cols = weight.shape[0]
     out = torch.empty((count, cols), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps, stages = LINEAR_BLOCKS
     parts, span = splits(cols, depth)
-    tiles = triton.cdiv(count, block_m) * triton.cdiv(cols, block_n)
-    # who computes a split changes no bit (splits()), so the launch may follow the rows: few
-    # tiles (a decode step) get a program per split, many (a trainer's batch) one per tile
+    tiles = triton.cdiv(count, LINEAR_BLOCKS[0]) * triton.cdiv(cols, LINEAR_BLOCKS[1])
+    # who computes a split changes no bit (splits()), nor does the tile's shape with BLOCK_K
+    # kept (measured), so the launch may follow the rows: few tiles (a decode step) get a
+    # program per split, many rows (a trainer's batch) the large tile, a program per tile
     spread = parts > 1 and tiles < SPREAD_BELOW_TILES
+    large = not spread and count >= LARGE_TILE_ROWS
+    block_m, block_n, block_k, warps, stages = LARGE_LINEAR_BLOCKS if large else LINEAR_BLOCKS
+    tiles = triton.cdiv(count, block_m) * triton.cdiv(cols, block_n)
     if spread:
         part = torch.empty((parts, count, cols), dtype=torch.float32, device=x.device)
         counts = launch.arrival_counts(x.device, tiles)
@@ -220,6 +247,7 @@ def _launch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             cols,
             depth,
             span,
+            count * cols,  # a split's plane of the partial sums
             rows.stride(0),
             weight.stride(0),
             out.stride(0),
