@@ -217,6 +217,13 @@ PLANTS = (
         (EXACT_KERNEL_ROWS,),
     ),
     Plant(
+        "the step builds no drawn-from distribution for sampling-mode log-probs",
+        "graphcap/rollout/sampling.py",
+        'or any(p.return_logprobs and p.logprobs_mode == "sampling" for p in rows),',
+        'or any(p.return_logprobs and p.logprobs_mode == "drawn" for p in rows),',
+        ("tests/test_rollout_sampling.py::test_logprob_modes_match_teacher_forced_recomputation",),
+    ),
+    Plant(
         "the CUDA exact product summing its splits in turn ends each split a block early",
         "backends/cuda/graphcap_cuda/kernels/exact.py",
         "if (block % per_split == per_split - 1) | (block == last):",

@@ -55,7 +55,9 @@ class SamplerShape:
     and leaves it off, unless it records scores, which the core's math gives). ``shared``:
     some sampled row drew from the shared generator (``multinomial`` over all rows,
     generate's own numbers); ``keyed``: some sampled row drew from its own hash stream.
-    ``logprobs``: the step computes log-probs. ``penalty`` / ``min_new``: the step applies
+    ``logprobs``: the step computes log-probs; ``drawn_logprobs``: of the distribution a
+    row's token was drawn from (``logprobs_mode="sampling"``, the default; likewise), which
+    alone needs the warped scores beside a shared draw. ``penalty`` / ``min_new``: the step applies
     the repetition penalty / blocks stop ids before ``min_new_tokens`` (some row had one;
     likewise); ``output_penalty``: vLLM's presence and frequency penalties (likewise);
     ``top_logprobs``: how many alternatives per token the step records (the most any call
@@ -72,6 +74,7 @@ class SamplerShape:
     shared: bool = False
     keyed: bool = False
     logprobs: bool = False
+    drawn_logprobs: bool = False
     penalty: bool = False
     min_new: bool = False
     record_scores: bool = False
@@ -99,6 +102,8 @@ class SamplerShape:
             shared=self.shared or any(p.seed is None for p in sampled),
             keyed=self.keyed or any(p.seed is not None for p in sampled),
             logprobs=self.logprobs or any(p.return_logprobs for p in rows),
+            drawn_logprobs=self.drawn_logprobs
+            or any(p.return_logprobs and p.logprobs_mode == "sampling" for p in rows),
             penalty=self.penalty or any(p.repetition_penalty != 1.0 for p in rows),
             min_new=self.min_new or any(p.min_new_tokens > 0 for p in rows),
             record_scores=record_scores,
@@ -532,7 +537,7 @@ def select(
         )
         nan_rows = torch.isnan(cut)
         warped = None
-        if shape.shared or shape.logprobs:
+        if shape.shared or shape.drawn_logprobs:
             scaled = scores / rows.temperature[:, None]
             kept = scaled.masked_fill(scaled < cut[:, None], -float("inf"))
             warped = sanitise(kept, finished, scores)
@@ -548,20 +553,24 @@ def select(
     if shape.shared:
         drawn = torch.multinomial(warped.softmax(dim=-1), 1, generator=generator).squeeze(1)
         chosen = torch.where(rows.sample & ~rows.seeded, drawn, chosen)
-    drawn_from = torch.where(rows.sample[:, None], warped, scores) if shape.logprobs else None
+    drawn_from = torch.where(rows.sample[:, None], warped, scores) if shape.drawn_logprobs else None
     return Selection(chosen, drawn_from, nan_rows)
 
 
 def logprob_distribution(
-    drawn_from: torch.Tensor, logits: torch.Tensor, rows: RowSettings
+    drawn_from: torch.Tensor | None, logits: torch.Tensor, rows: RowSettings
 ) -> torch.Tensor:
     """(B, V) log-probs under the row's ``logprobs_mode``: the distribution the token was
-    drawn from, ``log_softmax(logits / T)``, or ``log_softmax(logits)``. "raw" divides by 1
-    (exact), so one division and one selection serve the three modes. Trainer-exact calls
-    take the backend's ``log_softmax`` (:func:`graphcap.rollout.exact.row_log_softmax`)."""
+    drawn from (``drawn_from``; ``None`` where no row of the step asks for it), ``log_softmax(
+    logits / T)``, or ``log_softmax(logits)``. "raw" divides by 1 (exact), so one division
+    (of the logits as float32, in the same pass) and one selection serve the three modes.
+    Trainer-exact calls take the backend's ``log_softmax``
+    (:func:`graphcap.rollout.exact.row_log_softmax`)."""
     mode = rows.logprobs_mode[:, None]
     divisor = torch.where(mode == 1, rows.logprob_temperature[:, None], 1.0)
-    source = torch.where(mode == 0, drawn_from, logits.float() / divisor)
+    source = logits / divisor  # float32: the divisor's dtype
+    if drawn_from is not None:
+        source = torch.where(mode == 0, drawn_from, source)
     return row_log_softmax(source)
 
 

@@ -364,12 +364,12 @@ class DecodeStep:
             s.nan_draws.add_((nan_rows & s.rows.sample & ~s.finished).sum())
         else:
             chosen = argmax_rows(scores)
-            drawn_from = scores if self.sampler.logprobs else None
+            drawn_from = scores if self.sampler.drawn_logprobs else None
         token = torch.where(s.finished, s.pad, chosen)
         column = self.cache.write_pos[:, None]
         s.sequences.scatter_(1, column, token[:, None])
         s.response.scatter_(1, column, ~s.finished[:, None])
-        if drawn_from is not None:  # the step computes log-probs (sampler.logprobs)
+        if self.sampler.logprobs:
             dist = logprob_distribution(drawn_from, logits, s.rows)
             logp = dist.gather(1, chosen[:, None])
             s.logprobs.scatter_(1, column, logp.masked_fill(s.finished[:, None], 0.0))
