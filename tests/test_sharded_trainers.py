@@ -188,14 +188,17 @@ def fsdp2(rank: int, backend: Backend | None = None) -> dict:
     served = _drop_ins(model, twin, backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     gathers = {"count": 0}
-    all_gather_single = dist.all_gather_single
+    # the collective FSDP2's all-gathers call: all_gather_single in torch 2.13,
+    # all_gather_into_tensor before (torch 2.11 on the GPU machine)
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    all_gather = getattr(dist, name)
 
     def counted(*args, **kwargs):
         gathers["count"] += 1
-        return all_gather_single(*args, **kwargs)
+        return all_gather(*args, **kwargs)
 
     rounds, gathered, sharded_after = [], [], []
-    dist.all_gather_single = counted
+    setattr(dist, name, counted)
     try:
         for _ in range(ROUNDS):
             gathers["count"] = 0
@@ -217,7 +220,7 @@ def fsdp2(rank: int, backend: Backend | None = None) -> dict:
         _round(model, ids, mask)
         plain = gathers["count"]
     finally:
-        dist.all_gather_single = all_gather_single
+        setattr(dist, name, all_gather)
     # FSDP reallocates its unsharded storage in place: served from a copy whatever the mode
     config = RolloutConfig(enable_graph_capture=True, backend=backend, weights="model")
     asked_model = RolloutEngine(model, config).generate(ids, mask, SamplingParams(max_new_tokens=3))
