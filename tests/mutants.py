@@ -282,8 +282,8 @@ PLANTS = (
     Plant(
         "the CUDA exact log_softmax reads a lone row in other chunks",
         "backends/cuda/graphcap_cuda/kernels/exact.py",
-        "BLOCK=SOFTMAX_BLOCK,",
-        "BLOCK=SOFTMAX_BLOCK if rows.shape[0] > 1 else 1024,",
+        "block = SOFTMAX_BLOCK  # by column only",
+        "block = SOFTMAX_BLOCK if count > 1 else 1024  # by column only",
         (EXACT_KERNEL_REDUCTIONS,),
     ),
     Plant(

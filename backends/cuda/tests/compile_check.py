@@ -17,7 +17,7 @@ import sys
 
 import torch
 import triton
-from graphcap_cuda.kernels import exact, gemv, launch, sampler, split_kv
+from graphcap_cuda.kernels import exact, exact_pointwise, gemv, launch, sampler, split_kv
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
@@ -169,6 +169,11 @@ def _exact_cases() -> None:
             mask = torch.ones(batch, 1, queries, keys, dtype=torch.bool).tril(keys - queries)
             positions = torch.arange(queries)[None].expand(batch, -1)
             exact.attention(None, q, k, v, mask, position_ids=positions)
+        for heads, kv_heads, head_dim in ((32, 8, 64), (32, 8, 128), (4, 2, 16)):
+            q = _random(dtype, 2, 5, heads, head_dim).transpose(1, 2)
+            k = _random(dtype, 2, 5, kv_heads, head_dim).transpose(1, 2)
+            exact_pointwise.rotary(q, k, *(_random(dtype, 1, 5, head_dim) for _ in range(2)))
+        exact_pointwise.silu_mul(_random(dtype, 3, 8192), _random(dtype, 3, 8192))
     exact.log_softmax(torch.randn(3, 128256))
 
 
@@ -180,8 +185,10 @@ def main() -> None:
     split_kv._split_kv_partial = Recorder(split_kv._split_kv_partial, launches)
     for name in SAMPLER_KERNELS:
         setattr(sampler, name, Recorder(getattr(sampler, name), launches))
-    for name in ("_linear", "_ordered_attention", "_rms_norm", "_log_softmax"):
+    for name in ("_linear", "_ordered_attention", "_rms_norm", "_softmax_chunks", "_softmax_write"):
         setattr(exact, name, Recorder(getattr(exact, name), launches))
+    for name in ("_rotary", "_silu_mul"):
+        setattr(exact_pointwise, name, Recorder(getattr(exact_pointwise, name), launches))
     _gemv_cases()
     _split_kv_cases()
     _sampler_cases()

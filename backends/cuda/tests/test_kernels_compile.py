@@ -28,7 +28,8 @@ def test_every_launch_compiles_for_hopper_and_fits_its_shared_memory():
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in run.stdout.splitlines()]
     dependent = {"_gemv", "_split_kv_partial", *SAMPLER_KERNELS}
-    exact = {"_linear", "_ordered_attention", "_rms_norm", "_log_softmax"}  # launched plainly
+    exact = {"_linear", "_ordered_attention", "_rms_norm", "_softmax_chunks", "_softmax_write"}
+    exact |= {"_rotary", "_silu_mul"}  # launched plainly
     assert {r["kernel"] for r in records} == dependent | exact
     assert len(records) >= 40  # every form of both kernels, not one
     normed = [r["constexprs"] for r in records if r["constexprs"].get("NORM")]
@@ -36,6 +37,8 @@ def test_every_launch_compiles_for_hopper_and_fits_its_shared_memory():
     assert all(r["constexprs"]["PDL"] for r in records if r["kernel"] in dependent)  # its code too
     paged = {r["constexprs"]["PAGED"] for r in records if r["kernel"] == "_split_kv_partial"}
     assert paged == {True, False}  # contiguous K/V and pools read through a block table
+    tiles = {r["constexprs"]["BLOCK_M"] for r in records if r["kernel"] == "_linear"}
+    assert tiles == {64, 128}  # a decode step's tile and a trainer's
     failed = [r for r in records if "error" in r]
     assert not failed, json.dumps(failed[:2], indent=1)
     assert max(r["shared"] for r in records) <= SHARED_LIMIT
