@@ -36,6 +36,8 @@
 #                    device test, the sampler's and exact kernels' tests on the GPU, the sharded
 #                    check, the conformance suite's memory-region checks (not in the default
 #                    list; about 8 minutes)
+#   recheck          the kernel tests natively on the GPU, trainer-exact's device test and its
+#                    llama-1b cost, in about three minutes (not in the default list)
 #   sleep-checks     the device tests of sleeps that keep the graphs and the conformance
 #                    suite's memory-region checks (not in the default list)
 #   steps-llama-8b   graphcap bench, llama-8b at batch 1, 64 and 256 (bf16, 128 prompt + 512
@@ -325,6 +327,16 @@ part_verify() {
     run verify-regions 80 "$py" -m graphcap.testing -q -k memory_region \
         --graphcap-json "$OUT/verify-regions.json"
 }
+# recheck: the shortest correctness-and-cost pass after kernel changes, for a short device
+# budget: the kernel tests natively on the GPU, trainer-exact's device test, its llama-1b cost
+part_recheck() {
+    run verify-kernels 100 "$py" -m pytest -q -p no:cacheprovider \
+        backends/cuda/tests/test_sampler_kernel.py backends/cuda/tests/test_exact_kernels.py \
+        backends/cuda/tests/test_exact_pointwise.py
+    run verify-exact 100 "$py" -m pytest -q -x -p no:cacheprovider tests/test_device_trainer_exact.py
+    run exact-cost-llama-1b 80 "$py" benchmarks/trainer_exact_h200.py \
+        "$OUT/trainer-exact-cost-llama-1b.json" --parts rollout,trainer --repeats 2
+}
 part_steps_llama_8b() { steps llama-8b 100; }
 part_steps_llama_1b() { steps llama-1b 60; }
 
@@ -531,7 +543,7 @@ for part in "${PARTS[@]}"; do
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
-        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile | exact-cost | verify)
+        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile | exact-cost | verify | recheck)
         parts=("${part//-/_}")
         ;;
     *)
