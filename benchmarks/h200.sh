@@ -330,10 +330,10 @@ part_verify() {
 # recheck: the shortest correctness-and-cost pass after kernel changes, for a short device
 # budget: the kernel tests natively on the GPU, trainer-exact's device test, its llama-1b cost
 part_recheck() {
+    run verify-exact 100 "$py" -m pytest -q -x -p no:cacheprovider tests/test_device_trainer_exact.py
     run verify-kernels 100 "$py" -m pytest -q -p no:cacheprovider \
         backends/cuda/tests/test_sampler_kernel.py backends/cuda/tests/test_exact_kernels.py \
         backends/cuda/tests/test_exact_pointwise.py
-    run verify-exact 100 "$py" -m pytest -q -x -p no:cacheprovider tests/test_device_trainer_exact.py
     run exact-cost-llama-1b 80 "$py" benchmarks/trainer_exact_h200.py \
         "$OUT/trainer-exact-cost-llama-1b.json" --parts rollout,trainer --repeats 2
 }
