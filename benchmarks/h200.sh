@@ -36,6 +36,8 @@
 #                    device test, the sampler's and exact kernels' tests on the GPU, the sharded
 #                    check, the conformance suite's memory-region checks (not in the default
 #                    list; about 8 minutes)
+#   exact-cost-llama-8b  trainer-exact's cost for llama-8b (trainer batch 8 x 512; not in the
+#                    default list)
 #   recheck          the kernel tests natively on the GPU, trainer-exact's device test and its
 #                    llama-1b cost, in about three minutes (not in the default list)
 #   sleep-checks     the device tests of sleeps that keep the graphs and the conformance
@@ -301,6 +303,12 @@ part_exact_cost() {
     run exact-profile 300 "$py" benchmarks/exact_kernels_h200.py "$OUT/exact-profile.json" \
         --models llama-1b --parts profile,tiles,products
 }
+# exact-cost-llama-8b: the same cost for llama-8b (a trainer batch of 8 x 512 fits beside it)
+part_exact_cost_llama_8b() {
+    run exact-cost-llama-8b 300 "$py" benchmarks/trainer_exact_h200.py \
+        "$OUT/trainer-exact-cost-llama-8b.json" --model llama-8b --train-batch 8 \
+        --parts rollout,trainer
+}
 # sharded: ZeRO-3's gather and FSDP2 through the drop-in at one rank (benchmarks/sharded_check.py)
 part_sharded() {
     run sharded-check 150 "$py" benchmarks/sharded_check.py "$OUT/sharded-check.json"
@@ -543,7 +551,7 @@ for part in "${PARTS[@]}"; do
         first-call-levers | bs1-ratio | \
         joined-steps-llama-8b | joined-steps-llama-1b | kernels | split-kv-launch | \
         default-checks | checks | profile | continuous | logits | trl | gemm-levers | distributed | \
-        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile | exact-cost | verify | recheck)
+        iteration-llama-1b | iteration-llama-8b | iteration-hf | sleep-checks | sharded | sampler | trainer-exact | exact-profile | exact-cost | exact-cost-llama-8b | verify | recheck)
         parts=("${part//-/_}")
         ;;
     *)

@@ -95,27 +95,37 @@ def _precision(dtype: torch.dtype) -> str | None:
 
 
 @triton.jit
+def _k_block(
+    acc, x_ptr, w_ptr, rm, rn, rows, cols, at, stop, stride_x, stride_w,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus the tile's product over K in ``[at, at + BLOCK_K)``, columns from ``stop``
+    on read as zeros."""
+    k = at + tl.arange(0, BLOCK_K)
+    a = tl.load(
+        x_ptr + rm[:, None] * stride_x + k[None, :],
+        mask=(rm[:, None] < rows) & (k[None, :] < stop),
+        other=0.0,
+    )
+    b = tl.load(
+        w_ptr + rn[None, :] * stride_w + k[:, None],
+        mask=(rn[None, :] < cols) & (k[:, None] < stop),
+        other=0.0,
+    )
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _split_sum(
     x_ptr, w_ptr, rm, rn, rows, cols, start, stop, stride_x, stride_w,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One split's float32 sum of a tile over K in ``[start, stop)``, ``BLOCK_K`` at a time in
     order, from zero."""
-    rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for at in range(start, stop, BLOCK_K):
-        k = at + rk
-        a = tl.load(
-            x_ptr + rm[:, None] * stride_x + k[None, :],
-            mask=(rm[:, None] < rows) & (k[None, :] < stop),
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + rn[None, :] * stride_w + k[:, None],
-            mask=(rn[None, :] < cols) & (k[:, None] < stop),
-            other=0.0,
-        )
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _k_block(acc, x_ptr, w_ptr, rm, rn, rows, cols, at, stop, stride_x, stride_w,
+                       BLOCK_K, PRECISION)  # fmt: skip
     return acc
 
 
@@ -181,21 +191,10 @@ def _linear(
         # loop per split would fill and drain the loads' pipeline once a split)
         per_split = span // BLOCK_K
         last = tl.cdiv(depth, BLOCK_K) - 1
-        rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for block in range(0, last + 1):
-            k = block * BLOCK_K + rk
-            a = tl.load(
-                x_ptr + rm[:, None] * stride_x + k[None, :],
-                mask=(rm[:, None] < rows) & (k[None, :] < depth),
-                other=0.0,
-            )
-            b = tl.load(
-                w_ptr + rn[None, :] * stride_w + k[:, None],
-                mask=(rn[None, :] < cols) & (k[:, None] < depth),
-                other=0.0,
-            )
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = _k_block(acc, x_ptr, w_ptr, rm, rn, rows, cols, block * BLOCK_K, depth,
+                           stride_x, stride_w, BLOCK_K, PRECISION)  # fmt: skip
             if (block % per_split == per_split - 1) | (block == last):
                 total += acc
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
