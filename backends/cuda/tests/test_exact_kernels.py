@@ -100,6 +100,13 @@ def test_a_trainers_batch_takes_the_large_tile_and_the_same_bits(dtype, monkeypa
         assert torch.equal(linear(x, weight), small)
 
 
+def test_empty_products_are_what_f_linear_gives():
+    """No rows, or an empty K (zeros), as ``F.linear`` gives them, not an error."""
+    weight = randn(5, 8)
+    assert linear(randn(0, 8), weight).shape == (0, 5)
+    assert torch.equal(linear(randn(3, 0), randn(5, 0)), torch.zeros(3, 5, device=DEVICE))
+
+
 def causal(batch: int, columns: int, starts: list[int], counts: list[int], window=None):
     """(B, 1, Q=columns, S=columns) bool: row ``b``'s real tokens at ``[starts[b],
     starts[b] + counts[b])``, causal, within ``window`` positions where given."""

@@ -69,6 +69,7 @@ LINEAR_BLOCKS = (64, 64, 64, 4, 3)
 #: tile), and 128 x 128 took 0.55-0.69x the small tile's time at 16,384 rows
 #: (``benchmarks/exact_kernels_h200.py``'s ``tiles``; the device tests check the bits).
 LARGE_LINEAR_BLOCKS = (128, 128, 64, 8, 3)
+assert LARGE_LINEAR_BLOCKS[2] == LINEAR_BLOCKS[2], "splits are whole blocks of both tiles' K"
 LARGE_TILE_ROWS = 1024
 #: Programs a product's launch should have at one row tile: a weight with fewer column tiles
 #: sums over K in splits (:func:`splits`), fixed by its shape, enough to come near this.
@@ -212,12 +213,12 @@ def splits(cols: int, depth: int) -> tuple[int, int]:
     blocks = triton.cdiv(depth, block_k)
     wanted = max(1, LINEAR_PROGRAMS // triton.cdiv(cols, block_n))
     count = max(1, min(wanted, blocks // LINEAR_SPLIT_BLOCKS))
-    span = triton.cdiv(blocks, count) * block_k
-    return triton.cdiv(depth, span), span
+    span = max(1, triton.cdiv(blocks, count)) * block_k
+    return max(1, triton.cdiv(depth, span)), span  # K = 0: one split of nothing
 
 
 def _launch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # K may be 0
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
