@@ -322,26 +322,32 @@ part_sleep_checks() {
     run sleep-conformance 120 "$py" -m graphcap.testing -q -k "region or capabilities" \
         --graphcap-json "$OUT/sleep-conformance.json"
 }
-# verify: what changed since the last device run, correctness first, in one command's time:
-# trainer-exact's device test, the sampler's and the exact kernels' tests on the GPU (natively,
-# not under the interpreter), the sharded check and the conformance suite's memory-region
-# checks (two engines, one asleep then shut down)
-part_verify() {
-    run verify-exact 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_device_trainer_exact.py
-    run verify-kernels 150 "$py" -m pytest -q -p no:cacheprovider \
+# exact_device_test SECONDS: trainer-exact's device test (bf16 log-probs equal to the trainer's)
+exact_device_test() {
+    run verify-exact "$1" "$py" -m pytest -q -x -p no:cacheprovider tests/test_device_trainer_exact.py
+}
+# kernel_tests_on_gpu SECONDS: the sampler's and the exact kernels' tests natively on the GPU,
+# not under the interpreter
+kernel_tests_on_gpu() {
+    run verify-kernels "$1" "$py" -m pytest -q -p no:cacheprovider \
         backends/cuda/tests/test_sampler_kernel.py backends/cuda/tests/test_exact_kernels.py \
         backends/cuda/tests/test_exact_pointwise.py
+}
+# verify: what changed since the last device run, correctness first, in one command's time:
+# the two above, the sharded check and the conformance suite's memory-region checks (two
+# engines, one asleep then shut down)
+part_verify() {
+    exact_device_test 150
+    kernel_tests_on_gpu 150
     run verify-sharded 100 "$py" benchmarks/sharded_check.py "$OUT/sharded-check.json"
     run verify-regions 80 "$py" -m graphcap.testing -q -k memory_region \
         --graphcap-json "$OUT/verify-regions.json"
 }
 # recheck: the shortest correctness-and-cost pass after kernel changes, for a short device
-# budget: the kernel tests natively on the GPU, trainer-exact's device test, its llama-1b cost
+# budget: trainer-exact's device test, the kernel tests on the GPU, its llama-1b cost
 part_recheck() {
-    run verify-exact 100 "$py" -m pytest -q -x -p no:cacheprovider tests/test_device_trainer_exact.py
-    run verify-kernels 100 "$py" -m pytest -q -p no:cacheprovider \
-        backends/cuda/tests/test_sampler_kernel.py backends/cuda/tests/test_exact_kernels.py \
-        backends/cuda/tests/test_exact_pointwise.py
+    exact_device_test 100
+    kernel_tests_on_gpu 100
     run exact-cost-llama-1b 80 "$py" benchmarks/trainer_exact_h200.py \
         "$OUT/trainer-exact-cost-llama-1b.json" --parts rollout,trainer --repeats 2
 }
